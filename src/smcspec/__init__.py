@@ -1,0 +1,27 @@
+"""smcspec: LLM inference with SMC speculative decoding.
+
+Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604.15672).
+"""
+
+from smcspec.config import GenerationConfig
+from smcspec.engine import Engine, GenerationResult
+from smcspec.errors import (
+    ConfigError,
+    ContextLengthError,
+    ModelFileError,
+    NumericalError,
+    SmcspecError,
+)
+
+__version__ = "0.1.0"
+__all__ = [
+    "ConfigError",
+    "ContextLengthError",
+    "Engine",
+    "GenerationConfig",
+    "GenerationResult",
+    "ModelFileError",
+    "NumericalError",
+    "SmcspecError",
+    "__version__",
+]

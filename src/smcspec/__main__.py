@@ -1,0 +1,5 @@
+import sys
+
+from smcspec.cli import main
+
+sys.exit(main())

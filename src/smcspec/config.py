@@ -1,0 +1,77 @@
+"""Generation settings shared by the CLI, the Python API and (later) the server."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from smcspec.errors import ConfigError
+from smcspec.sampling.resampling import RESAMPLERS
+
+METHODS = ("smc", "sd", "ar")
+MAX_PARTICLES = 256
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode one request.
+
+    Attributes:
+        method: ``"smc"`` (SMC speculative decoding), ``"sd"`` (exact speculative
+            decoding) or ``"ar"`` (autoregressive sampling from the target).
+        max_new_tokens: generated-token budget (>= 1).
+        temperature: target temperature ``T_t`` (> 0).
+        draft_temperature: draft temperature ``T_d`` (> 0; smc and sd).
+        particles: N, particles per request (smc).
+        draft_tokens: K, draft tokens per round (smc and sd).
+        alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
+        ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
+        resampler: ``systematic`` | ``stratified`` | ``multinomial`` | ``residual``.
+        seed: random seed; ``None`` draws a fresh one.
+        return_particles: also return every particle with its normalised weight (smc).
+        stop_token_ids: extra token ids that end generation (besides the model's EOS).
+    Defaults are the SMC-SD authors' (N=4, K=4, T_d=T_t=0.7, alpha=1, kappa=0.5, systematic).
+    """
+
+    method: str = "smc"
+    max_new_tokens: int = 128
+    temperature: float = 0.7
+    draft_temperature: float = 0.7
+    particles: int = 4
+    draft_tokens: int = 4
+    alpha: float = 1.0
+    ess_threshold: float = 0.5
+    resampler: str = "systematic"
+    seed: int | None = None
+    return_particles: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def validate(self) -> GenerationConfig:
+        """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "draft_temperature"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ConfigError(
+                    f"{name} must be a finite number > 0 for sampling methods, got {v} "
+                    "(greedy decoding is not supported)"
+                )
+        if not isinstance(self.particles, int) or not 1 <= self.particles <= MAX_PARTICLES:
+            raise ConfigError(f"particles N must be in [1, {MAX_PARTICLES}], got {self.particles}")
+        if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"draft_tokens K must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}"
+            )
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")
+        if not (isinstance(self.ess_threshold, int | float) and 0 <= self.ess_threshold <= 1):
+            raise ConfigError(f"ess_threshold kappa must be in [0, 1], got {self.ess_threshold}")
+        if self.resampler not in RESAMPLERS:
+            raise ConfigError(
+                f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"
+            )
+        return self

@@ -1,0 +1,42 @@
+"""Autoregressive sampling from the target: the baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from smcspec.config import GenerationConfig
+from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
+from smcspec.models.transformer import Transformer
+from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
+
+
+def decode_ar(
+    target: Transformer,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+) -> DecodeOutput:
+    """Sample up to ``cfg.max_new_tokens`` tokens from ``softmax(logits / T_t)``, one per forward.
+
+    Args:
+        prompt: token ids. ``vocab``: number of token ids that may be sampled.
+    Returns:
+        :class:`DecodeOutput` with stats ``{"forwards": ...}``.
+    """
+    cache = target.new_cache(1, cfg.max_new_tokens + 1)
+    logits = target.prefill(as_prompt_tensor(prompt, target.device), cache)[:vocab]
+    out: list[int] = []
+    while True:
+        probs = tempered_log_probs(logits, cfg.temperature).exp()
+        tok = int(sample_categorical(probs, generator))
+        out.append(tok)
+        if on_tokens:
+            on_tokens([tok])
+        if tok in stop_ids or len(out) >= cfg.max_new_tokens:
+            break
+        step = torch.tensor([[tok]], device=target.device)
+        logits = target.decode(step, cache, last_only=True)[0, -1, :vocab]
+    return DecodeOutput(tokens=out, stats={"forwards": len(out)})

@@ -1,0 +1,46 @@
+"""Types and helpers shared by the decoders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+TokenCallback = Callable[[list[int]], None]
+"""Called with token ids as soon as they are final (they will be in the output)."""
+
+
+@dataclass
+class ParticleOutput:
+    """One SMC particle at the end of decoding."""
+
+    tokens: list[int]
+    weight: float  # normalised importance weight
+
+
+@dataclass
+class DecodeOutput:
+    """What a decoder returns: the new tokens and its statistics."""
+
+    tokens: list[int]
+    stats: dict[str, float | int] = field(default_factory=dict)
+    particles: list[ParticleOutput] | None = None
+    log_normalizer: float | None = None
+
+
+def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first stop token; returns ``(kept, stopped)``."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def cache_capacity(max_new_tokens: int, draft_tokens: int) -> int:
+    """Generated-token KV capacity for a request (one round may overshoot the budget)."""
+    return max_new_tokens + draft_tokens + 2
+
+
+def as_prompt_tensor(prompt: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(prompt, dtype=torch.long, device=device).view(-1)

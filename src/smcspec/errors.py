@@ -1,0 +1,38 @@
+"""Exceptions raised by smcspec.
+
+Every error a user can cause (bad option, bad model file, prompt too long, numerical failure)
+is a subclass of :class:`SmcspecError`; the CLI prints its message and exits with
+:attr:`SmcspecError.exit_code` instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class SmcspecError(Exception):
+    """Base class of all user-facing smcspec errors."""
+
+    exit_code = 1
+
+
+class ConfigError(SmcspecError, ValueError):
+    """An option is out of range or inconsistent (N < 1, K < 1, temperature <= 0, ...)."""
+
+    exit_code = 2
+
+
+class ModelFileError(SmcspecError):
+    """A model file or package is missing, truncated, altered or of an unsupported kind."""
+
+    exit_code = 3
+
+
+class ContextLengthError(SmcspecError, ValueError):
+    """The prompt plus the requested new tokens do not fit the model's context."""
+
+    exit_code = 2
+
+
+class NumericalError(SmcspecError, ArithmeticError):
+    """A model produced NaN logits, or a distribution could not be normalised."""
+
+    exit_code = 4

@@ -1,0 +1,226 @@
+"""A Llama-family decoder-only transformer written for batched particle decoding.
+
+Shapes: ``R`` rows (particles), ``T`` new tokens per row, ``P`` prompt length, ``S`` filled
+suffix length, ``H``/``Hkv`` query/key-value heads, ``D`` head dim, ``V`` vocabulary.
+
+Two forwards, both over a :class:`~smcspec.models.kv_cache.ParticleKVCache`:
+
+* :meth:`Transformer.prefill`: the prompt ``[1, P]`` -> shared prefix KV.
+* :meth:`Transformer.decode`: ``[R, T]`` new tokens per row at positions ``P + S + t``;
+  every row attends to the shared prompt KV (broadcast, not copied) and to its own suffix.
+
+Numerics follow the Hugging Face ``transformers`` Llama/Qwen2 implementations (RMSNorm in
+float32, rotate-half RoPE, SwiGLU); q/k/v and gate/up projections are fused for speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smcspec.models.config import ModelConfig
+from smcspec.models.kv_cache import ParticleKVCache
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[D/2]`` float32 (Su et al. 2021), with Llama 3.1 scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs:  # "llama3" frequency-dependent scaling, as in Meta's reference code
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.to(torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like ``transformers``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: GQA attention + SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = self.h * self.d, self.hkv * self.d
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(self.d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: ParticleKVCache,
+        start: int | None,
+    ) -> torch.Tensor:
+        r, t, _ = x.shape
+        qkv = self.qkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = _rotate(q.view(r, t, self.h, self.d).transpose(1, 2), cos, sin)  # [R, H, T, D]
+        k = _rotate(k.view(r, t, self.hkv, self.d).transpose(1, 2), cos, sin)  # [R, Hkv, T, D]
+        v = v.view(r, t, self.hkv, self.d).transpose(1, 2)
+        if start is None:
+            attn = self._prefill_attention(q, k, v, cache)
+        else:
+            attn = self._decode_attention(q, k, v, cache, start)
+        x = x + self.o(attn)
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def _prefill_attention(self, q, k, v, cache: ParticleKVCache) -> torch.Tensor:
+        cache.prefix_k[self.layer] = k
+        cache.prefix_v[self.layer] = v
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        r, _, t, _ = q.shape
+        return out.transpose(1, 2).reshape(r, t, self.h * self.d)
+
+    def _decode_attention(self, q, k, v, cache: ParticleKVCache, start: int) -> torch.Tensor:
+        r, _, t, d = q.shape
+        g = self.h // self.hkv
+        end = start + t
+        cache.suffix_k[self.layer, :, :, start:end] = k
+        cache.suffix_v[self.layer, :, :, start:end] = v
+        pk, pv = cache.prefix_k[self.layer], cache.prefix_v[self.layer]  # [1, Hkv, P, D]
+        sk = cache.suffix_k[self.layer, :, :, :end]  # [R, Hkv, S, D]
+        sv = cache.suffix_v[self.layer, :, :, :end]
+        qg = q.reshape(r, self.hkv, g * t, d)  # head h = kv * g + j; rows ordered (j, t)
+        scores = torch.cat((qg @ pk.transpose(-1, -2), qg @ sk.transpose(-1, -2)), dim=-1)
+        scores = scores.float() * self.scale
+        # causal mask over the new block: query t sees suffix positions <= start + t
+        qpos = torch.arange(t, device=q.device).repeat(g) + start  # [g*T]
+        spos = torch.arange(end, device=q.device)
+        mask = spos[None, :] > qpos[:, None]  # [g*T, S]
+        p_len = pk.shape[2]
+        scores[..., p_len:].masked_fill_(mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = probs[..., :p_len] @ pv + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
+        return out.view(r, self.hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(r, t, self.h * d)
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer (Llama family) for particle decoding.
+
+    Args:
+        cfg: architecture.
+    Weights are loaded with :func:`smcspec.models.loading.load_state_dict_into`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_len = 0
+        self._cos = self._sin = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, rows: int, capacity: int) -> ParticleKVCache:
+        """A cache for ``rows`` particles with room for ``capacity`` generated tokens each."""
+        c = self.cfg
+        return ParticleKVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, rows, capacity, self.dtype, self.device
+        )
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            t = torch.arange(n, device=self.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(self.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
+            self._rope_len = n
+        return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache, start, last_only):
+        x = self.embed(tokens)
+        cos, sin = self._rope(positions)  # [T, D], broadcast over rows and heads
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, start)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, cache: ParticleKVCache) -> torch.Tensor:
+        """Run the prompt and store its KV once in ``cache`` as the shared prefix.
+
+        Args:
+            prompt: int64 ``[P]`` token ids, ``P >= 1``.
+        Returns:
+            float32 logits ``[V]`` of the next token after the prompt.
+        """
+        p = prompt.shape[-1]
+        cache.begin_prefill(p)
+        pos = torch.arange(p, device=self.device)
+        return self._run(prompt.view(1, p).to(self.device), pos, cache, None, True)[0, -1]
+
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, cache: ParticleKVCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Append ``tokens`` to every row of ``cache`` and return their next-token logits.
+
+        Args:
+            tokens: int64 ``[R, T]`` with ``R == cache.rows``.
+            last_only: return only the logits after the last token.
+        Returns:
+            float32 logits ``[R, T, V]`` (``[R, 1, V]`` with ``last_only``).
+        Raises:
+            ContextLengthError: the cache has no room for ``T`` more tokens.
+        """
+        r, t = tokens.shape
+        if r != cache.rows:
+            raise ValueError(f"{r} token rows for a cache of {cache.rows} rows")
+        start = cache.begin_step(t)
+        pos = torch.arange(t, device=self.device) + cache.prompt_len + start
+        logits = self._run(tokens.to(self.device), pos, cache, start, last_only)
+        cache.end_step()
+        return logits

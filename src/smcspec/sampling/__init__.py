@@ -1,0 +1,1 @@
+"""Pure tensor-in/tensor-out sampling, weighting and resampling functions."""

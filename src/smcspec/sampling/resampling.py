@@ -1,0 +1,97 @@
+"""Weight normalisation, effective sample size and resampling schemes for SMC.
+
+Every resampler maps log-weights ``[N]`` to ancestor indices ``[N]`` (int64) such that the
+expected number of copies of particle ``i`` is ``N * w_i`` (unbiased). Schemes as in Douc,
+Cappe & Moulines 2005, "Comparison of resampling schemes for particle filtering", and
+Chopin & Papaspiliopoulos 2020, "An Introduction to Sequential Monte Carlo", ch. 9.
+
+Weights are handled in log space and float64; an all ``-inf`` vector is treated as uniform
+(:func:`normalized_weights` reports that through its second return value).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def normalized_weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Normalised float64 weights ``[N]`` from log-weights ``[N]``.
+
+    Returns ``(w, degenerate)``; ``degenerate`` is True when no weight was finite and
+    positive (all ``-inf`` or NaN), in which case ``w`` is uniform.
+    """
+    lw = log_weights.double()
+    lw = torch.where(torch.isnan(lw), torch.full_like(lw, -math.inf), lw)
+    top = lw.max()
+    if not torch.isfinite(top):
+        return torch.full_like(lw, 1.0 / lw.numel()), True
+    w = torch.exp(lw - top)
+    return w / w.sum(), False
+
+
+def effective_sample_size(log_weights: torch.Tensor) -> float:
+    """``ESS = 1 / sum_i w_i^2`` of the normalised weights (Kong, Liu & Wong 1994); in [1, N]."""
+    w, _ = normalized_weights(log_weights)
+    return float(1.0 / (w * w).sum())
+
+
+def log_mean_weight(log_weights: torch.Tensor) -> float:
+    """``logsumexp(logw) - log N``: one factor of the SMC estimate of the log normaliser."""
+    lw = log_weights.double()
+    return float(torch.logsumexp(lw, 0) - math.log(lw.numel()))
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Indices ``i`` with ``cumsum(w)[i-1] <= u < cumsum(w)[i]``, clamped to ``N-1``."""
+    cdf = torch.cumsum(w, 0)
+    idx = torch.searchsorted(cdf, u, right=True)
+    return idx.clamp_(max=w.numel() - 1)
+
+
+def multinomial_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
+    """N i.i.d. draws from the weights (sorted uniforms, inverse CDF)."""
+    w, _ = normalized_weights(log_weights)
+    u = torch.rand(w.numel(), generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, u.sort().values)
+
+
+def stratified_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
+    """One uniform in each stratum ``[i/N, (i+1)/N)``."""
+    w, _ = normalized_weights(log_weights)
+    n = w.numel()
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+
+
+def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
+    """One uniform shared by all strata: ``u_i = (i + U) / N`` (the reference engine's scheme)."""
+    w, _ = normalized_weights(log_weights)
+    n = w.numel()
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+
+
+def residual_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
+    """``floor(N w_i)`` deterministic copies, the remainder drawn multinomially from the residuals."""
+    w, _ = normalized_weights(log_weights)
+    n = w.numel()
+    counts = torch.floor(n * w).long()
+    rest = n - int(counts.sum())
+    idx = torch.repeat_interleave(torch.arange(n, device=w.device), counts)
+    if rest > 0:
+        resid = n * w - counts.double()
+        resid = resid / resid.sum()
+        u = torch.rand(rest, generator=generator, dtype=torch.float64, device=w.device)
+        idx = torch.cat((idx, _inverse_cdf(resid, u.sort().values)))
+    return idx
+
+
+RESAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
+    "systematic": systematic_resample,
+    "stratified": stratified_resample,
+    "multinomial": multinomial_resample,
+    "residual": residual_resample,
+}

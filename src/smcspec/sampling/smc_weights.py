@@ -1,0 +1,53 @@
+"""Incremental importance weights of SMC speculative decoding.
+
+Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604.15672);
+see ``shared/docs/smc-sd.md`` step 3c and 4. The sequence-level target is
+``pi(x) ∝ prod_t p_T(x_t | x_<t)^alpha`` and the proposal is the draft at temperature T_d
+for K tokens followed by the bonus token from ``softmax(alpha * l / T_t)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bonus_log_normalizer(target_logits: torch.Tensor, temperature: float, alpha: float) -> torch.Tensor:
+    """``logsumexp(alpha * l / T) - alpha * logsumexp(l / T)`` over the vocabulary.
+
+    The log-weight of a bonus token drawn from the power distribution; 0 when alpha == 1.
+    ``target_logits``: ``[..., V]``; returns float64 ``[...]``.
+    """
+    scaled = target_logits.double() / temperature
+    return torch.logsumexp(alpha * scaled, -1) - alpha * torch.logsumexp(scaled, -1)
+
+
+def incremental_log_weights(
+    target_logp: torch.Tensor,
+    draft_logp: torch.Tensor,
+    alpha: float,
+    bonus_log_norm: torch.Tensor | None,
+    kept: torch.Tensor,
+) -> torch.Tensor:
+    """Incremental log-weight of each particle for one SMC-SD round.
+
+    Args:
+        target_logp: ``[N, K]`` ``log p_T(d_k)`` of the drafted tokens under the target.
+        draft_logp: ``[N, K]`` ``log q_T(d_k)`` under the draft they were sampled from.
+        alpha: power exponent.
+        bonus_log_norm: ``[N]`` from :func:`bonus_log_normalizer` at position K+1, or None
+            (alpha == 1, where it is 0).
+        kept: int64 ``[N]``, how many of the K+1 new tokens the particle keeps (the block is
+            cut after an EOS or at ``max_new_tokens``; 0 for a finished particle).
+    Returns:
+        float64 ``[N]``: ``sum_{k <= min(kept, K)} (alpha log p_T(d_k) - log q_T(d_k))``, plus
+        the bonus term when ``kept == K + 1``.
+    """
+    n, k = target_logp.shape
+    terms = alpha * target_logp.double() - draft_logp.double()
+    pos = torch.arange(1, k + 1, device=terms.device)
+    mask = pos[None, :] <= kept[:, None].to(terms.device)
+    out = torch.where(mask, terms, torch.zeros_like(terms)).sum(-1)
+    if bonus_log_norm is not None:
+        full = kept.to(terms.device) == k + 1
+        out = out + torch.where(full, bonus_log_norm.double(), torch.zeros_like(out))
+    return out
