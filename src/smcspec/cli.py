@@ -29,8 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
     g.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
     g.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
-    g.add_argument("--ess-threshold", type=float, default=0.5,
-                   help="kappa: resample when ESS < kappa*N (0 disables)")
+    g.add_argument(
+        "--ess-threshold",
+        type=float,
+        default=0.5,
+        help="kappa: resample when ESS < kappa*N (0 disables)",
+    )
     g.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
@@ -38,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
-    g.add_argument("--particles-out", action="store_true",
-                   help="also report every particle and its weight (smc, with --json)")
+    g.add_argument(
+        "--particles-out",
+        action="store_true",
+        help="also report every particle and its weight (smc, with --json)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return parser
 
@@ -61,7 +68,10 @@ def _generate(args: argparse.Namespace) -> int:
         return_particles=args.particles_out,
     ).validate()  # fail on bad options before spending time loading models
     engine = Engine.load(
-        args.target, args.draft, device=args.device, dtype=args.dtype,
+        args.target,
+        args.draft,
+        device=args.device,
+        dtype=args.dtype,
         with_draft=args.method != "ar",
     )
 
@@ -90,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
             f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
         )
-    print(f"\n{line}", file=sys.stderr)
+    print(f"\n{line}")
     return 0
 
 

@@ -31,6 +31,7 @@ class GenerationConfig:
         seed: random seed; ``None`` draws a fresh one.
         return_particles: also return every particle with its normalised weight (smc).
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
+        ignore_eos: never stop before ``max_new_tokens`` (for benchmarks, like vLLM's).
     Defaults are the SMC-SD authors' (N=4, K=4, T_d=T_t=0.7, alpha=1, kappa=0.5, systematic).
     """
 
@@ -46,9 +47,16 @@ class GenerationConfig:
     seed: int | None = None
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
+        for name in ("max_new_tokens", "particles", "draft_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "draft_temperature", "alpha", "ess_threshold"):
+            if not _is_number(getattr(self, name)):
+                raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -75,3 +83,11 @@ class GenerationConfig:
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"
             )
         return self
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

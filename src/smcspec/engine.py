@@ -175,11 +175,7 @@ class Engine:
         cfg = (config or GenerationConfig()).validate()
         if cfg.method != "ar" and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
-        if cfg.stop_token_ids:
-            extra = frozenset(cfg.stop_token_ids)
-        else:
-            extra = frozenset()
-        stop_ids = self.stop_ids | extra
+        stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat)
         if not ids:
             raise ConfigError("the prompt is empty")
@@ -191,8 +187,14 @@ class Engine:
         gen = torch.Generator(device=self.target.model.device).manual_seed(seed)
         streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
         t0 = time.perf_counter()
-        common = dict(prompt=ids, cfg=cfg, stop_ids=stop_ids, vocab=self.vocab, generator=gen,
-                      on_tokens=streamer)
+        common = dict(
+            prompt=ids,
+            cfg=cfg,
+            stop_ids=stop_ids,
+            vocab=self.vocab,
+            generator=gen,
+            on_tokens=streamer,
+        )
         tgt = self.target.model
         if cfg.method == "ar":
             out = decode_ar(tgt, **common)
@@ -247,7 +249,11 @@ class Engine:
 
 
 def _is_token_list(prompt: Any) -> bool:
-    return isinstance(prompt, list | tuple) and all(isinstance(i, int) for i in prompt) and bool(prompt)
+    return (
+        isinstance(prompt, list | tuple)
+        and all(isinstance(i, int) for i in prompt)
+        and bool(prompt)
+    )
 
 
 def _load(path, default, device: str, dtype: str) -> LoadedModel:

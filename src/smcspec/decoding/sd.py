@@ -50,7 +50,9 @@ def decode_sd(
     p = as_prompt_tensor(prompt, dev)
     first_logits = target.prefill(p, tcache)[:vocab]
     draft.prefill(p, dcache)
-    tok = int(sample_categorical(tempered_log_probs(first_logits, cfg.temperature).exp(), generator))
+    tok = int(
+        sample_categorical(tempered_log_probs(first_logits, cfg.temperature).exp(), generator)
+    )
     out = [tok]
     if on_tokens:
         on_tokens([tok])

@@ -66,7 +66,9 @@ def decode_smc(
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
-        ``degenerate_weights`` (rounds where every weight was -inf and uniform was used);
+        ``degenerate_weights`` (1 if every final weight was zero and the output particle
+        was drawn uniformly; an all-zero weight vector has ESS = N, so it never triggers
+        resampling);
         with ``cfg.return_particles`` also all particles, their normalised weights and the
         log-normaliser estimate (sum over resampling events of ``logsumexp(logw) - log N``,
         plus the same term for the final weights).
@@ -145,10 +147,7 @@ def decode_smc(
         ess = effective_sample_size(logw)
         ess_trace.append(ess)
         if n >= 2 and ess < cfg.ess_threshold * n:
-            if not bool(torch.isfinite(logw).any()):
-                degenerate += 1
-            else:
-                log_z += log_mean_weight(logw)
+            log_z += log_mean_weight(logw)
             anc = resample(logw, generator)
             tokens, lengths, finished = tokens[anc], lengths[anc], finished[anc]
             pending_t, pending_d = pending_t[anc], pending_d[anc]

@@ -31,6 +31,7 @@ class ModelConfig:
     max_position_embeddings: int
     qkv_bias: bool
     tie_word_embeddings: bool
+    o_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
 
     @classmethod
@@ -53,6 +54,8 @@ class ModelConfig:
             rope_scaling = cfg.get("rope_scaling") or (
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
             )
+            if cfg.get("mlp_bias"):
+                raise ModelFileError("mlp_bias=True checkpoints are not supported")
             if rope_scaling is not None:
                 kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
                 if kind in (None, "default"):
@@ -73,6 +76,7 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
                 rope_scaling=dict(rope_scaling) if rope_scaling else None,
             )
         except KeyError as exc:

@@ -92,9 +92,10 @@ def _assemble(spec: PackagedModel, dest: Path) -> None:
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     total = sum(f.stat().st_size for f in files)
     try:
-        with open(tmp, "wb") as out, tqdm(
-            total=total, unit="B", unit_scale=True, desc=f"assembling {dest.name}"
-        ) as bar:
+        with (
+            open(tmp, "wb") as out,
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {dest.name}") as bar,
+        ):
             for f in files:
                 with open(f, "rb") as src:
                     while block := src.read(1 << 23):

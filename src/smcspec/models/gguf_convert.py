@@ -104,7 +104,11 @@ def gguf_hf_config(reader) -> dict:
     cfg = {
         "model_type": _ARCH_TO_HF[arch],
         "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+            {
+                "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM",
+            }[arch]
         ],
         "vocab_size": int(names["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
@@ -153,7 +157,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as exc:
-            raise ModelFileError(f"cannot dequantize tensor {t.name} of {gguf_path}: {exc}") from exc
+            raise ModelFileError(
+                f"cannot dequantize tensor {t.name} of {gguf_path}: {exc}"
+            ) from exc
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
         name = _hf_name(t.name)
         if name is None:

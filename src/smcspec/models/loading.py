@@ -142,7 +142,10 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
     except Exception as exc:
         raise ModelFileError(f"cannot read safetensors file: {exc}") from exc
 
+    used: set[str] = set()
+
     def get(name: str) -> torch.Tensor:
+        used.add(name)
         if name not in index:
             raise ModelFileError(f"weight {name!r} missing from {', '.join(map(str, files))}")
         return index[name].get_tensor(name)
@@ -166,10 +169,20 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
         if cfg.qkv_bias:
             put(blk.qkv.bias, torch.cat([get(n[x] + ".bias") for x in "qkv"]), f"layer {i} bias")
         put(blk.o.weight, get(n["o"]), n["o"])
+        if cfg.o_bias:
+            bias = n["o"].replace(".weight", ".bias")
+            put(blk.o.bias, get(bias), bias)
         put(blk.gate_up.weight, torch.cat([get(n["gate"]), get(n["up"])]), f"layer {i} gate_up")
         put(blk.down.weight, get(n["down"]), n["down"])
         put(blk.attn_norm.weight, get(n["attn_norm"]), n["attn_norm"])
         put(blk.mlp_norm.weight, get(n["mlp_norm"]), n["mlp_norm"])
+    ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
+    unused = sorted(k for k in index if k not in used and not k.endswith(ignorable))
+    if unused:
+        raise ModelFileError(
+            f"{len(unused)} weights in the checkpoint are not used by this architecture "
+            f"(e.g. {unused[0]!r}); refusing to load a model it would compute wrongly"
+        )
 
 
 def atomic_replace_dir(tmp: Path, final: Path) -> None:

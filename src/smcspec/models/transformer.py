@@ -74,7 +74,7 @@ class Block(nn.Module):
         q, kv = self.h * self.d, self.hkv * self.d
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.o = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.o = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)

@@ -20,16 +20,25 @@ import torch
 def normalized_weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Normalised float64 weights ``[N]`` from log-weights ``[N]``.
 
-    Returns ``(w, degenerate)``; ``degenerate`` is True when no weight was finite and
-    positive (all ``-inf`` or NaN), in which case ``w`` is uniform.
+    Returns ``(w, degenerate)``; ``degenerate`` is True when every weight is zero (all
+    ``-inf`` or NaN), in which case ``w`` is uniform. NaN counts as zero weight; if some
+    log-weights are ``+inf`` those particles share the whole weight equally.
     """
-    lw = log_weights.double()
-    lw = torch.where(torch.isnan(lw), torch.full_like(lw, -math.inf), lw)
+    lw = _clean(log_weights)
     top = lw.max()
+    if top == math.inf:  # +inf dominates: the +inf particles share all the weight
+        w = (lw == math.inf).double()
+        return w / w.sum(), False
     if not torch.isfinite(top):
         return torch.full_like(lw, 1.0 / lw.numel()), True
     w = torch.exp(lw - top)
     return w / w.sum(), False
+
+
+def _clean(log_weights: torch.Tensor) -> torch.Tensor:
+    """float64 log-weights with NaN (an undefined weight) treated as -inf (zero weight)."""
+    lw = log_weights.double()
+    return torch.where(torch.isnan(lw), torch.full_like(lw, -math.inf), lw)
 
 
 def effective_sample_size(log_weights: torch.Tensor) -> float:
@@ -39,8 +48,11 @@ def effective_sample_size(log_weights: torch.Tensor) -> float:
 
 
 def log_mean_weight(log_weights: torch.Tensor) -> float:
-    """``logsumexp(logw) - log N``: one factor of the SMC estimate of the log normaliser."""
-    lw = log_weights.double()
+    """``logsumexp(logw) - log N``: one factor of the SMC estimate of the log normaliser.
+
+    NaN log-weights count as zero weight, as in :func:`normalized_weights`.
+    """
+    lw = _clean(log_weights)
     return float(torch.logsumexp(lw, 0) - math.log(lw.numel()))
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def bonus_log_normalizer(target_logits: torch.Tensor, temperature: float, alpha: float) -> torch.Tensor:
+def bonus_log_normalizer(
+    target_logits: torch.Tensor, temperature: float, alpha: float
+) -> torch.Tensor:
     """``logsumexp(alpha * l / T) - alpha * logsumexp(l / T)`` over the vocabulary.
 
     The log-weight of a bonus token drawn from the power distribution; 0 when alpha == 1.

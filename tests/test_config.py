@@ -1,0 +1,97 @@
+"""Tests of GenerationConfig.validate()."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from smcspec.config import MAX_DRAFT_TOKENS, MAX_PARTICLES, METHODS, GenerationConfig
+from smcspec.errors import ConfigError, SmcspecError
+from smcspec.sampling.resampling import RESAMPLERS
+
+
+def test_defaults_validate():
+    cfg = GenerationConfig()
+    assert cfg.validate() is cfg
+    # the SMC-SD authors' defaults (shared/docs/smc-sd.md)
+    assert (cfg.method, cfg.particles, cfg.draft_tokens) == ("smc", 4, 4)
+    assert (cfg.alpha, cfg.ess_threshold, cfg.resampler) == (1.0, 0.5, "systematic")
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GenerationConfig().particles = 8  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"particles": 1},
+        {"particles": MAX_PARTICLES},
+        {"draft_tokens": 1},
+        {"draft_tokens": MAX_DRAFT_TOKENS},
+        {"max_new_tokens": 1},
+        {"temperature": 1e-3, "draft_temperature": 5.0},
+        {"temperature": 1},  # an int temperature is fine
+        {"alpha": 0.25},
+        {"alpha": 4.0},
+        {"ess_threshold": 0.0},
+        {"ess_threshold": 1.0},
+        {"ess_threshold": 1},
+        {"seed": 0, "return_particles": True, "stop_token_ids": (2, 7)},
+    ]
+    + [{"method": m} for m in METHODS]
+    + [{"resampler": r} for r in RESAMPLERS],
+)
+def test_valid_values_pass(kwargs):
+    cfg = GenerationConfig(**kwargs)
+    assert cfg.validate() is cfg
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"particles": 0},
+        {"particles": -1},
+        {"particles": MAX_PARTICLES + 1},
+        {"particles": 4.0},
+        {"draft_tokens": 0},
+        {"draft_tokens": MAX_DRAFT_TOKENS + 1},
+        {"temperature": 0.0},
+        {"temperature": 0},
+        {"temperature": -0.7},
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"temperature": "0.7"},
+        {"draft_temperature": 0.0},
+        {"draft_temperature": -1.0},
+        {"draft_temperature": math.nan},
+        {"alpha": 0.0},
+        {"alpha": -1.0},
+        {"alpha": math.nan},
+        {"alpha": math.inf},
+        {"ess_threshold": -0.1},
+        {"ess_threshold": 1.5},
+        {"ess_threshold": math.nan},
+        {"resampler": "bogus"},
+        {"resampler": "Systematic"},
+        {"method": "beam"},
+        {"method": ""},
+        {"max_new_tokens": 0},
+        {"max_new_tokens": -5},
+        {"max_new_tokens": 10.0},
+    ],
+)
+def test_bad_values_raise_config_error(kwargs):
+    with pytest.raises(ConfigError):
+        GenerationConfig(**kwargs).validate()
+
+
+def test_config_error_is_a_user_facing_value_error():
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(particles=0).validate()
+    assert isinstance(info.value, SmcspecError) and isinstance(info.value, ValueError)
+    assert info.value.exit_code == 2
+    assert "particles" in str(info.value)
