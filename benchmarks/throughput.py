@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from smcspec import Engine, GenerationConfig
+from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 
 CODING = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -46,42 +47,6 @@ def prompts(n: int) -> list[str]:
     code = CODING[: n // 2]
     out = [p for pair in zip(math, code, strict=False) for p in pair]
     return out + math[len(code) :]
-
-
-def forward_costs(engine: Engine, n: int, k: int, reps: int = 5) -> dict[str, float]:
-    """Median seconds of the forwards one AR step and one SMC-SD round are made of."""
-
-    def timed(model, rows: int, t: int) -> float:
-        cache = model.new_cache(rows, 64)
-        model.prefill(torch.arange(100) + 1000, cache)
-        x = torch.full((rows, t), 500)
-        model.decode(x, cache)
-        cache.truncate(0)
-        ts = []
-        for _ in range(reps):
-            s = time.perf_counter()
-            model.decode(x, cache, last_only=(t <= 2))
-            ts.append(time.perf_counter() - s)
-            cache.truncate(0)
-        return statistics.median(ts)
-
-    tgt, drf = engine.target.model, engine.draft.model
-    return {
-        "target_1x1": timed(tgt, 1, 1),
-        "draft_1x1": timed(drf, 1, 1),
-        f"target_{n}x{k + 1}": timed(tgt, n, k + 1),
-        f"draft_{n}x1": timed(drf, n, 1),
-        f"draft_{n}x2": timed(drf, n, 2),
-    }
-
-
-def roofline(c: dict[str, float], n: int, k: int) -> dict[str, float]:
-    """Predicted SMC-SD speed-up over AR: memory-bound formula and measured-cost model."""
-    ratio = c["draft_1x1"] / c["target_1x1"]
-    memory_bound = (k + 1) / ((k + 1) * ratio + 1)
-    round_s = (k - 1) * c[f"draft_{n}x1"] + c[f"draft_{n}x2"] + c[f"target_{n}x{k + 1}"]
-    measured = (k + 1) * c["target_1x1"] / round_s
-    return {"c": ratio, "memory_bound": memory_bound, "measured_costs": measured}
 
 
 def main() -> int:
@@ -157,7 +122,10 @@ def main() -> int:
             )
             print(json.dumps(log[-1]), flush=True)
 
-    costs = {f"{n}x{k}": forward_costs(engine, n, k) for n, k in {(4, 4), (bn, bk)}}
+    costs = {
+        f"{n}x{k}": smc_forward_costs(engine.target.model, engine.draft.model, n, k)
+        for n, k in {(4, 4), (bn, bk)}
+    }
     base_tps = statistics.median(results["hf-ar"]) if "hf-ar" in results else None
     lines = [
         f"# Throughput on CPU ({date.today().isoformat()})",
@@ -193,7 +161,7 @@ def main() -> int:
     ar_tps = statistics.median(results["ar"]) if "ar" in results else None
     for key, sysname in (("4x4", "smc-4x4"), (f"{bn}x{bk}", "smc-best")):
         n, k = (int(v) for v in key.split("x"))
-        rf = roofline(costs[key], n, k)
+        rf = predicted_speedup(costs[key], n, k)
         meas = (
             f"{statistics.median(results[sysname]) / ar_tps:.2f}x"
             if ar_tps and sysname in results

@@ -1,4 +1,4 @@
-"""Command line: ``smcspec generate "PROMPT" [options]``.
+"""Command line: ``smcspec generate "PROMPT" [options]`` and ``smcspec serve [options]``.
 
 Errors a user can cause print one line ``error: ...`` and exit with a non-zero code
 (2: bad option or prompt, 3: model file problem, 4: numerical failure), never a traceback.
@@ -11,8 +11,41 @@ import json
 import sys
 
 from smcspec.config import METHODS, GenerationConfig
-from smcspec.errors import SmcspecError
+from smcspec.errors import ConfigError, SmcspecError
 from smcspec.sampling.resampling import RESAMPLERS
+
+
+def _load_engine(*args, **kwargs):
+    """Engine.load, imported lazily so that `smcspec --help` and option errors are fast."""
+    from smcspec.engine import Engine
+
+    return Engine.load(*args, **kwargs)
+
+
+def _model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
+    g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d = p.add_argument_group("decoding")
+    d.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
+    d.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")
+    d.add_argument("--draft-tokens", "-K", type=int, default=4, help="draft tokens K per round")
+    d.add_argument("--max-new-tokens", "-m", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
+    d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
+    d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
+    d.add_argument(
+        "--ess-threshold",
+        type=float,
+        default=0.5,
+        help="kappa: resample when ESS < kappa*N (0 disables)",
+    )
+    d.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
+    d.add_argument("--seed", type=int, default=None)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,27 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="smcspec", description="LLM inference with SMC speculative decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    common = _model_options()
+    g = sub.add_parser("generate", parents=[common], help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
-    g.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
-    g.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")
-    g.add_argument("--draft-tokens", "-K", type=int, default=4, help="draft tokens K per round")
-    g.add_argument("--max-new-tokens", "-m", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
-    g.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
-    g.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
-    g.add_argument(
-        "--ess-threshold",
-        type=float,
-        default=0.5,
-        help="kappa: resample when ESS < kappa*N (0 disables)",
-    )
-    g.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
-    g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
     g.add_argument(
         "--particles-out",
@@ -48,13 +63,108 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report every particle and its weight (smc, with --json)",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    s = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="OpenAI-compatible HTTP server (decoding options are defaults)",
+    )
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients use (default: the target file's name)",
+    )
+    s.add_argument("--max-running", type=int, default=16, help="requests decoded together")
+    s.add_argument(
+        "--max-waiting", type=int, default=64, help="queued requests beyond this get HTTP 429"
+    )
+    e = sub.add_parser("eval", parents=[common], help="task accuracy of several methods")
+    e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
+    e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
+    e.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=2,4,8'")
+    e.add_argument("--data", default=None, help="GSM8K JSONL (default: ../shared copy)")
+    e.add_argument("--limit", type=int, default=None, help="seeded random subset size")
+    e.add_argument("--subset-seed", type=int, default=0)
+    e.add_argument("--out", default="eval-out", help="directory for results.jsonl and reports")
+    e.add_argument("--rescore", action="store_true", help="score stored outputs again only")
+    e.add_argument(
+        "--nll", action="store_true", help="also score each output's per-token NLL under the target"
+    )
+    e.add_argument("--runs", type=int, default=2000, help="fidelity: seeded runs per setting")
+    e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
+    e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
     return parser
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from smcspec.engine import Engine
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
 
-    cfg = GenerationConfig(
+    from smcspec.eval import harness
+    from smcspec.eval.results import ResultFile
+
+    base = _config(args)
+    if args.task == "fidelity":
+        return _fidelity(args)
+    specs = harness.method_specs(args.methods, base, args.grid)
+    if args.task == "gsm8k":
+        from smcspec.eval.gsm8k import load_gsm8k
+
+        data = args.data or str(
+            Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+        )
+        if not Path(data).is_file():
+            raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
+        items = load_gsm8k(data, args.limit, args.subset_seed)
+    else:
+        from smcspec.eval.humaneval import load_humaneval
+
+        items = load_humaneval(args.limit, args.subset_seed)
+    out = Path(args.out)
+    results = ResultFile(out / "results.jsonl")
+    if args.rescore:
+        records = harness.rescore(args.task, results.records(), items)
+    else:
+        engine = _load_engine(
+            args.target,
+            args.draft,
+            device=args.device,
+            dtype=args.dtype,
+            with_draft=any(s.config.method != "ar" for s in specs),
+        )
+        records = harness.run_task(
+            engine, args.task, items, specs, results, seed=args.seed or 0, score_nll=args.nll
+        )
+    rows = harness.summarize(records)
+    note = (
+        f"{len(items)} items (seed {args.subset_seed}), methods {args.methods}"
+        f"{', grid ' + args.grid if args.grid else ''}; max_new_tokens {base.max_new_tokens}, "
+        f"T_t {base.temperature}, T_d {base.draft_temperature}."
+    )
+    report = harness.write_report(rows, out, f"{args.task} accuracy", note)
+    print(report.read_text())
+    return 0
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from smcspec.eval.fidelity import fidelity_grid, tiny_transformer, write_fidelity_report
+
+    ns = [int(v) for v in args.fidelity_n.split(",")]
+    ks = [int(v) for v in args.fidelity_k.split(",")]
+    target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
+    length = 3
+    rows, draft_tv = fidelity_grid(target, draft, [1, 2, 0], length, ns, ks, args.runs)
+    note = (
+        f"Tiny random 1-layer models (vocab 4, target seed 1, draft seed 2), prompt "
+        f"[1, 2, 0], distribution of the first {length} generated tokens (64 sequences), "
+        f"T = 1, {args.runs} seeded runs per setting; KL uses eps = 1e-6 smoothing."
+    )
+    print(write_fidelity_report(rows, draft_tv, args.out, note).read_text())
+    return 0
+
+
+def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
+    return GenerationConfig(
         method=args.method,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -65,9 +175,35 @@ def _generate(args: argparse.Namespace) -> int:
         ess_threshold=args.ess_threshold,
         resampler=args.resampler,
         seed=args.seed,
-        return_particles=args.particles_out,
+        **extra,
     ).validate()  # fail on bad options before spending time loading models
-    engine = Engine.load(
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from smcspec.server import serve
+
+    cfg = _config(args)
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_running < 1 or args.max_waiting < 0:
+        raise ConfigError("--max-running must be >= 1 and --max-waiting >= 0")
+    engine = _load_engine(args.target, args.draft, device=args.device, dtype=args.dtype)
+    name = args.served_model_name or engine.target.name
+    serve(
+        engine,
+        args.host,
+        args.port,
+        defaults=cfg,
+        model_name=name,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    cfg = _config(args, return_particles=args.particles_out)
+    engine = _load_engine(
         args.target,
         args.draft,
         device=args.device,
@@ -110,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "eval":
+            return _eval(args)
     except SmcspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

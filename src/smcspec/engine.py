@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from smcspec.config import GenerationConfig
-from smcspec.decoding import decode_ar, decode_sd, decode_smc
+from smcspec.decoding import DecodeOutput, Program, ar_program, run_program, sd_program, smc_program
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
@@ -65,6 +65,15 @@ class GenerationResult:
             d["particles"] = self.particles
             d["log_normalizer"] = self.log_normalizer
         return d
+
+
+@dataclass
+class Job:
+    """A validated request: prompt token ids, the config with its seed fixed, stop tokens."""
+
+    ids: list[int]
+    config: GenerationConfig
+    stop_ids: frozenset[int]
 
 
 class TextStreamer:
@@ -172,10 +181,23 @@ class Engine:
             ConfigError: invalid config or prompt; ContextLengthError: prompt too long;
             NumericalError: NaN logits.
         """
+        job = self.prepare(prompt, config, chat)
+        streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
+        t0 = time.perf_counter()
+        out = run_program(self.program(job, streamer))
+        return self.finish(job, out, time.perf_counter() - t0)
+
+    def prepare(
+        self, prompt: Prompt | list[int], config: GenerationConfig | None = None, chat: bool = True
+    ) -> Job:
+        """Validate ``config``, tokenize ``prompt`` and check the context; fixes the seed.
+
+        Raises:
+            ConfigError, ContextLengthError (see :meth:`generate`).
+        """
         cfg = (config or GenerationConfig()).validate()
         if cfg.method != "ar" and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
-        stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat)
         if not ids:
             raise ConfigError("the prompt is empty")
@@ -183,28 +205,33 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
         self._check_context(len(ids), cfg)
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
-        cfg = replace(cfg, seed=seed)
-        gen = torch.Generator(device=self.target.model.device).manual_seed(seed)
-        streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
-        t0 = time.perf_counter()
+        stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
+        return Job(ids=ids, config=replace(cfg, seed=seed), stop_ids=stop_ids)
+
+    def program(self, job: Job, on_tokens: Callable[[list[int]], None] | None = None) -> Program:
+        """The decoder program of ``job`` (see :mod:`smcspec.decoding.program`)."""
+        cfg = job.config
+        gen = torch.Generator(device=self.target.model.device).manual_seed(cfg.seed)
         common = dict(
-            prompt=ids,
+            prompt=job.ids,
             cfg=cfg,
-            stop_ids=stop_ids,
+            stop_ids=job.stop_ids,
             vocab=self.vocab,
             generator=gen,
-            on_tokens=streamer,
+            on_tokens=on_tokens,
         )
         tgt = self.target.model
         if cfg.method == "ar":
-            out = decode_ar(tgt, **common)
-        elif cfg.method == "sd":
-            out = decode_sd(tgt, self.draft.model, **common)
-        else:
-            out = decode_smc(tgt, self.draft.model, **common)
-        if tgt.device.type == "cuda":
+            return ar_program(tgt, **common)
+        if cfg.method == "sd":
+            return sd_program(tgt, self.draft.model, **common)
+        return smc_program(tgt, self.draft.model, **common)
+
+    def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
+        """Turn a program's output into a :class:`GenerationResult`."""
+        cfg = job.config
+        if self.target.model.device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
         text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
         particles = None
         if out.particles is not None:
@@ -216,7 +243,7 @@ class Engine:
                 }
                 for p in out.particles
             ]
-        stats = {**out.stats, "seed": seed}
+        stats = {**out.stats, "seed": cfg.seed}
         if cfg.method == "smc":
             stats.update(particles=cfg.particles, draft_tokens=cfg.draft_tokens)
         elif cfg.method == "sd":
@@ -225,7 +252,7 @@ class Engine:
             text=text,
             token_ids=out.tokens,
             method=cfg.method,
-            prompt_tokens=len(ids),
+            prompt_tokens=len(job.ids),
             new_tokens=len(out.tokens),
             seconds=seconds,
             tokens_per_second=len(out.tokens) / seconds if seconds > 0 else 0.0,

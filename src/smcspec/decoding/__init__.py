@@ -1,8 +1,26 @@
-"""Decoders: autoregressive (``ar``), exact speculative (``sd``) and SMC-SD (``smc``)."""
+"""Decoders: autoregressive (``ar``), exact speculative (``sd``) and SMC-SD (``smc``).
 
-from smcspec.decoding.ar import decode_ar
+Each is a program (a generator of forward requests, see :mod:`smcspec.decoding.program`);
+``decode_*`` runs one on its own.
+"""
+
+from smcspec.decoding.ar import ar_program, decode_ar
 from smcspec.decoding.common import DecodeOutput, ParticleOutput
-from smcspec.decoding.sd import decode_sd
-from smcspec.decoding.smc import decode_smc
+from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.sd import decode_sd, sd_program
+from smcspec.decoding.smc import decode_smc, smc_program
 
-__all__ = ["DecodeOutput", "ParticleOutput", "decode_ar", "decode_sd", "decode_smc"]
+__all__ = [
+    "DecodeOutput",
+    "Forward",
+    "ParticleOutput",
+    "Prefill",
+    "Program",
+    "ar_program",
+    "decode_ar",
+    "decode_sd",
+    "decode_smc",
+    "run_program",
+    "sd_program",
+    "smc_program",
+]

@@ -6,11 +6,12 @@ import torch
 
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
+from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 
 
-def decode_ar(
+def ar_program(
     target: Transformer,
     prompt: list[int],
     cfg: GenerationConfig,
@@ -18,7 +19,7 @@ def decode_ar(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
+) -> Program:
     """Sample up to ``cfg.max_new_tokens`` tokens from ``softmax(logits / T_t)``, one per forward.
 
     Args:
@@ -27,7 +28,7 @@ def decode_ar(
         :class:`DecodeOutput` with stats ``{"forwards": ...}``.
     """
     cache = target.new_cache(1, cfg.max_new_tokens + 1)
-    logits = target.prefill(as_prompt_tensor(prompt, target.device), cache)[:vocab]
+    logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
     out: list[int] = []
     while True:
         probs = tempered_log_probs(logits, cfg.temperature).exp()
@@ -38,5 +39,10 @@ def decode_ar(
         if tok in stop_ids or len(out) >= cfg.max_new_tokens:
             break
         step = torch.tensor([[tok]], device=target.device)
-        logits = target.decode(step, cache, last_only=True)[0, -1, :vocab]
+        logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
     return DecodeOutput(tokens=out, stats={"forwards": len(out)})
+
+
+def decode_ar(*args, **kwargs) -> DecodeOutput:
+    """Run :func:`ar_program` to completion on its own (same arguments)."""
+    return run_program(ar_program(*args, **kwargs))

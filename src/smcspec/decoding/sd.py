@@ -22,12 +22,13 @@ from smcspec.decoding.common import (
     cache_capacity,
     cut_at_stop,
 )
+from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.speculative import speculative_verify
 
 
-def decode_sd(
+def sd_program(
     target: Transformer,
     draft: Transformer,
     prompt: list[int],
@@ -36,7 +37,7 @@ def decode_sd(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
+) -> Program:
     """Speculative sampling with ``cfg.draft_tokens`` draft tokens per round.
 
     Returns:
@@ -48,8 +49,8 @@ def decode_sd(
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     tcache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap)
     p = as_prompt_tensor(prompt, dev)
-    first_logits = target.prefill(p, tcache)[:vocab]
-    draft.prefill(p, dcache)
+    first_logits = (yield Prefill(target, p, tcache))[:vocab]
+    yield Prefill(draft, p, dcache)
     tok = int(
         sample_categorical(tempered_log_probs(first_logits, cfg.temperature).exp(), generator)
     )
@@ -68,7 +69,7 @@ def decode_sd(
         if k > 0:
             x = torch.tensor([pending_d], device=dev)
             for _ in range(k):
-                logits = draft.decode(x, dcache, last_only=True)[0, -1, :vocab]
+                logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
                 q = tempered_log_probs(logits, cfg.draft_temperature).exp()
                 d = int(sample_categorical(q, generator))
                 d_tokens.append(d)
@@ -76,7 +77,7 @@ def decode_sd(
                 x = torch.tensor([[d]], device=dev)
         t_len0 = tcache.length
         block = torch.tensor([[pending_t, *d_tokens]], device=dev)
-        t_logits = target.decode(block, tcache)[0, :, :vocab]
+        t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
         t_probs = tempered_log_probs(t_logits, cfg.temperature).exp()
         if k > 0:
             n, nxt = speculative_verify(
@@ -111,3 +112,8 @@ def decode_sd(
         "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
     }
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def decode_sd(*args, **kwargs) -> DecodeOutput:
+    """Run :func:`sd_program` to completion on its own (same arguments)."""
+    return run_program(sd_program(*args, **kwargs))

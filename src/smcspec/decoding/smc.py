@@ -28,6 +28,7 @@ from smcspec.decoding.common import (
     as_prompt_tensor,
     cache_capacity,
 )
+from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -47,7 +48,7 @@ def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
     return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
 
 
-def decode_smc(
+def smc_program(
     target: Transformer,
     draft: Transformer,
     prompt: list[int],
@@ -56,7 +57,7 @@ def decode_smc(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
+) -> Program:
     """Run SMC-SD for one request.
 
     Args:
@@ -82,8 +83,8 @@ def decode_smc(
 
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
     p = as_prompt_tensor(prompt, dev)
-    first = target.prefill(p, tcache)[:vocab]
-    draft.prefill(p, dcache)
+    first = (yield Prefill(target, p, tcache))[:vocab]
+    yield Prefill(draft, p, dcache)
     x0 = int(sample_categorical(tempered_log_probs(alpha * first, t_t).exp(), generator))
     tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
     tokens[:, 0] = x0
@@ -113,13 +114,15 @@ def decode_smc(
         draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
         x = pending_d
         for j in range(k):
-            lq = tempered_log_probs(draft.decode(x, dcache, last_only=True)[:, -1, :vocab], t_d)
+            d_logits = yield Forward(draft, x, dcache, last_only=True)
+            lq = tempered_log_probs(d_logits[:, -1, :vocab], t_d)
             d = sample_categorical(lq.exp(), generator)
             drafted[:, j] = d
             draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
             x = d[:, None]
         # 3b. one target forward over [v, d_1..d_K] for every particle
-        t_logits = target.decode(torch.cat((pending_t, drafted), 1), tcache)[:, :, :vocab]
+        t_block = torch.cat((pending_t, drafted), 1)
+        t_logits = (yield Forward(target, t_block, tcache))[:, :, :vocab]
         lp = tempered_log_probs(t_logits[:, :k], t_t)
         target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
         # 3d. bonus token from softmax(alpha * l / T_t) at position K+1
@@ -183,3 +186,8 @@ def decode_smc(
         particles=particles,
         log_normalizer=log_z if math.isfinite(log_z) else None,
     )
+
+
+def decode_smc(*args, **kwargs) -> DecodeOutput:
+    """Run :func:`smc_program` to completion on its own (same arguments)."""
+    return run_program(smc_program(*args, **kwargs))

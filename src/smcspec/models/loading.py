@@ -32,6 +32,7 @@ class LoadedModel:
     tokenizer: object  # transformers.PreTrainedTokenizerBase
     path: Path
     config: ModelConfig
+    name: str = ""  # the GGUF file's stem or the directory's name
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -70,11 +71,14 @@ def load_model(
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFileError(f"model path does not exist: {p}")
+    name = p.stem if p.is_file() else p.name
     if p.is_file():
         from smcspec.models.gguf_convert import converted_dir
 
         p = converted_dir(p, cache_root(), sha256=sha256)
-    return load_hf_dir(p, dtype, device)
+    loaded = load_hf_dir(p, dtype, device)
+    loaded.name = name
+    return loaded
 
 
 def load_hf_dir(
@@ -107,7 +111,7 @@ def load_hf_dir(
         tok = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:  # transformers raises many types for a bad tokenizer dir
         raise ModelFileError(f"cannot load the tokenizer in {directory}: {exc}") from exc
-    return LoadedModel(model=model, tokenizer=tok, path=directory, config=cfg)
+    return LoadedModel(model=model, tokenizer=tok, path=directory, config=cfg, name=directory.name)
 
 
 def _hf_names(i: int) -> dict[str, str]:

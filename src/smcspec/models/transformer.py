@@ -16,6 +16,8 @@ float32, rotate-half RoPE, SwiGLU); q/k/v and gate/up projections are fused for 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+@dataclass
+class Segment:
+    """One request's rows inside a batched forward.
+
+    ``rows x tokens`` new tokens appended to ``cache`` at suffix index ``start`` (``None``:
+    a prefill of ``tokens`` prompt tokens into the shared prefix); they occupy flattened rows
+    ``offset .. offset + rows * tokens`` of the batch.
+    """
+
+    cache: ParticleKVCache
+    rows: int
+    tokens: int
+    start: int | None
+    offset: int
+    last_only: bool
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer: GQA attention + SwiGLU MLP."""
 
@@ -95,23 +114,28 @@ class Block(nn.Module):
         self.scale = 1.0 / math.sqrt(self.d)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: ParticleKVCache,
-        start: int | None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
     ) -> torch.Tensor:
-        r, t, _ = x.shape
+        """``x``: ``[M, hidden]``, all segments' rows flattened; ``cos``/``sin``: ``[M, D]``."""
+        m = x.shape[0]
         qkv = linear(self.attn_norm(x), self.qkv)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = _rotate(q.view(r, t, self.h, self.d).transpose(1, 2), cos, sin)  # [R, H, T, D]
-        k = _rotate(k.view(r, t, self.hkv, self.d).transpose(1, 2), cos, sin)  # [R, Hkv, T, D]
-        v = v.view(r, t, self.hkv, self.d).transpose(1, 2)
-        if start is None:
-            attn = self._prefill_attention(q, k, v, cache)
-        else:
-            attn = self._decode_attention(q, k, v, cache, start)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = _rotate(q.view(m, self.h, self.d), c, s)
+        k = _rotate(k.view(m, self.hkv, self.d), c, s)
+        v = v.view(m, self.hkv, self.d)
+        outs = []
+        for seg in segments:  # attention is per request (own cache); everything else batched
+            sl = slice(seg.offset, seg.offset + seg.rows * seg.tokens)
+            qs = q[sl].view(seg.rows, seg.tokens, self.h, self.d).transpose(1, 2)
+            ks = k[sl].view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
+            vs = v[sl].view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
+            if seg.start is None:
+                out = self._prefill_attention(qs, ks, vs, seg.cache)
+            else:
+                out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
+            outs.append(out.reshape(seg.rows * seg.tokens, self.h * self.d))
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = x + linear(attn, self.o)
         gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
@@ -193,14 +217,41 @@ class Transformer(nn.Module):
             self._rope_len = n
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, cache, start, last_only):
-        x = self.embed(tokens)
-        cos, sin = self._rope(positions)  # [T, D], broadcast over rows and heads
+    def _run(self, batch: list[tuple[torch.Tensor, Segment]]) -> list[torch.Tensor]:
+        """Forward of several segments: ``[(tokens [R, T], segment), ...]`` -> logits each."""
+        flat = (
+            torch.cat([t.reshape(-1) for t, _ in batch])
+            if len(batch) > 1
+            else batch[0][0].reshape(-1)
+        )
+        pos = []
+        for _, seg in batch:
+            base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
+            pos.append((torch.arange(seg.tokens, device=self.device) + base).repeat(seg.rows))
+        cos, sin = self._rope(torch.cat(pos) if len(pos) > 1 else pos[0])
+        segments = [seg for _, seg in batch]
+        x = self.embed(flat.to(self.device))
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, start)
-        if last_only:
-            x = x[:, -1:]
-        return linear(self.norm(x), self.lm_head).float()
+            x = layer(x, cos, sin, segments)
+        # only the positions whose logits are wanted go through the (large) lm_head
+        picks, shapes = [], []
+        for seg in segments:
+            rows = torch.arange(seg.rows, device=self.device) * seg.tokens + seg.offset
+            if seg.last_only:
+                picks.append(rows + seg.tokens - 1)
+                shapes.append((seg.rows, 1))
+            else:
+                picks.append(
+                    (rows[:, None] + torch.arange(seg.tokens, device=self.device)).reshape(-1)
+                )
+                shapes.append((seg.rows, seg.tokens))
+        idx = torch.cat(picks) if len(picks) > 1 else picks[0]
+        logits = linear(self.norm(x[idx]), self.lm_head).float()
+        out, at = [], 0
+        for r, t in shapes:
+            out.append(logits[at : at + r * t].view(r, t, -1))
+            at += r * t
+        return out
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, cache: ParticleKVCache) -> torch.Tensor:
@@ -213,8 +264,8 @@ class Transformer(nn.Module):
         """
         p = prompt.shape[-1]
         cache.begin_prefill(p)
-        pos = torch.arange(p, device=self.device)
-        return self._run(prompt.view(1, p).to(self.device), pos, cache, None, True)[0, -1]
+        seg = Segment(cache, rows=1, tokens=p, start=None, offset=0, last_only=True)
+        return self._run([(prompt.view(1, p), seg)])[0][0, -1]
 
     @torch.inference_mode()
     def decode(
@@ -230,11 +281,31 @@ class Transformer(nn.Module):
         Raises:
             ContextLengthError: the cache has no room for ``T`` more tokens.
         """
-        r, t = tokens.shape
-        if r != cache.rows:
-            raise ValueError(f"{r} token rows for a cache of {cache.rows} rows")
-        start = cache.begin_step(t)
-        pos = torch.arange(t, device=self.device) + cache.prompt_len + start
-        logits = self._run(tokens.to(self.device), pos, cache, start, last_only)
-        cache.end_step()
-        return logits
+        return self.decode_batch([(tokens, cache, last_only)])[0]
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, items: Sequence[tuple[torch.Tensor, ParticleKVCache, bool]]
+    ) -> list[torch.Tensor]:
+        """:meth:`decode` for several requests in one forward (each with its own cache).
+
+        The projections and MLPs run once over all rows of all requests (this is what makes
+        batching cheap: the weights are read once); attention runs per request over its own
+        shared prompt KV and row suffixes. ``items``: ``(tokens [R_i, T_i], cache_i,
+        last_only_i)``. Returns the logits of each item as :meth:`decode` would.
+        Raises:
+            ContextLengthError: a cache has no room (no cache is modified then).
+        """
+        batch, offset = [], 0
+        for tokens, cache, _ in items:
+            if tokens.shape[0] != cache.rows:
+                raise ValueError(f"{tokens.shape[0]} token rows for a cache of {cache.rows} rows")
+        starts = [cache.begin_step(t.shape[1]) for t, cache, _ in items]  # all-or-error
+        for (tokens, cache, last_only), start in zip(items, starts, strict=True):
+            r, t = tokens.shape
+            batch.append((tokens, Segment(cache, r, t, start, offset, last_only)))
+            offset += r * t
+        out = self._run(batch)
+        for _, cache, _ in items:
+            cache.end_step()
+        return out

@@ -87,7 +87,7 @@ def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tens
 
 
 def residual_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
-    """``floor(N w_i)`` deterministic copies, the remainder drawn multinomially from the residuals."""
+    """``floor(N w_i)`` deterministic copies; the rest drawn multinomially from the residuals."""
     w, _ = normalized_weights(log_weights)
     n = w.numel()
     counts = torch.floor(n * w).long()

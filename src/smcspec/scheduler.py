@@ -1,0 +1,226 @@
+"""Continuous batching of decoder programs across requests.
+
+One worker thread owns the models. Every step it admits waiting requests (their prefill is
+their first step), collects the pending forward of every running request, and runs them as
+**one batched forward per model** (:meth:`Transformer.decode_batch`): the draft forwards of
+all requests together, then the target forwards together. A request therefore joins the
+running batch at the next step after it arrives, and its particles share every weight read
+with the other requests' particles. Each request keeps its own random generator, so its
+output does not depend on what else is in the batch (beyond floating-point noise).
+
+A request cancelled by its client (disconnect) is dropped at the next step: its program is
+closed and its KV caches are released.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from smcspec.decoding.program import Forward, Prefill, Program
+from smcspec.engine import Engine, GenerationResult, Job
+from smcspec.errors import SmcspecError
+
+
+class QueueFullError(SmcspecError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
+@dataclass
+class Request:
+    """One generation handled by the :class:`BatchScheduler`.
+
+    ``on_tokens`` is called (on the worker thread) with token ids as they become final;
+    ``on_done`` exactly once, with the result or the exception that ended the request.
+    """
+
+    job: Job
+    on_tokens: Callable[[list[int]], None] | None
+    on_done: Callable[[GenerationResult | BaseException], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    first_token_s: float | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    program: Program | None = None
+    pending: Prefill | Forward | None = None
+    tokens: int = 0
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at its next step."""
+        self.cancelled.set()
+
+
+@dataclass
+class StepStats:
+    """What one scheduler step did (for metrics and tests)."""
+
+    requests: int
+    rows: dict[str, int]  # model role -> rows (sequences x tokens) in its batched forward
+    seconds: float
+
+
+class BatchScheduler:
+    """Runs requests on ``engine`` with continuous batching on a worker thread.
+
+    Args:
+        engine: the loaded pair.
+        max_running: at most this many requests decode together.
+        max_waiting: submissions beyond this many queued requests raise QueueFullError.
+        on_step: optional observer called after every step with :class:`StepStats`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_running: int = 16,
+        max_waiting: int = 64,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.on_step = on_step
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="smcspec-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``. Raises QueueFullError when ``max_waiting`` are already queued."""
+        with self._cv:
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are already waiting (limit {self.max_waiting})"
+                )
+            self._waiting.append(request)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._running:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    while self._waiting and len(self._running) < self.max_running:
+                        self._admit(self._waiting.popleft())
+                self.step()
+        except BaseException as exc:  # a bug in the worker: fail everything, stay visible
+            self.error = exc
+            for req in [*self._running, *self._waiting]:
+                self._finish(req, exc)
+            self._running.clear()
+            self._waiting.clear()
+            raise
+        finally:
+            for req in [*self._running, *self._waiting]:
+                self._finish(req, RuntimeError("the server is shutting down"))
+
+    def _admit(self, req: Request) -> None:
+        if req.cancelled.is_set():
+            return
+        req.started = time.perf_counter()
+
+        def on_tokens(ids: list[int], req: Request = req) -> None:
+            if req.first_token_s is None and ids:
+                req.first_token_s = time.perf_counter() - req.submitted
+            req.tokens += len(ids)
+            if req.on_tokens is not None:
+                req.on_tokens(ids)
+
+        req.program = self.engine.program(req.job, on_tokens)
+        self._advance(req, None, first=True)
+        if req.pending is not None:
+            self._running.append(req)
+
+    def _advance(self, req: Request, result: torch.Tensor | None, first: bool = False) -> None:
+        try:
+            req.pending = next(req.program) if first else req.program.send(result)
+        except StopIteration as done:
+            req.pending = None
+            seconds = time.perf_counter() - (req.started or req.submitted)
+            self._finish(req, self.engine.finish(req.job, done.value, seconds))
+        except SmcspecError as exc:  # e.g. NaN logits: this request fails, others go on
+            req.pending = None
+            self._finish(req, exc)
+
+    def _finish(self, req: Request, outcome) -> None:
+        if req.program is not None:
+            req.program.close()
+        try:
+            req.on_done(outcome)
+        except Exception:  # a broken callback must not stop the worker
+            pass
+
+    @torch.inference_mode()
+    def step(self) -> StepStats:
+        """Run one step: every running request's pending forward, batched per model."""
+        t0 = time.perf_counter()
+        for req in [r for r in self._running if r.cancelled.is_set()]:
+            req.pending = None
+            self._finish(req, RuntimeError("cancelled"))
+        live = [r for r in self._running if r.pending is not None]
+        rows: dict[str, int] = {}
+        results: dict[int, torch.Tensor] = {}
+        for req in live:  # prefills have different lengths: one at a time
+            if isinstance(req.pending, Prefill):
+                p = req.pending
+                results[id(req)] = p.model.prefill(p.prompt, p.cache)
+        groups: dict[int, list[Request]] = {}
+        for req in live:
+            if isinstance(req.pending, Forward):
+                groups.setdefault(id(req.pending.model), []).append(req)
+        for members in groups.values():
+            model = members[0].pending.model
+            role = "target" if model is self.engine.target.model else "draft"
+            items = [(r.pending.tokens, r.pending.cache, r.pending.last_only) for r in members]
+            rows[role] = sum(t.numel() for t, _, _ in items)
+            try:
+                outs = model.decode_batch(items)
+            except SmcspecError as exc:
+                for r in members:
+                    r.pending = None
+                    self._finish(r, exc)
+                continue
+            for r, out in zip(members, outs, strict=True):
+                results[id(r)] = out
+        for req in live:
+            if id(req) in results:
+                self._advance(req, results[id(req)])
+        self._running = [r for r in self._running if r.pending is not None]
+        stats = StepStats(requests=len(live), rows=rows, seconds=time.perf_counter() - t0)
+        if self.on_step is not None:
+            self.on_step(stats)
+        return stats

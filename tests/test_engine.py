@@ -1,0 +1,121 @@
+"""The Engine on tiny random HF-directory models: methods, streaming, seeds and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_hf_model
+
+from smcspec import (
+    ConfigError,
+    ContextLengthError,
+    Engine,
+    GenerationConfig,
+    ModelFileError,
+    NumericalError,
+)
+from smcspec.models import load_hf_dir
+
+METHODS = ("ar", "sd", "smc")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {
+        "target": make_tiny_hf_model(root, "qwen2", seed=0),
+        "draft": make_tiny_hf_model(root, "qwen2", seed=1),
+        "small_vocab": make_tiny_hf_model(root, "qwen2", vocab_size=90, seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    return Engine(load_hf_dir(dirs["target"]), load_hf_dir(dirs["draft"]))
+
+
+def cfg(method: str, **kw) -> GenerationConfig:
+    base = dict(method=method, max_new_tokens=12, seed=7, particles=4, draft_tokens=3)
+    return GenerationConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generates_requested_tokens_and_streams_the_same_text(engine, method):
+    pieces: list[str] = []
+    r = engine.generate("ab cd ef", cfg(method, ignore_eos=True), chat=False, on_text=pieces.append)
+    assert r.new_tokens == 12 and len(r.token_ids) == 12
+    assert "".join(pieces) == r.text  # the stream is exactly the final text
+    assert r.method == method and r.prompt_tokens > 0 and r.tokens_per_second > 0
+    if method == "smc":
+        assert r.stats["rounds"] == 3  # x0 + 3 rounds of K+1 = 4 tokens >= 12
+        assert 1.0 <= r.stats["min_ess"] <= r.stats["mean_ess"] <= 4.0
+    if method == "sd":
+        assert 0.0 <= r.stats["acceptance_rate"] <= 1.0
+        assert r.stats["mean_accepted_length"] >= 1.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_same_seed_same_output(engine, method):
+    a = engine.generate("ab cd", cfg(method), chat=False)
+    b = engine.generate("ab cd", cfg(method), chat=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_eos_stops_generation(engine):
+    eos = engine.tokenizer.eos_token_id
+    for seed in range(3):
+        r = engine.generate("ab", cfg("smc", max_new_tokens=40, seed=seed), chat=False)
+        if eos in r.token_ids:
+            assert r.token_ids.index(eos) == len(r.token_ids) - 1
+
+
+def test_smc_returns_particles_with_normalised_weights(engine):
+    r = engine.generate("ab", cfg("smc", particles=5, return_particles=True), chat=False)
+    assert len(r.particles) == 5
+    assert sum(p["weight"] for p in r.particles) == pytest.approx(1.0, abs=1e-9)
+    assert r.text in {p["text"] for p in r.particles}
+    assert r.log_normalizer is not None
+
+
+def test_prompt_over_context_is_refused(engine):
+    # tiny models have a 256-token context
+    with pytest.raises(ContextLengthError, match="exceeds the model context of 256"):
+        engine.generate([5] * 199, cfg("smc", max_new_tokens=60))
+    with pytest.raises(ContextLengthError):
+        engine.generate([5] * 249, cfg("ar", max_new_tokens=10))
+
+
+def test_bad_prompts_are_refused(engine):
+    with pytest.raises(ConfigError, match="empty"):
+        engine.generate("   ", cfg("ar"), chat=False)
+    with pytest.raises(ConfigError, match="token ids"):
+        engine.generate([1, 2, 10_000], cfg("ar"))
+    with pytest.raises(ConfigError, match="chat template"):
+        engine.generate("ab", cfg("ar"), chat=True)
+
+
+def test_method_without_draft_is_refused(dirs):
+    solo = Engine(load_hf_dir(dirs["target"]))
+    assert solo.generate("ab", cfg("ar"), chat=False).new_tokens >= 1
+    with pytest.raises(ConfigError, match="needs a draft"):
+        solo.generate("ab", cfg("smc"), chat=False)
+
+
+def test_different_vocabularies_are_refused(dirs):
+    with pytest.raises(ModelFileError, match="vocabularies differ"):
+        Engine(load_hf_dir(dirs["target"]), load_hf_dir(dirs["small_vocab"]))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_logits_raise_a_clear_error(dirs, method):
+    broken = load_hf_dir(dirs["target"])
+    with torch.no_grad():
+        broken.model.layers[0].gate_up.weight[0, 0] = float("nan")
+    e = Engine(broken, load_hf_dir(dirs["draft"]))
+    with pytest.raises(NumericalError, match="NaN"):
+        e.generate("ab", cfg(method), chat=False)
+
+
+def test_invalid_config_is_refused_before_decoding(engine):
+    with pytest.raises(ConfigError):
+        engine.generate("ab", GenerationConfig(particles=0), chat=False)

@@ -1,0 +1,41 @@
+"""CUDA checks; skipped on machines without a GPU (CI has none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_hf_model
+
+from smcspec import Engine, GenerationConfig
+from smcspec.models import load_hf_dir
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_cuda_forward_matches_cpu(tmp_path):
+    d = make_tiny_hf_model(tmp_path, "qwen2", seed=0)
+    cpu, gpu = load_hf_dir(d), load_hf_dir(d, device="cuda")
+    x = torch.tensor([3, 5, 7, 11, 13, 17])
+    c1, c2 = cpu.model.new_cache(1, 4), gpu.model.new_cache(1, 4)
+    a = torch.cat((cpu.model.prefill(x[:3], c1)[None], cpu.model.decode(x[None, 3:], c1)[0]))
+    b = torch.cat((gpu.model.prefill(x[:3], c2)[None], gpu.model.decode(x[None, 3:], c2)[0]))
+    # TF32 may be enabled on the GPU: tolerance 1e-2 on logits of size ~5
+    torch.testing.assert_close(b.cpu(), a, atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_cuda_generation(tmp_path, method):
+    d = [make_tiny_hf_model(tmp_path / str(s), "qwen2", seed=s) for s in (0, 1)]
+    e = Engine(
+        load_hf_dir(d[0], device="cuda", dtype="bfloat16"),
+        load_hf_dir(d[1], device="cuda", dtype="bfloat16"),
+    )
+    r = e.generate(
+        "ab cd",
+        GenerationConfig(method=method, max_new_tokens=10, seed=0, ignore_eos=True),
+        chat=False,
+    )
+    assert r.new_tokens == 10

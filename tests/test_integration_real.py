@@ -1,0 +1,137 @@
+"""Integration on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
+
+These need the ``smcspec[models]`` packages (the README's test command installs them) and
+take a few minutes on a 2-core CPU: the first run assembles, verifies and converts both
+GGUF files into ``$SMCSPEC_CACHE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from smcspec import ContextLengthError, Engine, GenerationConfig, ModelFileError
+from smcspec.models import load_model
+from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
+from smcspec.models.loading import cache_root
+
+pytestmark = pytest.mark.slow
+PROMPT = "Write a Python function that returns the squares of a list of numbers, and explain it."
+
+
+@pytest.fixture(scope="module")
+def gguf_paths():
+    return {
+        spec.name: ensure_packaged_model(spec, cache_root())
+        for spec in (DEFAULT_TARGET, DEFAULT_DRAFT)
+    }
+
+
+def test_default_pair_installed_and_verified(gguf_paths):
+    for spec in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        assert gguf_paths[spec.name].stat().st_size == spec.size  # sha256 checked on the way
+
+
+def test_wrong_hash_is_refused(tmp_path):
+    fake = replace(DEFAULT_DRAFT, name="tampered", sha256="0" * 64)
+    with pytest.raises(ModelFileError, match="does not match.*Refusing"):
+        ensure_packaged_model(fake, tmp_path)
+    assert not (tmp_path / "models" / "tampered.gguf").exists()
+
+
+def test_altered_cached_file_is_rebuilt_from_the_packages(tmp_path, gguf_paths):
+    dest = tmp_path / "models" / f"{DEFAULT_DRAFT.name}.gguf"
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(gguf_paths[DEFAULT_DRAFT.name], dest)
+    with open(dest, "r+b") as f:  # flip one byte in the middle
+        f.seek(DEFAULT_DRAFT.size // 2)
+        b = f.read(1)
+        f.seek(DEFAULT_DRAFT.size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert ensure_packaged_model(DEFAULT_DRAFT, tmp_path) == dest  # rebuilt and verified
+
+
+def test_missing_packages_are_named(tmp_path):
+    ghost = replace(DEFAULT_DRAFT, name="ghost", dist_prefix="smcspec-no-such-model-part")
+    with pytest.raises(ModelFileError, match="smcspec-no-such-model-part1==0.9.0.*pip install"):
+        ensure_packaged_model(ghost, tmp_path)
+
+
+def test_truncated_gguf_is_refused(tmp_path, gguf_paths, monkeypatch):
+    monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_paths[DEFAULT_DRAFT.name], "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(DEFAULT_DRAFT.size // 3))
+    with pytest.raises(ModelFileError):
+        load_model(cut)
+
+
+@pytest.fixture(scope="module")
+def draft_model(gguf_paths):
+    return load_model(gguf_paths[DEFAULT_DRAFT.name], sha256=DEFAULT_DRAFT.sha256)
+
+
+def test_real_draft_forward_matches_transformers(draft_model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(draft_model.path, dtype=torch.float32).eval()
+    ids = Engine(draft_model).encode(PROMPT)
+    x = torch.tensor(ids)
+    with torch.inference_mode():
+        ref = hf(x[None]).logits[0]
+    cache = draft_model.model.new_cache(1, 8)
+    last = draft_model.model.prefill(x[:-4], cache)
+    inc = draft_model.model.decode(x[-4:][None], cache)[0]
+    # float32, same dequantized weights: max |diff| measured 2.6e-5 on logits of size ~30
+    torch.testing.assert_close(last, ref[-5], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(inc, ref[-4:], atol=1e-3, rtol=1e-4)
+
+
+def test_prompt_over_the_context_is_refused(draft_model):
+    engine = Engine(draft_model)
+    with pytest.raises(ContextLengthError, match="exceeds the model context of 32768"):
+        engine.generate([1000] * 32_800, GenerationConfig(method="ar", max_new_tokens=8))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "smcspec", "generate", PROMPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=os.environ.copy(),
+    )
+
+
+def _readable(text: str) -> bool:
+    letters = sum(c.isascii() and (c.isalnum() or c.isspace()) for c in text)
+    return len(text) > 40 and letters / len(text) > 0.7
+
+
+@pytest.mark.parametrize("method", ["smc", "sd"])
+def test_cli_generates_readable_text_on_the_real_pair(method, gguf_paths):
+    r = _cli("--method", method, "--max-new-tokens", "32", "--seed", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["method"] == method and out["new_tokens"] == 32
+    assert _readable(out["text"]), out["text"]
+    if method == "smc":
+        assert out["rounds"] >= 6 and out["mean_ess"] > 1.0
+    else:
+        assert 0.0 < out["acceptance_rate"] <= 1.0
+
+
+def test_cli_plain_mode_streams_and_ends_with_stats(gguf_paths):
+    r = _cli("--max-new-tokens", "16", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    *text, stats = r.stdout.rstrip("\n").split("\n")
+    assert _readable("\n".join(text))
+    assert re.match(r"\[smc\] \d+ tokens in [\d.]+ s .*N=4 K=4, rounds \d+", stats)

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible server, driven by the real ``openai`` client over loopback.
+
+Tiny random models keep it fast; the server runs in uvicorn on 127.0.0.1 in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import make_tiny_hf_model
+from transformers import AutoTokenizer
+
+from smcspec import Engine, GenerationConfig
+from smcspec.models import load_hf_dir
+from smcspec.server import create_app
+
+MODEL = "tiny"
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn serving ``app`` on a free loopback port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.port = _free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url("/metrics")).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+                out[key] = s.value
+        return out
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    dirs = [make_tiny_hf_model(root, "qwen2", seed=s, max_position_embeddings=4096) for s in (0, 1)]
+    for d in dirs:  # give the tiny tokenizer a chat template
+        tok = AutoTokenizer.from_pretrained(str(d))
+        tok.chat_template = TEMPLATE
+        tok.save_pretrained(str(d))
+    return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=16), model_name=MODEL))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_completion(server, method):
+    r = server.client().completions.create(
+        model=MODEL, prompt="ab cd", max_tokens=10, seed=3, extra_body={"smc": {"method": method}}
+    )
+    assert r.usage.completion_tokens == 10 or r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 0
+    extra = r.choices[0].model_extra["smcspec"]
+    assert extra["method"] == method
+    if method == "smc":
+        assert {"rounds", "resamples", "mean_ess"} <= extra.keys()
+    if method == "sd":
+        assert "acceptance_rate" in extra
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_chat_streaming_with_usage(server, method):
+    stream = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "ab cd"}],
+        max_tokens=12,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"smc": {"method": method, "particles": 3, "draft_tokens": 2}},
+    )
+    text, reasons, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons in (["length"], ["stop"])
+    assert usage is not None and 1 <= usage.completion_tokens <= 12
+    # the streamed text equals the non-streamed text of the same seeded request
+    full = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "ab cd"}],
+        max_tokens=12,
+        seed=5,
+        extra_body={"smc": {"method": method, "particles": 3, "draft_tokens": 2}},
+    )
+    assert full.choices[0].message.content == text
+
+
+def test_stop_strings_and_n(server):
+    r = server.client().completions.create(model=MODEL, prompt="ab", max_tokens=16, n=3, seed=1)
+    assert len(r.choices) == 3 and sorted(c.index for c in r.choices) == [0, 1, 2]
+    text = r.choices[0].text
+    if len(text) > 3:
+        stop = text[2:4]
+        s = server.client().completions.create(
+            model=MODEL, prompt="ab", max_tokens=16, seed=1, stop=[stop]
+        )
+        assert stop not in s.choices[0].text and text.startswith(s.choices[0].text)
+        assert s.choices[0].finish_reason == "stop"
+
+
+def _solo(engine, prompt: str, seed: int, tokens: int) -> str:
+    cfg = GenerationConfig(
+        method="smc", max_new_tokens=tokens, seed=seed, particles=4, draft_tokens=3
+    )
+    return engine.generate(prompt, cfg, chat=False).text
+
+
+def test_concurrent_streams_are_batched_and_isolated(server, engine):
+    prompts = ["ab", "cd ef", "gh", "ij kl mn", "op", "qr st", "uv", "wx yz"]
+    before = server.metrics()
+
+    def run(i: int) -> tuple[str, int]:
+        stream = server.client().completions.create(
+            model=MODEL,
+            prompt=prompts[i],
+            max_tokens=40 + i,
+            seed=100 + i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 3}},
+        )
+        text, usage = "", None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            text += "".join(c.text for c in chunk.choices)
+        return text, usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(8)))
+    after = server.metrics()
+    for i, (text, n_tokens) in enumerate(results):
+        assert n_tokens <= 40 + i
+        # same seed alone gives the same text: nobody got another request's tokens
+        assert text == _solo(engine, prompts[i], 100 + i, 40 + i)
+    assert after["smcspec_max_batch_requests"] >= 2  # requests really shared forwards
+    key = 'smcspec_requests_total{"method": "smc", "outcome": "success"}'
+    assert after[key] - before.get(key, 0) == 8
+
+
+def test_disconnect_frees_the_rows(server):
+    body = {
+        "model": MODEL,
+        "prompt": "ab",
+        "max_tokens": 4000,
+        "stream": True,
+        "smc": {"particles": 16, "draft_tokens": 4},
+    }
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url("/v1/completions"), json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    break  # got a token: hang up mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["smcspec_running_requests"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["smcspec_running_requests"] == 0
+    assert m.get('smcspec_requests_total{"method": "smc", "outcome": "cancelled"}', 0) >= 1
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "nope", "prompt": "ab"}, "model"),
+        ({"model": MODEL, "prompt": "ab", "max_tokens": 0}, None),
+        ({"model": MODEL, "prompt": "ab", "smc": {"particles": 0}}, None),
+        ({"model": MODEL, "prompt": "ab", "smc": {"draft_tokens": 1000}}, None),
+        ({"model": MODEL, "prompt": "ab", "temperature": 0}, None),
+        ({"model": MODEL, "prompt": "ab", "smc": {"resampler": "bogus"}}, None),
+        ({"model": MODEL, "prompt": list(range(1, 90)) * 50, "max_tokens": 10}, None),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "ab", "n": 99}, "n"),
+    ],
+)
+def test_bad_input_gets_400_and_the_server_keeps_serving(server, body, param):
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(
+        server.url("/v1/chat/completions"),
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    ok = server.client().completions.create(model=MODEL, prompt="ab", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_models_and_metrics_endpoints(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    m = server.metrics()
+    for name in (
+        "smcspec_prompt_tokens_total",
+        "smcspec_generation_tokens_total",
+        "smcspec_time_to_first_token_seconds_count",
+        "smcspec_smc_rounds_total",
+        "smcspec_smc_resamples_total",
+        "smcspec_smc_mean_ess_count",
+        "smcspec_sd_draft_tokens_total",
+        "smcspec_sd_accepted_tokens_total",
+        "smcspec_waiting_requests",
+        "smcspec_running_requests",
+    ):
+        assert name in m, name
+    assert m["smcspec_generation_tokens_total"] > 0
+
+
+def test_overload_gets_429(engine):
+    srv = Server(
+        create_app(
+            engine,
+            GenerationConfig(max_new_tokens=16),
+            model_name=MODEL,
+            max_running=1,
+            max_waiting=1,
+        )
+    )
+    try:
+        body = {
+            "model": MODEL,
+            "prompt": "ab",
+            "max_tokens": 3000,
+            "smc": {"particles": 16, "draft_tokens": 4},
+        }
+
+        def post(_):
+            return httpx.post(srv.url("/v1/completions"), json=body, timeout=120).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(post, range(4)))
+        assert 429 in codes and 200 in codes
+        assert httpx.get(srv.url("/health")).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_health_is_503_when_not_serving(engine):
+    app = create_app(engine, model_name=MODEL)
+    from fastapi.testclient import TestClient
+
+    client = TestClient(app)  # lifespan not started: the scheduler is not running
+    assert client.get("/health").status_code == 503
