@@ -61,7 +61,7 @@ def test_altered_cached_file_is_rebuilt_from_the_packages(tmp_path, gguf_paths):
 
 def test_missing_packages_are_named(tmp_path):
     ghost = replace(DEFAULT_DRAFT, name="ghost", dist_prefix="smcspec-no-such-model-part")
-    with pytest.raises(ModelFileError, match="smcspec-no-such-model-part1==0.9.0.*pip install"):
+    with pytest.raises(ModelFileError, match="(?s)smcspec-no-such-model-part1==0.9.0.*pip install"):
         ensure_packaged_model(ghost, tmp_path)
 
 
