@@ -135,3 +135,30 @@ def test_cli_plain_mode_streams_and_ends_with_stats(gguf_paths):
     *text, stats = r.stdout.rstrip("\n").split("\n")
     assert _readable("\n".join(text))
     assert re.match(r"\[smc\] \d+ tokens in [\d.]+ s .*N=4 K=4, rounds \d+", stats)
+
+
+def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
+    """The harness end to end on 2 real GSM8K test questions (short answers: mechanics only)."""
+    from pathlib import Path
+
+    from smcspec.eval import harness
+    from smcspec.eval.gsm8k import load_gsm8k
+    from smcspec.eval.results import ResultFile
+
+    data = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+    items = load_gsm8k(data, limit=2, seed=0)
+    engine = Engine.load()
+    specs = harness.method_specs("ar,smc", GenerationConfig(max_new_tokens=24))
+    records = harness.run_task(
+        engine,
+        "gsm8k",
+        items,
+        specs,
+        ResultFile(tmp_path / "r.jsonl"),
+        progress=False,
+        score_nll=True,
+    )
+    assert len(records) == 4
+    assert all(r["new_tokens"] >= 1 and r["target_nll"] > 0 for r in records)
+    rows = harness.summarize(records)
+    assert {r["method"] for r in rows} == {"ar", "smc-n4-k4"}
