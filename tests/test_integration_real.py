@@ -162,3 +162,57 @@ def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
     assert all(r["new_tokens"] >= 1 and r["target_nll"] > 0 for r in records)
     rows = harness.summarize(records)
     assert {r["method"] for r in rows} == {"ar", "smc-n4-k4"}
+
+
+def test_server_on_the_default_pair(gguf_paths):
+    """``smcspec serve``'s app on the real pair, through the real openai client."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import openai
+    import uvicorn
+
+    from smcspec.server import create_app
+
+    engine = Engine.load()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = engine.target.name
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(engine, model_name=name), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
+        )
+        assert name == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+        text, usage = "", None
+        for chunk in client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=16,
+            seed=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
+        ):
+            usage = chunk.usage or usage
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        assert usage.completion_tokens == 16
+        assert len(text) > 20 and sum(c.isalpha() for c in text) > 10, text
+    finally:
+        server.should_exit = True
+        thread.join(30)

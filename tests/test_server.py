@@ -303,3 +303,20 @@ def test_health_is_503_when_not_serving(engine):
 
     client = TestClient(app)  # lifespan not started: the scheduler is not running
     assert client.get("/health").status_code == 503
+
+
+def test_a_failing_request_does_not_stop_the_worker(server, engine, monkeypatch):
+    real = engine.program
+
+    def broken(job, on_tokens=None):
+        program = real(job, on_tokens)
+        yield next(program)  # the prefill runs, then the decoder "crashes"
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "program", broken)
+    r = httpx.post(server.url("/v1/completions"), json={"model": MODEL, "prompt": "ab"}, timeout=60)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    monkeypatch.setattr(engine, "program", real)
+    assert httpx.get(server.url("/health")).status_code == 200
+    ok = server.client().completions.create(model=MODEL, prompt="ab", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1

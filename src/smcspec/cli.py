@@ -110,9 +110,11 @@ def _eval(args: argparse.Namespace) -> int:
     if args.task == "gsm8k":
         from smcspec.eval.gsm8k import load_gsm8k
 
-        data = args.data or str(
-            Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
-        )
+        rel = Path("..") / "shared" / "data" / "gsm8k" / "test.jsonl"
+        # default: the project's shared copy beside the checkout (or beside the cwd)
+        repo = Path(__file__).resolve().parents[2]
+        found = [p for p in (repo / rel, Path.cwd() / rel) if p.is_file()]
+        data = args.data or str(found[0] if found else repo / rel)
         if not Path(data).is_file():
             raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
         items = load_gsm8k(data, args.limit, args.subset_seed)

@@ -15,6 +15,7 @@ closed and its KV caches are released.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import torch
 from smcspec.decoding.program import Forward, Prefill, Program
 from smcspec.engine import Engine, GenerationResult, Job
 from smcspec.errors import SmcspecError
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(SmcspecError):
@@ -172,7 +175,9 @@ class BatchScheduler:
             req.pending = None
             seconds = time.perf_counter() - (req.started or req.submitted)
             self._finish(req, self.engine.finish(req.job, done.value, seconds))
-        except SmcspecError as exc:  # e.g. NaN logits: this request fails, others go on
+        except Exception as exc:  # NaN logits, or a bug: this request fails, others go on
+            if not isinstance(exc, SmcspecError):
+                log.exception("request failed")
             req.pending = None
             self._finish(req, exc)
 
@@ -197,7 +202,12 @@ class BatchScheduler:
         for req in live:  # prefills have different lengths: one at a time
             if isinstance(req.pending, Prefill):
                 p = req.pending
-                results[id(req)] = p.model.prefill(p.prompt, p.cache)
+                try:
+                    results[id(req)] = p.model.prefill(p.prompt, p.cache)
+                except Exception as exc:  # e.g. out of memory: fail this request only
+                    log.exception("prefill failed")
+                    req.pending = None
+                    self._finish(req, exc)
         groups: dict[int, list[Request]] = {}
         for req in live:
             if isinstance(req.pending, Forward):
@@ -209,7 +219,9 @@ class BatchScheduler:
             rows[role] = sum(t.numel() for t, _, _ in items)
             try:
                 outs = model.decode_batch(items)
-            except SmcspecError as exc:
+            except Exception as exc:  # fail these requests, keep the worker serving
+                if not isinstance(exc, SmcspecError):
+                    log.exception("batched forward failed")
                 for r in members:
                     r.pending = None
                     self._finish(r, exc)
@@ -217,7 +229,7 @@ class BatchScheduler:
             for r, out in zip(members, outs, strict=True):
                 results[id(r)] = out
         for req in live:
-            if id(req) in results:
+            if id(req) in results and req.pending is not None:
                 self._advance(req, results[id(req)])
         self._running = [r for r in self._running if r.pending is not None]
         stats = StepStats(requests=len(live), rows=rows, seconds=time.perf_counter() - t0)

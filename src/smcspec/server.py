@@ -231,8 +231,11 @@ def create_app(
         choices = [_Choice(i, stops) for i in range(body.n)]
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-        def send(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        def send(item) -> None:  # called on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody to tell
+                pass
 
         for choice, job in zip(choices, jobs, strict=True):
 
