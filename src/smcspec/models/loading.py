@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,10 +186,3 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
             f"{len(unused)} weights in the checkpoint are not used by this architecture "
             f"(e.g. {unused[0]!r}); refusing to load a model it would compute wrongly"
         )
-
-
-def atomic_replace_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written ``tmp`` directory to ``final`` (replacing a stale one)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
