@@ -185,6 +185,8 @@ class Engine:
         streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
         t0 = time.perf_counter()
         out = run_program(self.program(job, streamer))
+        if self.target.model.device.type == "cuda":
+            torch.cuda.synchronize()  # inside the timed region
         return self.finish(job, out, time.perf_counter() - t0)
 
     def prepare(
@@ -230,8 +232,6 @@ class Engine:
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
         cfg = job.config
-        if self.target.model.device.type == "cuda":
-            torch.cuda.synchronize()
         text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
         particles = None
         if out.particles is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smcspec.decoding.program import Forward, Prefill, Program
+from smcspec.decoding.program import Forward, Prefill, Program, execute
 from smcspec.engine import Engine, GenerationResult, Job
 from smcspec.errors import SmcspecError
 
@@ -201,9 +201,8 @@ class BatchScheduler:
         results: dict[int, torch.Tensor] = {}
         for req in live:  # prefills have different lengths: one at a time
             if isinstance(req.pending, Prefill):
-                p = req.pending
                 try:
-                    results[id(req)] = p.model.prefill(p.prompt, p.cache)
+                    results[id(req)] = execute(req.pending)
                 except Exception as exc:  # e.g. out of memory: fail this request only
                     log.exception("prefill failed")
                     req.pending = None

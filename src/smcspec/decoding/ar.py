@@ -24,6 +24,8 @@ def ar_program(
 
     Args:
         prompt: token ids. ``vocab``: number of token ids that may be sampled.
+    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
+
     Returns:
         :class:`DecodeOutput` with stats ``{"forwards": ...}``.
     """

@@ -40,6 +40,8 @@ def sd_program(
 ) -> Program:
     """Speculative sampling with ``cfg.draft_tokens`` draft tokens per round.
 
+    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
+
     Returns:
         :class:`DecodeOutput`; stats: ``rounds``, ``drafted``, ``accepted``,
         ``acceptance_rate`` (accepted / drafted) and ``mean_accepted_length``

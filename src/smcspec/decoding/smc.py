@@ -64,6 +64,8 @@ def smc_program(
         target, draft: models sharing a vocabulary; ``vocab`` ids may be sampled.
         prompt: token ids. ``cfg``: N, K, temperatures, alpha, kappa, resampler, budget.
         stop_ids: tokens that end a particle (EOS and stop tokens).
+    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
+
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),

@@ -93,15 +93,13 @@ def sample_counts(
     seed0: int = 0,
 ) -> Counter:
     """Counts of the generated sequences over ``runs`` seeded runs of ``cfg.method``."""
-    decode = {"ar": None, "sd": decode_sd, "smc": decode_smc}[cfg.method]
+    models = (target,) if cfg.method == "ar" else (target, draft)
+    decode = {"ar": decode_ar, "sd": decode_sd, "smc": decode_smc}[cfg.method]
     vocab = target.cfg.vocab_size
     counts: Counter = Counter()
     for i in range(runs):
         g = torch.Generator().manual_seed(seed0 + i)
-        if decode is None:
-            out = decode_ar(target, prompt, cfg, frozenset(), vocab, g)
-        else:
-            out = decode(target, draft, prompt, cfg, frozenset(), vocab, g)
+        out = decode(*models, prompt, cfg, frozenset(), vocab, g)
         counts[tuple(out.tokens)] += 1
     return counts
 
