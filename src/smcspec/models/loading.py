@@ -81,10 +81,14 @@ def load_model(
 
 
 def load_hf_dir(
-    directory: Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    directory: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """Load a Hugging Face model directory (safetensors weights). See :func:`load_model`."""
     from transformers import AutoTokenizer
+
+    directory = Path(directory)
 
     dt = resolve_dtype(dtype)
     cfg_file = directory / "config.json"

@@ -1,0 +1,200 @@
+"""Throughput on a serving-like workload: tokens/s and time to first token per request.
+
+Every method decodes every prompt once, one request at a time; the methods alternate on
+each prompt and their order rotates from prompt to prompt, so slow drifts of the machine
+(thermal, other load) fall on all methods alike. Per request we record the wall seconds
+from the start of prefill to the last token, tokens/s (new tokens / those seconds) and the
+time to first token (TTFT: until the first streamed text; for SMC-SD that is the first
+token all particles share, the first one a streaming client can be sent). Reported: medians
+per method, the ratio of median tokens/s to ``ar``'s, and for each SMC-SD setting the
+roofline prediction (:mod:`smcspec.eval.roofline`) beside the measured ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from smcspec.engine import Engine
+from smcspec.eval.harness import MethodSpec
+from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
+
+__all__ = ["roofline_rows", "run_bench", "summarize_bench", "write_bench_report"]
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[str],
+    specs: list[MethodSpec],
+    seed: int = 0,
+    warmup: bool = True,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Decode each prompt (a user message, chat template applied) with each method.
+
+    Prompt ``i`` uses seed ``seed + i`` for every method (paired) and visits the methods
+    starting at ``specs[i % len(specs)]``. With ``warmup``, each method first decodes a
+    short prompt untimed (first calls allocate memory and pick kernels).
+
+    Returns:
+        one record per (prompt, method): ``prompt``, ``method``, ``prompt_tokens``,
+        ``new_tokens``, ``seconds``, ``tokens_per_second``, ``ttft_seconds`` (``None`` if
+        nothing was streamed) and the decoder's ``stats``.
+    Raises:
+        ConfigError, ContextLengthError: from :meth:`Engine.generate`.
+    """
+    if warmup:
+        for s in specs:
+            engine.generate("Hello", replace(s.config, seed=seed, max_new_tokens=4))
+    records = []
+    total = len(prompts) * len(specs)
+    with tqdm(total=total, desc="bench", unit="request", disable=not progress) as bar:
+        for i, text in enumerate(prompts):
+            ids = engine.encode(text)
+            order = specs[i % len(specs) :] + specs[: i % len(specs)]
+            for s in order:
+                first: list[float] = []
+
+                def on_text(piece: str, first: list[float] = first) -> None:
+                    if not first and piece:
+                        first.append(time.perf_counter())
+
+                t0 = time.perf_counter()
+                r = engine.generate(ids, replace(s.config, seed=seed + i), on_text=on_text)
+                records.append(
+                    {
+                        "prompt": i,
+                        "method": s.name,
+                        "prompt_tokens": len(ids),
+                        "new_tokens": r.new_tokens,
+                        "seconds": round(r.seconds, 4),
+                        "tokens_per_second": round(r.tokens_per_second, 3),
+                        "ttft_seconds": round(first[0] - t0, 4) if first else None,
+                        "stats": {k: v for k, v in r.stats.items() if k != "seed"},
+                    }
+                )
+                bar.update(1)
+    return records
+
+
+def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
+    """Per method: request count, median/min/max tokens/s, median TTFT, and the ratio of the
+    median tokens/s to the ``baseline`` method's (``None`` without a baseline)."""
+    by_method: dict[str, list[dict]] = {}
+    for r in records:
+        by_method.setdefault(r["method"], []).append(r)
+    base = by_method.get(baseline)
+    base_med = statistics.median(r["tokens_per_second"] for r in base) if base else None
+    rows = []
+    for method, recs in by_method.items():
+        tps = [r["tokens_per_second"] for r in recs]
+        ttft = [r["ttft_seconds"] for r in recs if r["ttft_seconds"] is not None]
+        med = statistics.median(tps)
+        rows.append(
+            {
+                "method": method,
+                "requests": len(recs),
+                "median_tokens_per_second": med,
+                "min_tokens_per_second": min(tps),
+                "max_tokens_per_second": max(tps),
+                "median_ttft_seconds": statistics.median(ttft) if ttft else None,
+                "ratio_vs_baseline": med / base_med if base_med else None,
+            }
+        )
+    return rows
+
+
+def roofline_rows(
+    engine: Engine, specs: list[MethodSpec], rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """For each SMC-SD spec: measured forward costs, the memory-bound and measured-cost
+    predictions of its speed-up over AR, and the measured ratio from ``rows`` (the output
+    of :func:`summarize_bench`). Needs the engine's draft model."""
+    measured = {r["method"]: r["ratio_vs_baseline"] for r in rows}
+    out = []
+    for s in specs:
+        if s.config.method != "smc":
+            continue
+        n, k = s.config.particles, s.config.draft_tokens
+        costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k)
+        out.append(
+            {
+                "method": s.name,
+                **predicted_speedup(costs, n, k),
+                "measured": measured.get(s.name),
+                "costs": costs,
+            }
+        )
+    return out
+
+
+def write_bench_report(
+    rows: list[dict[str, Any]],
+    roofline: list[dict[str, Any]],
+    out_dir: Path,
+    title: str,
+    note: str = "",
+) -> Path:
+    """Write ``summary.md`` (tables) and ``throughput.png`` (tokens/s and TTFT per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def fmt(v: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if v is None else f"{v:{spec}}{suffix}"
+
+    lines = [
+        f"# {title}",
+        "",
+        note,
+        "",
+        "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['requests']} | {r['median_tokens_per_second']:.2f} | "
+            f"{r['min_tokens_per_second']:.2f} | {r['max_tokens_per_second']:.2f} | "
+            f"{fmt(r['median_ttft_seconds'], '.2f')} | {fmt(r['ratio_vs_baseline'], '.2f', 'x')} |"
+        )
+    if roofline:
+        lines += [
+            "",
+            "SMC-SD speed-up over ar: roofline predictions (``smcspec.eval.roofline``, from "
+            "median forward times measured on this machine) beside the measurement:",
+            "",
+            "| setting | c = draft/target cost | memory-bound (K+1)/((K+1)c+1) | "
+            "from measured N-row forwards | measured |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in roofline:
+            lines.append(
+                f"| {r['method']} | {r['c']:.3f} | {r['memory_bound']:.2f}x | "
+                f"{r['measured_costs']:.2f}x | {fmt(r['measured'], '.2f', 'x')} |"
+            )
+        lines += ["", "Forward costs (median seconds):", ""]
+        for r in roofline:
+            costs = ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items())
+            lines.append(f"- {r['method']}: {costs}")
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["method"] for r in rows]
+    a1.bar(names, [r["median_tokens_per_second"] for r in rows])
+    a1.set_ylabel("median tokens/s per request")
+    a2.bar(names, [r["median_ttft_seconds"] or 0.0 for r in rows], color="tab:orange")
+    a2.set_ylabel("median time to first token (s)")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", labelrotation=45)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=120)
+    plt.close(fig)
+    return out_dir / "summary.md"
