@@ -156,17 +156,23 @@ class Block(nn.Module):
         pk, pv = cache.prefix_k[self.layer], cache.prefix_v[self.layer]  # [1, Hkv, P, D]
         sk = cache.suffix_k[self.layer, :, :, :end]  # [R, Hkv, S, D]
         sv = cache.suffix_v[self.layer, :, :, :end]
+        p_len = pk.shape[2]
         qg = q.reshape(r, self.hkv, g * t, d)  # head h = kv * g + j; rows ordered (j, t)
-        scores = torch.cat((qg @ pk.transpose(-1, -2), qg @ sk.transpose(-1, -2)), dim=-1)
+        # the prefix is shared: fold the rows into one [Hkv, R*g*T, D] product with it (a
+        # broadcast [R, ...] @ [1, ...] product would copy the prefix once per row)
+        qf = qg.transpose(0, 1).reshape(self.hkv, r * g * t, d)
+        s_pre = (qf @ pk[0].transpose(-1, -2)).view(self.hkv, r, g * t, p_len).transpose(0, 1)
+        scores = torch.cat((s_pre, qg @ sk.transpose(-1, -2)), dim=-1)
         scores = scores.float() * self.scale
         # causal mask over the new block: query t sees suffix positions <= start + t
         qpos = torch.arange(t, device=q.device).repeat(g) + start  # [g*T]
         spos = torch.arange(end, device=q.device)
         mask = spos[None, :] > qpos[:, None]  # [g*T, S]
-        p_len = pk.shape[2]
         scores[..., p_len:].masked_fill_(mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
-        out = probs[..., :p_len] @ pv + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
+        p_pre = probs[..., :p_len].transpose(0, 1).reshape(self.hkv, r * g * t, p_len)
+        o_pre = (p_pre @ pv[0]).view(self.hkv, r, g * t, d).transpose(0, 1)
+        out = o_pre + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
         return out.view(r, self.hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(r, t, self.h * d)
 
 

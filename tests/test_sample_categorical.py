@@ -1,0 +1,60 @@
+"""``sample_categorical``: the two-level inverse-CDF sampler draws from the given distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from smcspec.errors import NumericalError
+from smcspec.sampling.distributions import sample_categorical
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 600])  # one partial block, one full, blocks + tail
+def test_frequencies_match_the_distribution(vocab):
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(vocab, generator=g) ** 3
+    w[torch.randperm(vocab, generator=g)[: vocab // 3]] = 0.0  # zero-mass tokens
+    w = w * 7.0  # not normalised
+    draws = 60_000
+    out = sample_categorical(w.expand(draws, vocab), g)
+    assert out.shape == (draws,) and out.dtype == torch.int64
+    counts = torch.bincount(out, minlength=vocab).double()
+    assert counts[w == 0].sum() == 0  # a zero-mass token is never drawn
+    p = (w / w.sum()).double()
+    keep = p > 0
+    # merge the rarest categories so every expected count is >= 5 for the chi-square test
+    order = torch.argsort(p[keep])
+    exp_c, obs_c = (p[keep] * draws)[order], counts[keep][order]
+    cut = int((torch.cumsum(exp_c, 0) < 5).sum()) + 1
+    exp_m = torch.cat((exp_c[:cut].sum()[None], exp_c[cut:]))
+    obs_m = torch.cat((obs_c[:cut].sum()[None], obs_c[cut:]))
+    exp_m = exp_m * (draws / exp_m.sum())  # exact totals for scipy
+    assert chisquare(obs_m.numpy(), exp_m.numpy()).pvalue > 1e-3
+    tv = 0.5 * (counts / draws - p).abs().sum()
+    assert tv < 0.05
+
+
+@pytest.mark.parametrize("index", [0, 255, 256, 511, 599])
+def test_one_hot_rows_at_block_edges(index):
+    probs = torch.zeros(3, 600)
+    probs[:, index] = 1.0
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        assert sample_categorical(probs, g).tolist() == [index] * 3
+
+
+def test_batch_shape_dtype_and_tiny_masses():
+    g = torch.Generator().manual_seed(2)
+    probs = torch.full((2, 3, 1000), 1e-30, dtype=torch.bfloat16)
+    probs[..., 777] = 1.0
+    out = sample_categorical(probs, g)
+    assert out.shape == (2, 3) and bool((out == 777).all())
+
+
+@pytest.mark.parametrize(
+    "row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [0.5, float("inf"), 0.1], [0.5, -0.1, 0.6]]
+)
+def test_rows_without_a_valid_distribution_raise(row):
+    with pytest.raises(NumericalError):
+        sample_categorical(torch.tensor([[0.2, 0.3, 0.5], row]), None)
