@@ -139,3 +139,30 @@ def test_bench_command_errors_are_clear(dirs, sharegpt_file, tmp_path, capsys):
     )
     assert code == 2
     assert "ShareGPT prompts" in capsys.readouterr().err
+
+
+def test_bench_speeds_feed_the_pareto_plot(tmp_path):
+    runs = tmp_path / "runs.jsonl"
+    recs = [
+        {"prompt": i, "method": m, "tokens_per_second": tps, "ttft_seconds": 0.1}
+        for i, (m, tps) in enumerate([("ar", 2.0), ("ar", 4.0), ("smc-n4-k4", 5.0)])
+    ]
+    runs.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    speeds = bench.load_bench_speeds(runs)
+    assert speeds == {"ar": 3.0, "smc-n4-k4": 5.0}
+    rows = [
+        {"method": "ar", "n": 4, "correct": 2, "accuracy": 0.5, "ci_low": 0.2, "ci_high": 0.8,
+         "median_tokens_per_second": 2.5},
+        {"method": "sd-k4", "n": 4, "correct": 3, "accuracy": 0.75, "ci_low": 0.3,
+         "ci_high": 0.95, "median_tokens_per_second": 2.9},
+    ]  # fmt: skip
+    out = harness.write_report(rows, tmp_path / "rep", "gsm8k accuracy", "", speeds)
+    text = out.read_text()
+    assert "bench tokens/s" in text and "| 2.50 |" in text and text.count(" 3.00 |") == 1
+    assert "| sd-k4 |" in text and text.rstrip().splitlines()[-1].endswith(" - |")
+    assert (tmp_path / "rep" / "pareto.png").stat().st_size > 1000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    for path in (bad, tmp_path / "missing.jsonl"):
+        with pytest.raises(ConfigError):
+            bench.load_bench_speeds(path)

@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--nll", action="store_true", help="also score each output's per-token NLL under the target"
     )
+    e.add_argument(
+        "--speed-from",
+        default=None,
+        help="runs.jsonl of a `smcspec bench` run: its median tokens/s per method on the plot",
+    )
     e.add_argument("--runs", type=int, default=2000, help="fidelity: seeded runs per setting")
     e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
     e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
@@ -159,7 +164,13 @@ def _eval(args: argparse.Namespace) -> int:
         f"{', grid ' + args.grid if args.grid else ''}; max_new_tokens {base.max_new_tokens}, "
         f"T_t {base.temperature}, T_d {base.draft_temperature}."
     )
-    report = harness.write_report(rows, out, f"{args.task} accuracy", note)
+    speeds = None
+    if args.speed_from:
+        from smcspec.eval.bench import load_bench_speeds
+
+        speeds = load_bench_speeds(args.speed_from)
+        note += f" Speeds on the plot: median tokens/s of the bench run `{args.speed_from}`."
+    report = harness.write_report(rows, out, f"{args.task} accuracy", note, speeds)
     print(report.read_text())
     return 0
 

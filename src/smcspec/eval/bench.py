@@ -12,6 +12,7 @@ roofline prediction (:mod:`smcspec.eval.roofline`) beside the measured ratio.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import replace
@@ -21,10 +22,17 @@ from typing import Any
 from tqdm import tqdm
 
 from smcspec.engine import Engine
+from smcspec.errors import ConfigError
 from smcspec.eval.harness import MethodSpec
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 
-__all__ = ["roofline_rows", "run_bench", "summarize_bench", "write_bench_report"]
+__all__ = [
+    "load_bench_speeds",
+    "roofline_rows",
+    "run_bench",
+    "summarize_bench",
+    "write_bench_report",
+]
 
 
 def run_bench(
@@ -80,6 +88,25 @@ def run_bench(
                 )
                 bar.update(1)
     return records
+
+
+def load_bench_speeds(path: str | Path) -> dict[str, float]:
+    """Median tokens/s per method of a bench ``runs.jsonl``.
+
+    Raises:
+        ConfigError: the file is missing or holds no bench records.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"bench runs file not found: {p}")
+    try:
+        records = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        rows = summarize_bench(records)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{p} is not a bench runs.jsonl: {exc}") from exc
+    if not rows:
+        raise ConfigError(f"{p} holds no bench records")
+    return {r["method"]: r["median_tokens_per_second"] for r in rows}
 
 
 def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:

@@ -224,8 +224,19 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
     return rows
 
 
-def write_report(rows: list[dict[str, Any]], out_dir: Path, title: str, note: str = "") -> Path:
-    """``summary.md`` (table) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars)."""
+def write_report(
+    rows: list[dict[str, Any]],
+    out_dir: Path,
+    title: str,
+    note: str = "",
+    speeds: dict[str, float] | None = None,
+) -> Path:
+    """``summary.md`` (table) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars).
+
+    ``speeds`` (method name -> tokens/s, e.g. medians of a ``smcspec bench`` run on the
+    same machine) replaces the run's own per-answer medians on the plot's x axis and adds a
+    column; methods missing from it are left off the plot.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,8 +248,9 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, title: str, note: st
         "",
         note,
         "",
-        "| method | n | accuracy | 95% CI | median tokens/s | diff vs ar (95% CI) | McNemar p |",
-        "|---|---:|---:|---|---:|---|---:|",
+        "| method | n | accuracy | 95% CI | median tokens/s | diff vs ar (95% CI) | McNemar p |"
+        + (" bench tokens/s |" if speeds else ""),
+        "|---|---:|---:|---|---:|---|---:|" + ("---:|" if speeds else ""),
     ]
     for r in rows:
         diff = (
@@ -252,6 +264,8 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, title: str, note: st
             f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
             f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | "
             f"{r['median_tokens_per_second']:.2f} | {diff} | {p} |"
+            + (f" {speeds[r['method']]:.2f} |" if speeds and r["method"] in speeds else "")
+            + (" - |" if speeds and r["method"] not in speeds else "")
         )
     if any("nll_mean" in r for r in rows):
         lines += [
@@ -271,16 +285,19 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, title: str, note: st
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
+        x = speeds.get(r["method"]) if speeds else r["median_tokens_per_second"]
+        if x is None:
+            continue
         err = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
-        ax.errorbar(r["median_tokens_per_second"], r["accuracy"], yerr=err, fmt="o", capsize=3)
+        ax.errorbar(x, r["accuracy"], yerr=err, fmt="o", capsize=3)
         ax.annotate(
             r["method"],
-            (r["median_tokens_per_second"], r["accuracy"]),
+            (x, r["accuracy"]),
             textcoords="offset points",
             xytext=(5, 5),
             fontsize=8,
         )
-    ax.set_xlabel("median tokens/s per request")
+    ax.set_xlabel("median tokens/s per request" + (" (bench run)" if speeds else ""))
     ax.set_ylabel("accuracy (95% Wilson interval)")
     ax.set_title(title)
     fig.tight_layout()
