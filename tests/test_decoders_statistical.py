@@ -77,6 +77,19 @@ def test_sd_matches_target_distribution(pair):
     assert total_variation(exact, counts, SD_RUNS) < 0.08
 
 
+def test_sd_matches_target_distribution_at_other_temperatures(pair):
+    # the evaluations sample at T = 0.7: exactness must hold for any T_t and T_d
+    target, draft, _ = pair
+    t_t, t_d = 0.7, 0.5
+    exact = sequence_log_probs(target, PROMPT, LENGTH, t_t)
+    cfg = GenerationConfig(
+        method="sd", max_new_tokens=LENGTH, draft_tokens=2, temperature=t_t, draft_temperature=t_d
+    )
+    counts = _sample(decode_sd, target, draft, cfg, SD_RUNS, seed0=10_000)
+    assert _chisquare_p(exact, counts, SD_RUNS) > 1e-3
+    assert total_variation(exact, counts, SD_RUNS) < 0.08
+
+
 def test_wrong_acceptance_rule_fails_the_same_test(pair, monkeypatch):
     target, draft, exact = pair
     monkeypatch.setattr(sd_module, "speculative_verify", _wrong_verify)
