@@ -17,11 +17,14 @@ from smcspec.errors import ConfigError, SmcspecError
 from smcspec.sampling.resampling import RESAMPLERS
 
 
-def _load_engine(*args, **kwargs):
-    """Engine.load, imported lazily so that `smcspec --help` and option errors are fast."""
+def _load_engine(args: argparse.Namespace, with_draft: bool = True):
+    """Engine.load with the model options of ``args``; imported lazily so that
+    `smcspec --help` and option errors are fast."""
     from smcspec.engine import Engine
 
-    return Engine.load(*args, **kwargs)
+    return Engine.load(
+        args.target, args.draft, device=args.device, dtype=args.dtype, with_draft=with_draft
+    )
 
 
 def _model_options() -> argparse.ArgumentParser:
@@ -149,13 +152,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.rescore:
         records = harness.rescore(args.task, results.records(), items)
     else:
-        engine = _load_engine(
-            args.target,
-            args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            with_draft=any(s.config.method != "ar" for s in specs),
-        )
+        engine = _load_engine(args, with_draft=any(s.config.method != "ar" for s in specs))
         records = harness.run_task(
             engine, args.task, items, specs, results, seed=args.seed or 0, score_nll=args.nll
         )
@@ -210,13 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     base = _config(args, ignore_eos=not args.stop_at_eos)
     specs = harness.method_specs(args.methods, base, args.grid)
-    engine = _load_engine(
-        args.target,
-        args.draft,
-        device=args.device,
-        dtype=args.dtype,
-        with_draft=any(s.config.method != "ar" for s in specs),
-    )
+    engine = _load_engine(args, with_draft=any(s.config.method != "ar" for s in specs))
     prompts = load_sharegpt_prompts(
         args.prompts,
         engine.tokenizer,
@@ -290,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_running < 1 or args.max_waiting < 0:
         raise ConfigError("--max-running must be >= 1 and --max-waiting >= 0")
-    engine = _load_engine(args.target, args.draft, device=args.device, dtype=args.dtype)
+    engine = _load_engine(args)
     name = args.served_model_name or engine.target.name
     serve(
         engine,
@@ -306,13 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     cfg = _config(args, return_particles=args.particles_out)
-    engine = _load_engine(
-        args.target,
-        args.draft,
-        device=args.device,
-        dtype=args.dtype,
-        with_draft=args.method != "ar",
-    )
+    engine = _load_engine(args, with_draft=args.method != "ar")
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
