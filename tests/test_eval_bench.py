@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import make_tiny_hf_model
+from tiny_models import make_tiny_chat_pair
 from transformers import AutoTokenizer
 
 from smcspec import ConfigError, Engine, GenerationConfig
@@ -31,12 +31,7 @@ def _conv(text: str, first: str = "human") -> dict:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    out = [make_tiny_hf_model(root, "qwen2", seed=s) for s in (0, 1)]
-    for d in out:
-        tok = AutoTokenizer.from_pretrained(str(d))
-        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        tok.save_pretrained(str(d))
-    return [str(d) for d in out]
+    return [str(d) for d in make_tiny_chat_pair(root)]
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import make_tiny_hf_model
-from transformers import AutoTokenizer
+from tiny_models import make_tiny_chat_pair
 
 from smcspec import ConfigError, Engine, GenerationConfig
 from smcspec.eval import harness
@@ -30,11 +29,7 @@ def test_method_specs_and_grid():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
-    dirs = [make_tiny_hf_model(root, "qwen2", seed=s) for s in (0, 1)]
-    for d in dirs:
-        tok = AutoTokenizer.from_pretrained(str(d))
-        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        tok.save_pretrained(str(d))
+    dirs = make_tiny_chat_pair(root)
     return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
 
 

@@ -16,15 +16,13 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_models import make_tiny_hf_model
-from transformers import AutoTokenizer
+from tiny_models import make_tiny_chat_pair
 
 from smcspec import Engine, GenerationConfig
 from smcspec.models import load_hf_dir
 from smcspec.server import create_app
 
 MODEL = "tiny"
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def _free_port() -> int:
@@ -75,11 +73,7 @@ class Server:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    dirs = [make_tiny_hf_model(root, "qwen2", seed=s, max_position_embeddings=4096) for s in (0, 1)]
-    for d in dirs:  # give the tiny tokenizer a chat template
-        tok = AutoTokenizer.from_pretrained(str(d))
-        tok.chat_template = TEMPLATE
-        tok.save_pretrained(str(d))
+    dirs = make_tiny_chat_pair(root, max_position_embeddings=4096)
     return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
 
 

@@ -148,6 +148,22 @@ def make_tiny_hf_model(
     return out
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def make_tiny_chat_pair(tmp_path: Path, **overrides) -> list[Path]:
+    """Target (seed 0) and draft (seed 1) tiny qwen2 models saved under ``tmp_path`` whose
+    tokenizers carry :data:`CHAT_TEMPLATE` (message contents joined by spaces)."""
+    from transformers import AutoTokenizer
+
+    dirs = [make_tiny_hf_model(tmp_path, "qwen2", seed=s, **overrides) for s in (0, 1)]
+    for d in dirs:
+        tok = AutoTokenizer.from_pretrained(str(d))
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(str(d))
+    return dirs
+
+
 # ---------------------------------------------------------------------------------- GGUF
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp ``convert_hf_to_gguf.LlamaModel.permute`` for q (n_head) / k (n_kv_head)."""
