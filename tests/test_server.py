@@ -5,17 +5,12 @@ Tiny random models keep it fast; the server runs in uvicorn on 127.0.0.1 in a th
 
 from __future__ import annotations
 
-import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from live_server import Server
 from tiny_models import make_tiny_chat_pair
 
 from smcspec import Engine, GenerationConfig
@@ -23,51 +18,6 @@ from smcspec.models import load_hf_dir
 from smcspec.server import create_app
 
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """uvicorn serving ``app`` on a free loopback port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        self.port = _free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url("/v1"), api_key="none", max_retries=0, timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url("/metrics")).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
-                out[key] = s.value
-        return out
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

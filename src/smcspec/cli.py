@@ -84,6 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-waiting", type=int, default=64, help="queued requests beyond this get HTTP 429"
     )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="request bodies over this get HTTP 413 before they are read (default 4 MiB)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $SMCSPEC_API_KEY; without a key, bind only to loopback)",
+    )
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with an API key, leave /metrics open for Prometheus scrapers",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 5)",
+    )
     e = sub.add_parser("eval", parents=[common], help="task accuracy of several methods")
     e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
     e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
@@ -274,25 +297,24 @@ def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from smcspec.server import serve
+    from dataclasses import replace
+
+    from smcspec.server import ServerSettings, serve
 
     cfg = _config(args)
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
-    if args.max_running < 1 or args.max_waiting < 0:
-        raise ConfigError("--max-running must be >= 1 and --max-waiting >= 0")
-    engine = _load_engine(args)
-    name = args.served_model_name or engine.target.name
-    serve(
-        engine,
-        args.host,
-        args.port,
-        defaults=cfg,
-        model_name=name,
+    settings = ServerSettings(
         max_running=args.max_running,
         max_waiting=args.max_waiting,
-    )
-    return 0
+        max_request_bytes=args.max_request_bytes,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("SMCSPEC_API_KEY"),
+        public_metrics=args.public_metrics,
+        shutdown_timeout_s=args.shutdown_timeout,
+    ).validate()  # before the models load
+    engine = _load_engine(args)
+    name = args.served_model_name or engine.target.name
+    return serve(engine, args.host, args.port, cfg, replace(settings, model_name=name))
 
 
 def _generate(args: argparse.Namespace) -> int:

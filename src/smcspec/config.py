@@ -28,7 +28,8 @@ class GenerationConfig:
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
         ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
         resampler: ``systematic`` | ``stratified`` | ``multinomial`` | ``residual``.
-        seed: random seed; ``None`` draws a fresh one.
+        seed: random seed, any integer (used modulo 2**64, the range of
+            ``torch.Generator`` seeds); ``None`` draws a fresh one.
         return_particles: also return every particle with its normalised weight (smc).
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
         ignore_eos: never stop before ``max_new_tokens`` (for benchmarks, like vLLM's).
@@ -57,6 +58,8 @@ class GenerationConfig:
         for name in ("temperature", "draft_temperature", "alpha", "ess_threshold"):
             if not _is_number(getattr(self, name)):
                 raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -30,6 +30,8 @@ _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 
 Prompt = str | list[dict[str, str]]
 
+SEED_RANGE = 2**64  # torch.Generator seeds are 64-bit; a seed s is used as s mod 2**64
+
 
 @dataclass
 class GenerationResult:
@@ -156,11 +158,16 @@ class Engine:
             if not getattr(tok, "chat_template", None):
                 raise ConfigError("this model has no chat template; use --no-chat")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            _check_messages(messages)
+            try:
+                enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # the template refused the messages (jinja raise)
+                raise ConfigError(f"the chat template cannot render these messages: {exc}") from exc
             ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
             return list(ids)
         if not isinstance(prompt, str):
             raise ConfigError("a raw (--no-chat) prompt must be a string")
+        _check_text(prompt, "the prompt")
         return tok(prompt, add_special_tokens=True)["input_ids"]
 
     def generate(
@@ -207,6 +214,7 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
         self._check_context(len(ids), cfg)
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
+        seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         return Job(ids=ids, config=replace(cfg, seed=seed), stop_ids=stop_ids)
 
@@ -273,6 +281,39 @@ class Engine:
                 f"prompt of {prompt_len} tokens + max_new_tokens {cfg.max_new_tokens} "
                 f"(+{k + 1} for the last round) = {need} exceeds the model context of {ctx} tokens"
             )
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates, e.g. from invalid UTF-8 bytes
+    in a command line or a ``\\ud800`` JSON escape): the tokenizer cannot encode it.
+
+    Raises:
+        ConfigError: naming the offending character's position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{what} is not valid text: {exc.reason} at character {exc.start} "
+            f"({text[exc.start:exc.end]!r}); send UTF-8 text"
+        ) from None
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat messages must be a non-empty list of ``{"role": str, "content": str}`` dicts.
+
+    Raises:
+        ConfigError: naming the first bad message.
+    """
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ConfigError("chat messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ConfigError(f"message {i} must be a dict with a string 'role'")
+        if not isinstance(m.get("content"), str):
+            raise ConfigError(f"message {i} must have a string 'content'")
+        _check_text(m["role"], f"message {i}'s role")
+        _check_text(m["content"], f"message {i}'s content")
 
 
 def _is_token_list(prompt: Any) -> bool:

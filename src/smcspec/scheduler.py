@@ -10,6 +10,13 @@ output does not depend on what else is in the batch (beyond floating-point noise
 
 A request cancelled by its client (disconnect) is dropped at the next step: its program is
 closed and its KV caches are released.
+
+Nothing a request does can stop the worker: building its program (seeding), its prefill
+and forwards, its token and done callbacks (detokenization) and its result all run inside
+guards that fail that request alone. If the worker dies anyway (a bug in the scheduler),
+every queued and running request fails, :attr:`BatchScheduler.alive` turns false, later
+submissions raise :class:`SchedulerStoppedError`, and ``on_fatal`` is called so that the
+server process can exit for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(SmcspecError):
     """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
+class SchedulerStoppedError(SmcspecError):
+    """The scheduler is not running (not started, stopping, or its worker died): HTTP 503."""
 
 
 @dataclass
@@ -75,6 +86,7 @@ class BatchScheduler:
         max_running: at most this many requests decode together.
         max_waiting: submissions beyond this many queued requests raise QueueFullError.
         on_step: optional observer called after every step with :class:`StepStats`.
+        on_fatal: called (on the worker thread) with the exception if the worker dies.
     """
 
     def __init__(
@@ -83,10 +95,11 @@ class BatchScheduler:
         max_running: int = 16,
         max_waiting: int = 64,
         on_step: Callable[[StepStats], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_running, self.max_waiting = max_running, max_waiting
-        self.on_step = on_step
+        self.on_step, self.on_fatal = on_step, on_fatal
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         self._cv = threading.Condition()
@@ -108,7 +121,13 @@ class BatchScheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop
+        """Serving: started, not stopping, and the worker has not died."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stop
+            and self.error is None
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -119,8 +138,16 @@ class BatchScheduler:
         return len(self._running)
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``. Raises QueueFullError when ``max_waiting`` are already queued."""
+        """Queue ``request``.
+
+        Raises:
+            QueueFullError: ``max_waiting`` requests are already queued.
+            SchedulerStoppedError: the worker is not running.
+        """
         with self._cv:
+            if not self.alive:
+                reason = f": the worker died ({self.error!r})" if self.error else ""
+                raise SchedulerStoppedError(f"the server is not serving requests{reason}")
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFullError(
                     f"{len(self._waiting)} requests are already waiting (limit {self.max_waiting})"
@@ -141,14 +168,22 @@ class BatchScheduler:
                         self._admit(self._waiting.popleft())
                 self.step()
         except BaseException as exc:  # a bug in the worker: fail everything, stay visible
-            self.error = exc
-            for req in [*self._running, *self._waiting]:
-                self._finish(req, exc)
-            self._running.clear()
-            self._waiting.clear()
-            raise
+            log.exception("the scheduler's worker died")
+            with self._cv:
+                self.error = exc
+                left = [*self._running, *self._waiting]
+                self._running.clear()
+                self._waiting.clear()
+            for req in left:
+                self._finish(req, RuntimeError(f"the server's worker failed: {exc!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
         finally:
-            for req in [*self._running, *self._waiting]:
+            with self._cv:
+                left = [*self._running, *self._waiting]
+                self._running.clear()
+                self._waiting.clear()
+            for req in left:
                 self._finish(req, RuntimeError("the server is shutting down"))
 
     def _admit(self, req: Request) -> None:
@@ -163,7 +198,12 @@ class BatchScheduler:
             if req.on_tokens is not None:
                 req.on_tokens(ids)
 
-        req.program = self.engine.program(req.job, on_tokens)
+        try:
+            req.program = self.engine.program(req.job, on_tokens)
+        except Exception as exc:  # e.g. a generator that refuses the seed
+            log.exception("request failed before its first step")
+            self._finish(req, exc)
+            return
         self._advance(req, None, first=True)
         if req.pending is not None:
             self._running.append(req)
@@ -174,7 +214,12 @@ class BatchScheduler:
         except StopIteration as done:
             req.pending = None
             seconds = time.perf_counter() - (req.started or req.submitted)
-            self._finish(req, self.engine.finish(req.job, done.value, seconds))
+            try:
+                outcome = self.engine.finish(req.job, done.value, seconds)
+            except Exception as exc:  # detokenization failed: this request fails alone
+                log.exception("request failed after decoding")
+                outcome = exc
+            self._finish(req, outcome)
         except Exception as exc:  # NaN logits, or a bug: this request fails, others go on
             if not isinstance(exc, SmcspecError):
                 log.exception("request failed")
@@ -182,12 +227,15 @@ class BatchScheduler:
             self._finish(req, exc)
 
     def _finish(self, req: Request, outcome) -> None:
-        if req.program is not None:
-            req.program.close()
+        try:
+            if req.program is not None:
+                req.program.close()
+        except Exception:  # a program that fails while closing is done all the same
+            log.exception("closing a request's program failed")
         try:
             req.on_done(outcome)
         except Exception:  # a broken callback must not stop the worker
-            pass
+            log.exception("a request's on_done callback failed")
 
     @torch.inference_mode()
     def step(self) -> StepStats:
@@ -233,5 +281,8 @@ class BatchScheduler:
         self._running = [r for r in self._running if r.pending is not None]
         stats = StepStats(requests=len(live), rows=rows, seconds=time.perf_counter() - t0)
         if self.on_step is not None:
-            self.on_step(stats)
+            try:
+                self.on_step(stats)
+            except Exception:  # an observer must not stop the worker
+                log.exception("the on_step observer failed")
         return stats

@@ -1,0 +1,268 @@
+"""Serving one completion request: config, submission to the scheduler, events, response.
+
+A request with ``n`` choices becomes ``n`` engine requests (seeds ``seed + i``). The
+scheduler's worker thread reports text and completion through an asyncio queue; the
+handler turns those events into one JSON response or a server-sent event stream. A client
+that goes away (stream or not) has its engine requests cancelled, which frees their rows
+at the scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from smcspec.config import GenerationConfig
+from smcspec.engine import Engine, GenerationResult, TextStreamer
+from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.metrics import ServerMetrics
+from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
+from smcspec.scheduler import Request as EngineRequest
+from smcspec.server.errors import ApiError, error_body
+from smcspec.server.schemas import CommonBody, unsupported_fields
+from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
+
+MAX_N = 8
+DISCONNECT_POLL_S = 0.1  # how often a waiting non-streamed request checks its client
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the engine, its scheduler and metrics, and the defaults."""
+
+    engine: Engine
+    scheduler: BatchScheduler
+    metrics: ServerMetrics
+    defaults: GenerationConfig
+    model_name: str
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected while it was decoding."""
+
+
+def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
+    """The request's :class:`GenerationConfig`: the server defaults updated by its fields.
+
+    Raises:
+        ApiError: 400 for an unknown model, ``n`` out of range, an OpenAI field smcspec
+            cannot honour, or a value the config refuses.
+    """
+    if body.model is not None and body.model != state.model_name:
+        raise ApiError(
+            400,
+            f"unknown model {body.model!r}; this server serves {state.model_name!r}",
+            param="model",
+        )
+    if not 1 <= body.n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}]", param="n")
+    bad = unsupported_fields(body)
+    if bad:
+        raise ApiError(400, f"{bad[0]} is not supported by this server", param=bad[0])
+    known = {f.name for f in fields(GenerationConfig)}
+    updates: dict[str, Any] = {}
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        updates["max_new_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        value = getattr(body, name)
+        if value is None:
+            continue
+        if name not in known:  # a sampling parameter this engine does not implement
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+        updates[name] = value
+    if body.smc is not None:
+        updates.update({k: v for k, v in body.smc.model_dump().items() if v is not None})
+    try:
+        return replace(state.defaults, **updates).validate()
+    except ConfigError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+class Completion:
+    """One API request in flight: its choices, their events and its response."""
+
+    def __init__(self, state: ServerState, body: CommonBody, prompt: Any, chat: bool) -> None:
+        self.state, self.body, self.chat = state, body, chat
+        self.cfg = generation_config(state, body)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        engine = state.engine
+        try:
+            self.jobs = [
+                engine.prepare(prompt, replace(self.cfg, seed=self._seed(i)), chat)
+                for i in range(body.n)
+            ]
+        except (ConfigError, ContextLengthError) as exc:
+            raise ApiError(400, str(exc)) from exc
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [Choice(i, stops) for i in range(body.n)]
+        self.created = int(time.time())
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion" if chat else "text_completion"
+        for c, job in zip(self.choices, self.jobs, strict=True):
+            streamer = TextStreamer(engine.tokenizer, lambda text, c=c: self._send("text", c, text))
+            c.engine_req = EngineRequest(
+                job=job, on_tokens=streamer, on_done=lambda out, c=c: self._send("done", c, out)
+            )
+
+    def _seed(self, i: int) -> int | None:
+        return None if self.cfg.seed is None else self.cfg.seed + i
+
+    def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (what, c, payload))
+        except RuntimeError:  # the event loop is closed (shutdown): nobody to tell
+            pass
+
+    # ------------------------------------------------------------------ lifecycle
+    def submit(self) -> None:
+        """Queue every choice. Raises ApiError 429 (queue full) or 503 (not serving)."""
+        submitted = []
+        try:
+            for c in self.choices:
+                self.state.scheduler.submit(c.engine_req)
+                submitted.append(c)
+        except (QueueFullError, SchedulerStoppedError) as exc:
+            for c in submitted:
+                c.engine_req.cancel()
+            self.state.metrics.requests.labels(self.cfg.method, "rejected").inc()
+            if isinstance(exc, QueueFullError):
+                raise ApiError(429, f"server overloaded: {exc}", "rate_limit_error") from exc
+            raise ApiError(503, str(exc), "service_unavailable_error") from exc
+
+    def cancel_open(self) -> None:
+        """Cancel every choice still decoding (client gone, or shutdown)."""
+        for c in self.choices:
+            if c.open:
+                c.cancelled = True
+                c.engine_req.cancel()
+                self._record(c, "cancelled")
+
+    def _record(self, c: Choice, outcome: str) -> None:
+        self.state.metrics.observe_request(
+            self.cfg.method, outcome, c.engine_req, c.result, len(self.jobs[0].ids)
+        )
+
+    async def _next(self, request: Request | None) -> tuple[str, Choice, Any]:
+        if request is None:
+            return await self.queue.get()
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return getter.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            getter.cancel()
+
+    async def events(self, request: Request | None = None) -> AsyncIterator[tuple]:
+        """``(kind, choice, text)`` until every choice is done; stop strings cancel.
+
+        With ``request`` (non-streamed), raises :class:`ClientGone` when its client leaves.
+        """
+        remaining = len(self.choices)
+        while remaining:
+            what, c, payload = await self._next(request)
+            if what == "text":
+                delta = c.matcher.feed(payload)
+                if c.matcher.stopped:
+                    c.engine_req.cancel()
+                yield "text", c, delta
+                continue
+            remaining -= 1
+            if isinstance(payload, GenerationResult):
+                c.result = payload
+                self._record(c, "success")
+            elif c.matcher.stopped:
+                self._record(c, "stopped")
+            elif not c.cancelled:
+                c.error = payload
+                self._record(c, "error")
+            yield "done", c, c.matcher.feed("", final=True)
+
+    # ------------------------------------------------------------------ responses
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.jobs[0].ids)
+        done = sum(c.engine_req.tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def extra(self, c: Choice) -> dict[str, Any]:
+        return {"method": self.cfg.method, **(c.result.stats if c.result else {})}
+
+    async def respond(self, request: Request) -> dict[str, Any] | Response:
+        """The whole response, after every choice is done (non-streamed request)."""
+        try:
+            async for _ in self.events(request):
+                pass
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the rows are freed
+        finally:
+            self.cancel_open()
+        failed = [c for c in self.choices if c.error is not None]
+        if failed:
+            raise ApiError(500, f"generation failed: {failed[0].error}", "server_error")
+        m = self.cfg.max_new_tokens
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [choice_object(c, self.chat, m, self.extra(c)) for c in self.choices],
+            "usage": self.usage(),
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    async def stream(self) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request, ending in ``data: [DONE]``."""
+        chat, m = self.chat, self.cfg.max_new_tokens
+        try:
+            if chat:
+                for c in self.choices:
+                    yield self._chunk([chunk_choice(c, chat, None, None, first=True)])
+            async for what, c, text in self.events():
+                if what == "done" and c.error is not None:
+                    yield sse(error_body(f"generation failed: {c.error}", "server_error"))
+                    continue
+                if text:
+                    yield self._chunk([chunk_choice(c, chat, text, None)])
+                if what == "done":
+                    last = chunk_choice(c, chat, None, c.finish_reason(m))
+                    last["smcspec"] = self.extra(c)
+                    yield self._chunk([last])
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._chunk([], self.usage())
+            yield sse("[DONE]")
+        finally:  # client gone (or done): free the rows of anything still running
+            self.cancel_open()
+
+
+async def create_completion(
+    state: ServerState, request: Request, body: CommonBody, prompt: Any, chat: bool
+) -> dict[str, Any] | Response:
+    """Serve one ``/v1/completions`` or ``/v1/chat/completions`` request."""
+    completion = Completion(state, body, prompt, chat)
+    completion.submit()
+    if body.stream:
+        return StreamingResponse(completion.stream(), media_type="text/event-stream")
+    return await completion.respond(request)

@@ -1,0 +1,130 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic models).
+
+Field names and meanings follow OpenAI's Completions and Chat Completions APIs. Fields that
+OpenAI defines but smcspec cannot honour are declared so that a request which sets them to
+anything but their neutral value is refused with 400 instead of being silently ignored
+(:func:`unsupported_fields`); fields OpenAI does not define are ignored, as OpenAI clients
+send extras such as ``user``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class SmcOptions(BaseModel):
+    """The ``smc`` extra field: per-request decoder settings (server defaults otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["smc", "sd", "ar"] | None = None
+    particles: int | None = None
+    draft_tokens: int | None = None
+    draft_temperature: float | None = None
+    alpha: float | None = None
+    ess_threshold: float | None = None
+    resampler: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CommonBody(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    smc: SmcOptions | None = None
+    # OpenAI fields smcspec does not implement: refused unless neutral
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+class CompletionBody(CommonBody):
+    prompt: str | list[int]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (only text parts are supported)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart]
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+        return role
+
+    def as_template_message(self) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template: text parts joined by newlines
+        (as vLLM does), ``developer`` mapped to ``system``."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatBody(CommonBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def unsupported_fields(body: CommonBody) -> list[str]:
+    """Names of OpenAI fields ``body`` sets to a value smcspec cannot honour."""
+    bad = []
+    if body.logprobs not in (None, False, 0):
+        bad.append("logprobs")
+    if body.top_logprobs not in (None, 0):
+        bad.append("top_logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0):
+            bad.append(name)
+    if body.logit_bias:
+        bad.append("logit_bias")
+    if body.response_format not in (None, {"type": "text"}):
+        bad.append("response_format")
+    if body.tools:
+        bad.append("tools")
+    if body.tool_choice not in (None, "none"):
+        bad.append("tool_choice")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            bad.append("echo")
+        if body.best_of not in (None, 1):
+            bad.append("best_of")
+        if body.suffix:
+            bad.append("suffix")
+    return bad

@@ -1,0 +1,385 @@
+"""The server against a hostile client: a corpus of bad or unusual requests.
+
+Every case asserts its status and, for errors, OpenAI's error shape; after every case the
+server must still be healthy and serve a normal request. Further tests cover the body-size
+limit, API keys, non-streamed disconnects, a worker that dies, and stopping the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from live_server import Server, free_port
+from tiny_models import make_tiny_chat_pair
+
+from smcspec import Engine, GenerationConfig
+from smcspec.models import load_hf_dir
+from smcspec.server import create_app
+
+MODEL = "tiny"
+BIG = 2**70
+USER = [{"role": "user", "content": "ab cd"}]
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return make_tiny_chat_pair(tmp_path_factory.mktemp("hardening"), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def engine(pair_dirs):
+    return Engine(load_hf_dir(pair_dirs[0]), load_hf_dir(pair_dirs[1]))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL))
+    yield srv
+    srv.stop()
+
+
+def completion(**fields) -> dict:
+    return {"json": {"model": MODEL, "prompt": "ab cd", "max_tokens": 4, **fields}}
+
+
+def chat(**fields) -> dict:
+    return {"json": {"model": MODEL, "messages": USER, "max_tokens": 4, **fields}}
+
+
+def raw(body: bytes) -> dict:
+    return {"content": body, "headers": {"content-type": "application/json"}}
+
+
+C, CC = "/v1/completions", "/v1/chat/completions"
+
+# (id, method, path, httpx arguments, expected status, expected error param)
+CASES = [
+    # seeds: any JSON integer is mapped into the generator's range; non-integers are 400
+    ("seed-2^70", "POST", C, completion(seed=BIG), 200, None),
+    ("seed-minus-2^70", "POST", C, completion(seed=-BIG), 200, None),
+    ("chat-seed-2^70-stream", "POST", CC, chat(seed=BIG, stream=True), 200, None),
+    ("seed-float", "POST", C, completion(seed=1.5), 400, "seed"),
+    ("seed-string", "POST", C, completion(seed="abc"), 400, "seed"),
+    # text the tokenizer cannot encode
+    ("prompt-lone-surrogate", "POST", C, raw(b'{"prompt": "ab \\ud800 cd"}'), 400, None),
+    (
+        "message-lone-surrogate",
+        "POST",
+        CC,
+        raw(b'{"messages": [{"role": "user", "content": "a \\udfff"}]}'),
+        400,
+        None,
+    ),
+    ("body-invalid-utf8", "POST", C, raw(b'{"prompt": "ab \xff\xfe cd"}'), 400, None),
+    ("body-not-json", "POST", CC, raw(b"{not json"), 400, None),
+    ("body-empty", "POST", C, raw(b""), 400, None),
+    ("body-json-array", "POST", C, raw(b"[]"), 400, None),
+    ("body-json-null", "POST", C, raw(b"null"), 400, None),
+    ("body-deeply-nested", "POST", C, raw(b"[" * 100_000 + b"]" * 100_000), 400, None),
+    ("temperature-nan", "POST", C, raw(b'{"prompt": "ab", "temperature": NaN}'), 400, None),
+    ("content-type-text", "POST", C, {"content": b'{"prompt": "ab"}'}, 400, None),
+    # routing and methods
+    ("get-completions", "GET", C, {}, 405, None),
+    ("put-chat", "PUT", CC, {}, 405, None),
+    ("delete-models", "DELETE", "/v1/models", {}, 405, None),
+    ("unknown-route", "POST", "/v1/nope", completion(), 404, None),
+    ("unknown-get", "GET", "/nope", {}, 404, None),
+    # chat messages
+    ("role-wizard", "POST", CC, chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
+     "messages.0.role"),  # fmt: skip
+    ("role-tool", "POST", CC, chat(messages=[{"role": "tool", "content": "hi"}]), 400,
+     "messages.0.role"),  # fmt: skip
+    ("role-developer", "POST", CC, chat(messages=[{"role": "developer", "content": "hi"},
+     *USER]), 200, None),  # fmt: skip
+    ("content-text-parts", "POST", CC, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}]), 200, None),  # fmt: skip
+    ("content-image-part", "POST", CC, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),  # fmt: skip
+    ("content-null", "POST", CC, chat(messages=[{"role": "user", "content": None}]), 400, None),
+    ("content-missing", "POST", CC, chat(messages=[{"role": "user"}]), 400, None),
+    ("messages-empty", "POST", CC, chat(messages=[]), 400, "messages"),
+    ("messages-missing", "POST", CC, {"json": {"model": MODEL}}, 400, "messages"),
+    # sampling parameters: implemented, or refused; never silently ignored
+    ("logprobs-chat", "POST", CC, chat(logprobs=True), 400, "logprobs"),
+    ("logprobs-completion", "POST", C, completion(logprobs=3), 400, "logprobs"),
+    ("presence-penalty", "POST", C, completion(presence_penalty=0.5), 400, "presence_penalty"),
+    ("frequency-penalty-zero", "POST", C, completion(frequency_penalty=0), 200, None),
+    ("logit-bias", "POST", C, completion(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("tools", "POST", CC, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tools"),  # fmt: skip
+    ("echo", "POST", C, completion(echo=True), 400, "echo"),
+    ("best-of", "POST", C, completion(best_of=3), 400, "best_of"),
+    ("suffix", "POST", C, completion(suffix="x"), 400, "suffix"),
+    # numbers out of range or of the wrong type
+    ("max-tokens-negative", "POST", C, completion(max_tokens=-1), 400, None),
+    ("max-tokens-string", "POST", C, completion(max_tokens="ten"), 400, "max_tokens"),
+    ("max-tokens-over-context", "POST", C, completion(max_tokens=10**9), 400, None),
+    ("temperature-negative", "POST", C, completion(temperature=-1), 400, None),
+    ("temperature-string", "POST", C, completion(temperature="hot"), 400, "temperature"),
+    ("n-zero", "POST", C, completion(n=0), 400, "n"),
+    ("n-99", "POST", C, completion(n=99), 400, "n"),
+    ("stop-int", "POST", C, completion(stop=5), 400, None),
+    ("stream-int", "POST", C, completion(stream=5), 400, "stream"),
+    ("smc-list", "POST", C, completion(smc=[1]), 400, "smc"),
+    ("smc-unknown-field", "POST", C, completion(smc={"foo": 1}), 400, "smc.foo"),
+    ("smc-method-beam", "POST", C, completion(smc={"method": "beam"}), 400, "smc.method"),
+    ("smc-particles-1e6", "POST", C, completion(smc={"particles": 10**6}), 400, None),
+    ("smc-alpha-zero", "POST", C, completion(smc={"alpha": 0}), 400, None),
+    ("smc-kappa-2", "POST", C, completion(smc={"ess_threshold": 2}), 400, None),
+    ("model-unknown", "POST", C, completion(model="gpt-4"), 400, "model"),
+    # prompts
+    ("prompt-ids-out-of-vocab", "POST", C, completion(prompt=[999_999]), 400, None),
+    ("prompt-ids-negative", "POST", C, completion(prompt=[-1]), 400, None),
+    ("prompt-ids-empty", "POST", C, completion(prompt=[]), 400, None),
+    ("prompt-nested", "POST", C, completion(prompt=[[1, 2]]), 400, None),
+    ("prompt-over-context", "POST", C, completion(prompt=list(range(1, 90)) * 10), 400, None),
+    ("prompt-missing", "POST", C, {"json": {"model": MODEL}}, 400, "prompt"),
+    ("prompt-empty", "POST", C, completion(prompt=""), 400, "prompt"),
+    # unusual but valid
+    ("authorization-without-key", "POST", C, {**completion(), "headers": {
+        "Authorization": "Bearer whatever"}}, 200, None),  # fmt: skip
+    ("max-tokens-1-n-3", "POST", C, completion(max_tokens=1, n=3), 200, None),
+    ("usage-without-stream", "POST", C, completion(stream_options={"include_usage": True}), 200,
+     None),  # fmt: skip
+]
+
+
+def assert_error_shape(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    return err
+
+
+def assert_still_serving(server: Server) -> None:
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    ok = httpx.post(server.url(C), timeout=60, **completion(max_tokens=2))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_corpus_has_at_least_40_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("name, method, path, kwargs, status, param", CASES,
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_or_unusual_request(server, name, method, path, kwargs, status, param):
+    r = httpx.request(method, server.url(path), timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    if status >= 400:
+        err = assert_error_shape(r)
+        if param is not None:
+            assert err["param"] == param, err
+    elif "stream" in kwargs.get("json", {}):
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.json()["choices"]
+    assert_still_serving(server)
+
+
+def _raw_http(port: int, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """Send ``head`` and ``body`` on a plain socket; the status and JSON body of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        header, rest = data.split(b"\r\n\r\n", 1)
+        lines = header.decode().split("\r\n")
+        fields = dict(line.split(": ", 1) for line in lines[1:])
+        length = int(fields.get("content-length", 0))
+        while len(rest) < length:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    return int(lines[0].split()[1]), json.loads(rest[:length])
+
+
+def test_a_50_mb_body_gets_413_before_it_is_sent(server):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 50000000\r\n\r\n"
+    )
+    t0 = time.perf_counter()
+    status, body = _raw_http(server.port, head, b'{"prompt": "')  # the rest is never sent
+    assert status == 413 and "larger than the limit" in body["error"]["message"]
+    assert time.perf_counter() - t0 < 5
+    assert_still_serving(server)
+
+
+def test_a_chunked_body_over_the_limit_gets_413(engine):
+    srv = Server(create_app(engine, model_name=MODEL, max_request_bytes=2048))
+    try:
+        payload = json.dumps({"model": MODEL, "prompt": "ab " * 2000}).encode()
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(payload[i : i + 1000]), payload[i : i + 1000])
+            for i in range(0, len(payload), 1000)
+        )
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        status, body = _raw_http(srv.port, head, chunks + b"0\r\n\r\n")
+        assert status == 413 and body["error"]["type"] == "invalid_request_error"
+        small = httpx.post(srv.url(C), timeout=60, **completion(max_tokens=2))
+        assert small.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_api_key(engine):
+    key = "sk-test-123"
+    srv = Server(create_app(engine, model_name=MODEL, api_key=key), api_key=key)
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            r = httpx.post(srv.url(C), headers=headers, timeout=30, **completion())
+            assert r.status_code == 401
+            assert assert_error_shape(r)["code"] == "invalid_api_key"
+        assert httpx.get(srv.url("/v1/models")).status_code == 401
+        assert httpx.get(srv.url("/metrics")).status_code == 401
+        assert httpx.get(srv.url("/health")).status_code == 200  # open for probes
+        r = srv.client().completions.create(model=MODEL, prompt="ab", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+        assert srv.metrics()["smcspec_generation_tokens_total"] >= 1
+    finally:
+        srv.stop()
+    srv = Server(create_app(engine, model_name=MODEL, api_key=key, public_metrics=True))
+    try:
+        assert httpx.get(srv.url("/metrics")).status_code == 200
+        assert httpx.get(srv.url("/v1/models")).status_code == 401
+    finally:
+        srv.stop()
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server):
+    before = server.metrics()
+    body = completion(max_tokens=400, smc={"particles": 16, "draft_tokens": 4})
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and hangs up
+        httpx.post(server.url(C), timeout=httpx.Timeout(30, read=1.0), **body)
+    deadline = time.time() + 10
+    key = 'smcspec_requests_total{"method": "smc", "outcome": "cancelled"}'
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["smcspec_running_requests"] == 0 and m.get(key, 0) > before.get(key, 0):
+            break
+        time.sleep(0.05)
+    assert m["smcspec_running_requests"] == 0
+    assert m.get(key, 0) == before.get(key, 0) + 1
+    success = 'smcspec_requests_total{"method": "smc", "outcome": "success"}'
+    assert m.get(success, 0) == before.get(success, 0)  # not counted as a success
+    assert_still_serving(server)
+
+
+def test_a_dead_worker_makes_health_503_and_calls_on_fatal(engine):
+    app = create_app(engine, model_name=MODEL)
+    scheduler = app.state.scheduler
+    died = threading.Event()
+    scheduler.on_fatal = lambda exc: died.set()
+
+    def broken_step():
+        raise AssertionError("a scheduler bug")
+
+    scheduler.step = broken_step
+    srv = Server(app)
+    try:
+        r = httpx.post(srv.url(C), timeout=30, **completion())
+        assert r.status_code == 500 and "worker failed" in assert_error_shape(r)["message"]
+        assert died.wait(5)
+        assert httpx.get(srv.url("/health")).status_code == 503
+        r = httpx.post(srv.url(C), timeout=30, **completion())
+        assert r.status_code == 503 and assert_error_shape(r)["type"] == "service_unavailable_error"
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------ the server process
+def _serve(pair_dirs, *extra: str, script: str | None = None) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    args = ["serve", "--target", str(pair_dirs[0]), "--draft", str(pair_dirs[1]),
+            "--port", str(port), *extra]  # fmt: skip
+    code = script or "import sys; from smcspec.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read().decode()
+    proc.kill()
+    raise RuntimeError("server process did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_stream_stops_the_process_within_10_s(pair_dirs, sig):
+    proc, port = _serve(pair_dirs, "--shutdown-timeout", "2")
+    got_token = threading.Event()
+
+    def stream() -> None:
+        body = {"model": None, "prompt": "ab", "max_tokens": 400, "stream": True,
+                "smc": {"particles": 16, "draft_tokens": 4}}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}{C}", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if '"text"' in line:
+                        got_token.set()
+        except httpx.HTTPError:
+            pass
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    try:
+        assert got_token.wait(60)
+        t0 = time.perf_counter()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=10)
+        assert time.perf_counter() - t0 < 10
+        # uvicorn shuts down, then re-raises the signal: killed by it (SIGTERM), or the
+        # CLI's KeyboardInterrupt exit (SIGINT)
+        assert code in (0, -sig, 128 + sig), proc.stderr.read().decode()[-2000:]
+        client.join(10)
+        assert not client.is_alive()  # the stream ended too
+    finally:
+        proc.kill()
+
+
+def test_a_dead_worker_makes_the_process_exit_non_zero(pair_dirs):
+    script = (
+        "import sys\n"
+        "from smcspec.scheduler import BatchScheduler\n"
+        "def broken(self):\n"
+        "    raise AssertionError('a scheduler bug')\n"
+        "BatchScheduler.step = broken\n"
+        "from smcspec.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc, port = _serve(pair_dirs, script=script)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}{C}", json={"prompt": "ab"}, timeout=30)
+        assert r.status_code == 500
+        t0 = time.perf_counter()
+        code = proc.wait(timeout=10)
+        assert code == 1 and time.perf_counter() - t0 < 10
+        assert "worker died" in proc.stderr.read().decode()
+    finally:
+        proc.kill()
