@@ -118,3 +118,83 @@ def test_plain_output_streams_then_prints_one_stats_line(pair, capsys):
         r"resamples \d+, mean ESS",
         lines[-1],
     )
+
+
+# ------------------------------------------------------------------ hostile inputs
+# (args after `generate PROMPT --target T --draft D --no-chat -m 4`, exit code, stderr pattern)
+HOSTILE = [
+    (["--seed", str(2**70)], 0, None),  # any integer seed is used modulo 2**64
+    (["--seed", str(-(2**70))], 0, None),
+    (["--seed", "1.5"], "usage", "invalid int value"),
+    (["--temperature", "nan"], 2, "temperature must be a finite number"),
+    (["--temperature", "inf"], 2, "temperature must be a finite number"),
+    (["--draft-temperature", "1e-400"], 2, "draft_temperature must be"),
+    (["-m", "100000"], 2, "exceeds the model context"),
+    (["-m", "-3"], 2, "max_new_tokens must be"),
+    (["-N", "100000"], 2, "particles N must be in"),
+    (["-K", "-1"], 2, "draft_tokens K must be in"),
+    (["--ess-threshold", "nan"], 2, "ess_threshold kappa must be in"),
+    (["--alpha=-inf"], 2, "alpha must be"),
+    (["--dtype", "int8"], "usage", "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", HOSTILE)
+def test_hostile_options_give_one_line_or_succeed(pair, capsys, args, code, message):
+    target, draft = pair
+    argv = ["generate", "ab cd", "--target", target, "--draft", draft, "--no-chat", "-m", "4"]
+    if code == "usage":  # argparse refuses it: usage text and exit 2
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, *args])
+        assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)
+        return
+    assert main([*argv, *args]) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if message is None:
+        assert err == ""
+    else:
+        assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err)
+
+
+@pytest.mark.parametrize(
+    "prompt, chat",
+    [("ab \udcff cd", False), ("ab \ud800", True), ("   ", False)],
+    ids=["surrogate-escaped-byte", "lone-surrogate-chat", "blank"],
+)
+def test_prompts_the_tokenizer_cannot_take_are_one_line_errors(pair, capsys, prompt, chat):
+    target, draft = pair
+    argv = ["generate", prompt, "--target", target, "--draft", draft, "-m", "4"]
+    code = main(argv if chat else [*argv, "--no-chat"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_invalid_utf8_bytes_on_the_command_line(pair):
+    """The real process: argv bytes that are not UTF-8 (Python decodes them as surrogates)."""
+    import os
+    import subprocess
+    import sys
+
+    target, draft = pair
+    argv = [sys.executable, "-m", "smcspec", "generate", b"ab \xff\xfe cd", "--target", target,
+            "--draft", draft, "--no-chat", "-m", "4"]  # fmt: skip
+    proc = subprocess.run(
+        [os.fsencode(a) for a in argv], capture_output=True, timeout=120, env=os.environ
+    )
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 2 and "not valid text" in err and "Traceback" not in err, err
+
+
+def test_serve_refuses_bad_settings_before_loading(capsys):
+    for args, message in (
+        (["--port", "70000"], "--port must be in"),
+        (["--max-request-bytes", "10"], "max_request_bytes must be"),
+        (["--api-key", " "], "API key must not be empty"),
+        (["--max-running", "0"], "max_running must be"),
+        (["--target", "/nonexistent.gguf"], "does not exist"),
+    ):
+        assert main(["serve", *args]) in (2, 3)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err
