@@ -8,7 +8,8 @@ import re
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from smcspec.cli import main
+from smcspec.cli import _gsm8k_data, build_parser, main
+from smcspec.eval.gsm8k import packaged_test_path
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,15 @@ def test_plain_output_streams_then_prints_one_stats_line(pair, capsys):
         r"resamples \d+, mean ESS",
         lines[-1],
     )
+
+
+def test_eval_gsm8k_reads_the_packaged_test_split_unless_data_is_given(tmp_path, capsys):
+    assert _gsm8k_data(build_parser().parse_args(["eval", "gsm8k"])) == packaged_test_path()
+    mine = tmp_path / "g.jsonl"
+    mine.write_text('{"question": "q", "answer": "#### 1"}\n')
+    args = build_parser().parse_args(["eval", "gsm8k", "--data", str(mine)])
+    assert _gsm8k_data(args) == mine
+    code = main(["eval", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--rescore"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GSM8K file not found") and "Traceback" not in err

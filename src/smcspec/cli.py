@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from smcspec.config import METHODS, GenerationConfig
 from smcspec.errors import ConfigError, SmcspecError
@@ -88,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
     e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
     e.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=2,4,8'")
-    e.add_argument("--data", default=None, help="GSM8K JSONL (default: ../shared copy)")
+    e.add_argument(
+        "--data", default=None, help="GSM8K JSONL (default: the test split shipped in the package)"
+    )
     e.add_argument("--limit", type=int, default=None, help="seeded random subset size")
     e.add_argument("--subset-seed", type=int, default=0)
     e.add_argument("--out", default="eval-out", help="directory for results.jsonl and reports")
@@ -123,8 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from smcspec.eval import harness
     from smcspec.eval.results import ResultFile
 
@@ -135,14 +136,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.task == "gsm8k":
         from smcspec.eval.gsm8k import load_gsm8k
 
-        rel = Path("..") / "shared" / "data" / "gsm8k" / "test.jsonl"
-        # default: the project's shared copy beside the checkout (or beside the cwd)
-        repo = Path(__file__).resolve().parents[2]
-        found = [p for p in (repo / rel, Path.cwd() / rel) if p.is_file()]
-        data = args.data or str(found[0] if found else repo / rel)
-        if not Path(data).is_file():
-            raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
-        items = load_gsm8k(data, args.limit, args.subset_seed)
+        items = load_gsm8k(_gsm8k_data(args), args.limit, args.subset_seed)
     else:
         from smcspec.eval.humaneval import load_humaneval
 
@@ -178,11 +172,27 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gsm8k_data(args: argparse.Namespace) -> Path:
+    """The GSM8K JSONL file to read: ``--data``, else the test split shipped in the package.
+
+    Raises:
+        ConfigError: if that file does not exist.
+    """
+    from smcspec.eval.gsm8k import packaged_test_path
+
+    try:
+        data = Path(args.data) if args.data else packaged_test_path()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc} (pass --data)") from exc
+    if not data.is_file():
+        raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
+    return data
+
+
 def _provenance(args: argparse.Namespace) -> str:
     """Date, machine (CPU model and threads, or the GPU's name), torch version and dtype."""
     import platform
     from datetime import date
-    from pathlib import Path
 
     import torch
 
@@ -200,8 +210,6 @@ def _provenance(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from smcspec.eval import bench, harness
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
