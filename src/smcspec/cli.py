@@ -28,7 +28,47 @@ def _load_engine(args: argparse.Namespace, with_draft: bool = True):
     )
 
 
-def _model_options() -> argparse.ArgumentParser:
+DEFAULT_MAX_NEW_TOKENS = 128
+"""New tokens per answer of ``generate``, ``serve`` and ``bench`` unless ``-m`` is given."""
+
+EVAL_MAX_NEW_TOKENS = {"gsm8k": 512, "humaneval": 1024}
+"""Per-task new-token budgets of ``eval`` unless ``-m`` is given (at 128, GSM8K answers were
+cut before their ``#### N`` line). GSM8K: 512, as in the SMC-SD reference engine's GSM8K script.
+HumanEval: OpenAI's ``human-eval`` harness and the Codex paper fix no budget (Codex sampled
+until a stop sequence such as ``"\\ndef"``); OpenAI's ``simple-evals``, which like us asks a
+chat model for the whole function, samples with ``max_tokens=1024`` by default. The whole
+reference function (prompt plus canonical solution) is up to 557 tokens with the default
+pair's Qwen2.5 tokenizer (HumanEval/129; median 167), so 512 could cut a correct answer.
+"""
+
+_EVAL_M_HELP = (
+    "max new tokens per answer (default: gsm8k 512, as in the SMC-SD reference GSM8K script; "
+    "humaneval 1024, as in OpenAI's simple-evals, since human-eval and the Codex paper set no "
+    "budget and the longest reference function is 557 tokens; fidelity does not use it)"
+)
+
+_BENCH_M_HELP = (
+    f"new tokens per request (default: {DEFAULT_MAX_NEW_TOKENS}); EOS is ignored unless "
+    "--stop-at-eos, so every request decodes exactly this many"
+)
+
+
+def resolve_max_new_tokens(args: argparse.Namespace) -> int:
+    """The new-token budget of a parsed command: ``-m`` if given (even an invalid value, so
+    that validation reports it), else :data:`EVAL_MAX_NEW_TOKENS` for ``eval`` tasks, else
+    :data:`DEFAULT_MAX_NEW_TOKENS`."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if args.command == "eval":
+        return EVAL_MAX_NEW_TOKENS.get(args.task, DEFAULT_MAX_NEW_TOKENS)
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentParser:
+    """Model and decoding options shared by the subcommands; ``max_new_tokens_help`` is the
+    subcommand's help for ``-m`` (its default is resolved after parsing, see
+    :func:`resolve_max_new_tokens`)."""
+    m_help = max_new_tokens_help or f"max new tokens (default: {DEFAULT_MAX_NEW_TOKENS})"
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
@@ -39,7 +79,7 @@ def _model_options() -> argparse.ArgumentParser:
     d.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
     d.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")
     d.add_argument("--draft-tokens", "-K", type=int, default=4, help="draft tokens K per round")
-    d.add_argument("--max-new-tokens", "-m", type=int, default=128)
+    d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
     d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
     d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
@@ -85,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-waiting", type=int, default=64, help="queued requests beyond this get HTTP 429"
     )
-    e = sub.add_parser("eval", parents=[common], help="task accuracy of several methods")
+    e = sub.add_parser(
+        "eval", parents=[_model_options(_EVAL_M_HELP)], help="task accuracy of several methods"
+    )
     e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
     e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
     e.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=2,4,8'")
@@ -108,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
     e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
     b = sub.add_parser(
-        "bench", parents=[common], help="tokens/s and time to first token on ShareGPT prompts"
+        "bench",
+        parents=[_model_options(_BENCH_M_HELP)],
+        help="tokens/s and time to first token on ShareGPT prompts",
     )
     b.add_argument("--methods", default="ar,sd,smc", help="comma list of ar, sd, smc")
     b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
@@ -341,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    args.max_new_tokens = resolve_max_new_tokens(args)
     try:
         if args.command == "generate":
             return _generate(args)
