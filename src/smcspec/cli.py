@@ -199,7 +199,8 @@ def _eval(args: argparse.Namespace) -> int:
     note = (
         f"{answered} of {len(items)} items answered (subset seed {args.subset_seed}), "
         f"methods {args.methods}"
-        f"{', grid ' + args.grid if args.grid else ''}; max_new_tokens {base.max_new_tokens}, "
+        f"{', grid ' + args.grid if args.grid else ''}; "
+        f"{harness.budget_note(records, base.max_new_tokens)}, "
         f"T_t {base.temperature}, T_d {base.draft_temperature}; {_provenance(args)}.\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
@@ -282,13 +283,21 @@ def _bench(args: argparse.Namespace) -> int:
         f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
         f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
         f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
-        f"{'' if args.stop_at_eos else ' (EOS ignored)'}; T_t {base.temperature}, T_d "
+        f"{_bench_eos_note(args.stop_at_eos)}; T_t {base.temperature}, T_d "
         f"{base.draft_temperature}; one request at a time, methods alternated.\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
     report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
+
+
+def _bench_eos_note(stop_at_eos: bool) -> str:
+    """How the bench report's token budget reads: with EOS ignored every request runs to the
+    budget, so a count of capped requests would say nothing."""
+    if stop_at_eos:
+        return " (stop at EOS; capped: requests that reached the budget without an end token)"
+    return " (EOS ignored: every request decodes exactly that many, all hit the cap)"
 
 
 def _fidelity(args: argparse.Namespace) -> int:
