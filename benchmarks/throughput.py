@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from smcspec import Engine, GenerationConfig
+from smcspec.eval.gsm8k import packaged_test_path
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 
 CODING = [
@@ -37,11 +38,10 @@ CODING = [
     "Write a Python class implementing a stack with push, pop and peek.",
     "Explain what a Python list comprehension is and give two examples.",
 ]
-GSM8K = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def prompts(n: int) -> list[str]:
-    with open(GSM8K) as f:
+    with open(packaged_test_path()) as f:
         qs = [json.loads(line)["question"] for line in f]
     math = [q + "\nSolve step by step." for q in qs[: (n + 1) // 2]]
     code = CODING[: n // 2]

@@ -8,7 +8,8 @@ import re
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from smcspec.cli import main
+from smcspec.cli import _gsm8k_data, build_parser, main, resolve_max_new_tokens
+from smcspec.eval.gsm8k import packaged_test_path
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +199,49 @@ def test_serve_refuses_bad_settings_before_loading(capsys):
         assert main(["serve", *args]) in (2, 3)
         err = capsys.readouterr().err
         assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err
+
+
+def _budget(argv: list[str]) -> int:
+    return resolve_max_new_tokens(build_parser().parse_args(argv))
+
+
+def test_max_new_tokens_defaults_per_command_and_task():
+    assert _budget(["eval", "gsm8k"]) == 512  # 128 cut GSM8K answers before their #### line
+    assert _budget(["eval", "humaneval"]) == 1024
+    assert _budget(["eval", "gsm8k", "-m", "64"]) == 64  # an explicit -m always wins
+    assert _budget(["eval", "humaneval", "--max-new-tokens", "300"]) == 300
+    assert _budget(["generate", "hi"]) == _budget(["serve"]) == _budget(["bench"]) == 128
+    assert _budget(["bench", "-m", "32"]) == 32
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [(["eval"], "default: gsm8k 512"), (["bench"], "default: 128"), (["generate"], "default: 128")],
+)
+def test_help_shows_the_effective_budget(capsys, command, shown):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--help"])
+    assert exc.value.code == 0
+    assert shown in " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+@pytest.mark.parametrize("m, expected", [([], 512), (["-m", "64"], 64)])
+def test_eval_gsm8k_report_states_the_budget_used(tmp_path, capsys, m, expected):
+    """End to end through main without a model: --rescore of an empty run still reports."""
+    out = tmp_path / "run"
+    code = main(["eval", "gsm8k", "--limit", "2", "--rescore", "--out", str(out), *m])
+    assert code == 0
+    assert f"max_new_tokens {expected}," in (out / "summary.md").read_text()
+    capsys.readouterr()
+
+
+def test_eval_gsm8k_reads_the_packaged_test_split_unless_data_is_given(tmp_path, capsys):
+    assert _gsm8k_data(build_parser().parse_args(["eval", "gsm8k"])) == packaged_test_path()
+    mine = tmp_path / "g.jsonl"
+    mine.write_text('{"question": "q", "answer": "#### 1"}\n')
+    args = build_parser().parse_args(["eval", "gsm8k", "--data", str(mine)])
+    assert _gsm8k_data(args) == mine
+    code = main(["eval", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--rescore"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GSM8K file not found") and "Traceback" not in err

@@ -90,6 +90,7 @@ def test_run_bench_alternates_methods_and_measures_ttft(engine):
         assert order == names[i:] + names[:i]
     for r in recs:
         assert r["new_tokens"] == 6  # EOS ignored: equal work for every method
+        assert r["max_new_tokens"] == 6 and r["hit_cap"] is None  # a cap count says nothing
         assert r["tokens_per_second"] > 0 and r["seconds"] > 0
         if r["method"] != "smc-n2-k2" and r["method"] != "smc-n3-k2":
             # ar and sd stream every token: the first arrives before the end
@@ -161,3 +162,17 @@ def test_bench_speeds_feed_the_pareto_plot(tmp_path):
     for path in (bad, tmp_path / "missing.jsonl"):
         with pytest.raises(ConfigError):
             bench.load_bench_speeds(path)
+
+
+def test_bench_capped_column_only_when_eos_is_honoured(tmp_path):
+    def rec(method: str, capped: bool | None) -> dict:
+        return {"method": method, "tokens_per_second": 4.0, "ttft_seconds": 0.1, "hit_cap": capped}
+
+    ignored = bench.summarize_bench([rec("ar", None), rec("ar", None)])  # the default run
+    assert ignored[0]["capped"] is None
+    text = bench.write_bench_report(ignored, [], tmp_path / "a", "t").read_text()
+    assert "capped" not in text
+    honoured = bench.summarize_bench([rec("ar", True), rec("ar", False), rec("ar", True)])
+    assert (honoured[0]["capped"], honoured[0]["capped_known"]) == (2, 3)
+    text = bench.write_bench_report(honoured, [], tmp_path / "b", "t").read_text()
+    assert "| capped |" in text and text.splitlines()[6].endswith(" | 2/3 |")

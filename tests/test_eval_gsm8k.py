@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from smcspec.eval.gsm8k import (
     is_correct,
     load_gsm8k,
     normalize_number,
+    packaged_test_path,
 )
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = packaged_test_path()  # shipped in the package: no skip, no path outside the repo
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,20 @@ def test_build_messages_asks_for_hash_line() -> None:
     assert "step by step" in msgs[-1]["content"]
 
 
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="GSM8K test set not present")
+def test_packaged_test_split_ships_with_its_licence() -> None:
+    """The test split is package data (not a folder beside the checkout), licence beside it."""
+    import smcspec.eval
+
+    package_dir = Path(smcspec.eval.__file__).resolve().parent
+    assert GSM8K_TEST.resolve() == package_dir / "data" / "gsm8k" / "test.jsonl"
+    licence = (GSM8K_TEST.parent / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in licence
+    first = json.loads(GSM8K_TEST.read_text(encoding="utf-8").splitlines()[0])
+    assert first["answer"].strip().splitlines()[-1] == "#### 18"
+    default = load_gsm8k()  # no path: the packaged split
+    assert len(default) == 1319 and default[0].answer == "18"
+
+
 def test_load_gsm8k_real_file() -> None:
     items = load_gsm8k(GSM8K_TEST)
     assert len(items) == 1319

