@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_hf_model
+from tiny_models import CHAT_TEMPLATE, make_tiny_hf_model
 
 from smcspec import (
     ConfigError,
@@ -119,3 +119,41 @@ def test_nan_logits_raise_a_clear_error(dirs, method):
 def test_invalid_config_is_refused_before_decoding(engine):
     with pytest.raises(ConfigError):
         engine.generate("ab", GenerationConfig(particles=0), chat=False)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_finish_reason_length_or_stop(engine, method):
+    r = engine.generate("ab cd", cfg(method, max_new_tokens=5, ignore_eos=True), chat=False)
+    assert r.new_tokens == 5 and r.finish_reason == "length"
+    every = tuple(range(engine.vocab))  # whatever is drawn first ends the answer
+    r = engine.generate("ab cd", cfg(method, max_new_tokens=1, stop_token_ids=every), chat=False)
+    assert r.new_tokens == 1 and r.finish_reason == "stop"  # a stop token on the last slot
+
+
+@pytest.mark.parametrize("seed", [2**70, -(2**70), 2**64 + 7])
+def test_any_integer_seed_is_used_modulo_2_64(engine, seed):
+    a = engine.generate("ab cd", cfg("smc", seed=seed), chat=False)
+    b = engine.generate("ab cd", cfg("smc", seed=seed % 2**64), chat=False)
+    assert a.token_ids == b.token_ids and a.stats["seed"] == seed % 2**64
+
+
+@pytest.mark.parametrize(
+    "prompt, chat",
+    [
+        ("ab \ud800 cd", False),
+        ([{"role": "user", "content": "a \udfff"}], True),
+        ([{"role": "user", "content": None}], True),
+        ([{"role": 3, "content": "x"}], True),
+        ([], True),
+    ],
+)
+def test_text_that_cannot_be_encoded_is_a_config_error(engine, monkeypatch, prompt, chat):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    with pytest.raises(ConfigError, match="not valid text|message 0|non-empty list"):
+        engine.prepare(prompt, cfg("ar"), chat=chat)
+
+
+def test_seed_must_be_an_integer():
+    for bad in (1.5, "1", True):
+        with pytest.raises(ConfigError, match="seed must be an integer"):
+            GenerationConfig(seed=bad).validate()

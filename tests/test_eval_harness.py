@@ -106,13 +106,15 @@ def test_fidelity_report(tmp_path):
 
 
 def test_hit_token_cap_rule():
+    from smcspec.decoding.common import hit_token_cap
+
     """Capped = the budget is used up and the last token is not a stop token."""
     stop = {9}
-    assert harness.hit_token_cap([1, 2, 3], 3, stop)
-    assert not harness.hit_token_cap([1, 2, 9], 3, stop)  # EOS as the last allowed token
-    assert not harness.hit_token_cap([1, 9], 3, stop)
-    assert not harness.hit_token_cap([1, 2], 3, stop)
-    assert harness.hit_token_cap([1, 2, 9], 3, set())  # EOS ignored: full length is capped
+    assert hit_token_cap([1, 2, 3], 3, stop)
+    assert not hit_token_cap([1, 2, 9], 3, stop)  # EOS as the last allowed token
+    assert not hit_token_cap([1, 9], 3, stop)
+    assert not hit_token_cap([1, 2], 3, stop)
+    assert hit_token_cap([1, 2, 9], 3, set())  # EOS ignored: full length is capped
 
 
 def test_run_task_records_the_budget_and_whether_it_was_hit(engine, tmp_path):

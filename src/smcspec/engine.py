@@ -21,6 +21,7 @@ import torch
 
 from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, ar_program, run_program, sd_program, smc_program
+from smcspec.decoding.common import hit_token_cap
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
@@ -52,6 +53,7 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
     particles: list[dict[str, Any]] | None = None
     log_normalizer: float | None = None
+    finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -61,6 +63,7 @@ class GenerationResult:
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "finish_reason": self.finish_reason,
             **self.stats,
         }
         if self.particles is not None:
@@ -267,6 +270,9 @@ class Engine:
             stats=stats,
             particles=particles,
             log_normalizer=out.log_normalizer,
+            finish_reason=(
+                "length" if hit_token_cap(out.tokens, cfg.max_new_tokens, job.stop_ids) else "stop"
+            ),
         )
 
     def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
@@ -295,7 +301,7 @@ def _check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as exc:
         raise ConfigError(
             f"{what} is not valid text: {exc.reason} at character {exc.start} "
-            f"({text[exc.start:exc.end]!r}); send UTF-8 text"
+            f"({text[exc.start : exc.end]!r}); send UTF-8 text"
         ) from None
 
 

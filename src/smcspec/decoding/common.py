@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,18 @@ def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int],
         if t in stop_ids:
             return tokens[: i + 1], True
     return tokens, False
+
+
+def hit_token_cap(token_ids: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> bool:
+    """Whether an answer was cut by the new-token budget rather than ending on its own.
+
+    The rule: the answer has ``max_new_tokens`` tokens (or more) *and* its last token is not a
+    stop token (EOS or the chat template's end of turn; decoders keep the stop token that
+    ended an answer). An answer whose stop token is exactly the last allowed token ended on
+    its own and is not counted. With EOS ignored (``stop_ids`` empty) every answer of full
+    length counts as capped.
+    """
+    return len(token_ids) >= max_new_tokens and not (token_ids and token_ids[-1] in stop_ids)
 
 
 def cache_capacity(max_new_tokens: int, draft_tokens: int) -> int:

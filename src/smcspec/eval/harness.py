@@ -10,7 +10,7 @@ file can be re-scored without generating again (:func:`rescore`).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from scipy.stats import mannwhitneyu
 from tqdm import tqdm
 
 from smcspec.config import GenerationConfig
+from smcspec.decoding.common import hit_token_cap
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
 from smcspec.eval import gsm8k, humaneval
@@ -101,18 +102,6 @@ def _humaneval_messages(item: humaneval.HumanEvalProblem) -> list[dict[str, str]
     ]
 
 
-def hit_token_cap(token_ids: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> bool:
-    """Whether an answer was cut by the new-token budget rather than ending on its own.
-
-    The rule: the answer has ``max_new_tokens`` tokens (or more) *and* its last token is not a
-    stop token (EOS or the chat template's end of turn; decoders keep the stop token that
-    ended an answer). An answer whose stop token is exactly the last allowed token ended on
-    its own and is not counted. With EOS ignored (``stop_ids`` empty) every answer of full
-    length counts as capped.
-    """
-    return len(token_ids) >= max_new_tokens and not (token_ids and token_ids[-1] in stop_ids)
-
-
 def answer_stop_ids(engine: Engine, cfg: GenerationConfig) -> frozenset[int]:
     """The tokens that end an answer of ``cfg`` (as :meth:`Engine.prepare` sets them)."""
     return frozenset() if cfg.ignore_eos else engine.stop_ids | set(cfg.stop_token_ids)
@@ -132,7 +121,7 @@ def run_task(
 
     Records: ``id`` (``"<method>/<item id>"``), ``item``, ``method``, ``prompt_id``,
     ``output``, ``extracted``, ``correct``, ``new_tokens``, ``max_new_tokens`` (the budget),
-    ``hit_cap`` (cut by the budget, see :func:`hit_token_cap`), ``seconds``,
+    ``hit_cap`` (cut by the budget, see :func:`smcspec.decoding.common.hit_token_cap`), ``seconds``,
     ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
     token of the output under the target at temperature 1). Returns all records of the file.
     """

@@ -211,13 +211,12 @@ class Completion:
         failed = [c for c in self.choices if c.error is not None]
         if failed:
             raise ApiError(500, f"generation failed: {failed[0].error}", "server_error")
-        m = self.cfg.max_new_tokens
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice_object(c, self.chat, m, self.extra(c)) for c in self.choices],
+            "choices": [choice_object(c, self.chat, self.extra(c)) for c in self.choices],
             "usage": self.usage(),
         }
 
@@ -235,7 +234,7 @@ class Completion:
 
     async def stream(self) -> AsyncIterator[str]:
         """The server-sent events of a streamed request, ending in ``data: [DONE]``."""
-        chat, m = self.chat, self.cfg.max_new_tokens
+        chat = self.chat
         try:
             if chat:
                 for c in self.choices:
@@ -247,7 +246,7 @@ class Completion:
                 if text:
                     yield self._chunk([chunk_choice(c, chat, text, None)])
                 if what == "done":
-                    last = chunk_choice(c, chat, None, c.finish_reason(m))
+                    last = chunk_choice(c, chat, None, c.finish_reason())
                     last["smcspec"] = self.extra(c)
                     yield self._chunk([last])
             if self.body.stream_options and self.body.stream_options.include_usage:

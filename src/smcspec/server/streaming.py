@@ -58,11 +58,11 @@ class Choice:
             and not self.cancelled
         )
 
-    def finish_reason(self, max_new_tokens: int) -> str:
-        if self.matcher.stopped:
+    def finish_reason(self) -> str:
+        """``stop`` (a stop string, EOS or end of turn) or ``length`` (max_tokens reached)."""
+        if self.matcher.stopped or self.result is None:
             return "stop"
-        r = self.result
-        return "length" if r is not None and r.new_tokens >= max_new_tokens else "stop"
+        return self.result.finish_reason
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -70,13 +70,11 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def choice_object(
-    c: Choice, chat: bool, max_new_tokens: int, extra: dict[str, Any]
-) -> dict[str, Any]:
+def choice_object(c: Choice, chat: bool, extra: dict[str, Any]) -> dict[str, Any]:
     """A choice of a whole (non-streamed) response."""
     entry: dict[str, Any] = {
         "index": c.index,
-        "finish_reason": c.finish_reason(max_new_tokens),
+        "finish_reason": c.finish_reason(),
         "smcspec": extra,
     }
     if chat:
