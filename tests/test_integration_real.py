@@ -76,7 +76,7 @@ def test_truncated_gguf_is_refused(tmp_path, gguf_paths, monkeypatch):
 
 @pytest.fixture(scope="module")
 def draft_model(gguf_paths):
-    return load_model(gguf_paths[DEFAULT_DRAFT.name], sha256=DEFAULT_DRAFT.sha256)
+    return load_model(gguf_paths[DEFAULT_DRAFT.name], sha256=DEFAULT_DRAFT.sha256, backend="torch")
 
 
 def test_real_draft_forward_matches_transformers(draft_model):

@@ -97,7 +97,7 @@ def bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
     ``vocab_size - 1``. Every token but eos is spelled in the GPT-2 byte alphabet.
     """
     letters = [chr(ord("a") + i) for i in range(26)]
-    tokens = letters + ["\u0120"]
+    tokens = (letters + ["\u0120"])[: vocab_size - 1]  # tiny vocabularies: letters only
     merges: list[tuple[str, str]] = []
     i = 0
     while len(tokens) < vocab_size - 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from smcspec.config import METHODS, GenerationConfig
 from smcspec.errors import ConfigError, SmcspecError
+from smcspec.models.loading import BACKENDS
 from smcspec.sampling.resampling import RESAMPLERS
 
 
@@ -24,7 +25,13 @@ def _load_engine(args: argparse.Namespace, with_draft: bool = True):
     from smcspec.engine import Engine
 
     return Engine.load(
-        args.target, args.draft, device=args.device, dtype=args.dtype, with_draft=with_draft
+        args.target,
+        args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        with_draft=with_draft,
+        backend=args.backend,
+        threads=args.threads,
     )
 
 
@@ -74,7 +81,21 @@ def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentP
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
     g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=list(BACKENDS),
+        help="auto (default): llama.cpp for GGUF files on the CPU, torch otherwise",
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="llamacpp threads (default: physical cores)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="torch backend weights and compute (llamacpp uses the file's types)",
+    )
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
     d.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")

