@@ -97,8 +97,11 @@ def bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
     ``vocab_size - 1``. Every token but eos is spelled in the GPT-2 byte alphabet.
     """
     letters = [chr(ord("a") + i) for i in range(26)]
-    tokens = (letters + ["\u0120"])[: vocab_size - 1]  # tiny vocabularies: letters only
     merges: list[tuple[str, str]] = []
+    if vocab_size < 29:  # tiny vocabularies: letters and one merge (llama.cpp needs merges)
+        tokens = letters[: vocab_size - 2] + [letters[0] + letters[1]]
+        return tokens + [EOS_TOKEN], [(letters[0], letters[1])]
+    tokens = letters + ["\u0120"]
     i = 0
     while len(tokens) < vocab_size - 1:
         a, b = letters[i % 26], letters[(i // 26 + i) % 26]
