@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from enumerable import reference_kept
 
 from smcspec.sampling.truncation import truncate_log_probs, truncation_active
 
@@ -142,21 +143,6 @@ def test_unnormalised_and_float64_input_give_the_same_result():
     torch.testing.assert_close(shifted, out, atol=1e-6, rtol=0)
 
 
-def _reference_kept(p: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """Brute force in float64, one token at a time, following the documented rules."""
-    keep = np.ones(p.shape, dtype=bool)
-    if min_p > 0:
-        keep &= p >= min_p * p.max()
-    if 0 < top_k < p.size:
-        keep &= p >= np.sort(p)[::-1][top_k - 1]
-    if top_p < 1:
-        q = np.where(keep, p, 0.0)
-        q = q / q.sum()
-        above = np.array([q[q > q[v]].sum() for v in range(p.size)])
-        keep &= above < top_p
-    return keep
-
-
 @pytest.mark.parametrize(
     "scale, top_k, top_p, min_p",
     [
@@ -176,7 +162,7 @@ def test_matches_brute_force_on_a_large_vocabulary(scale, top_k, top_p, min_p):
     out = truncate_log_probs(lp, top_k, top_p, min_p)
     for row in range(2):
         p = lp[row].double().exp().numpy()
-        kept = _reference_kept(p, top_k, top_p, min_p)
+        kept = reference_kept(p, top_k, top_p, min_p)
         assert np.array_equal(torch.isfinite(out[row]).numpy(), kept)
         assert kept[p.argmax()]
         expected = np.where(kept, p, 0.0) / p[kept].sum()
