@@ -34,7 +34,8 @@ def reference_kept(
     Independent of :func:`smcspec.sampling.truncation.truncate_log_probs`: the documented
     rules one token at a time. min-p keeps ``p >= min_p * max p``; top-k keeps ``p >=`` the
     k-th largest; then top-p, on ``p`` renormalised over what is kept, keeps a token iff the
-    mass of the tokens strictly more likely than it is below ``top_p``.
+    mass of the tokens strictly more likely than it is below ``top_p - 1e-6`` (the
+    implementation's tolerance), always keeping the most likely token(s).
     """
     keep = np.ones(p.shape, dtype=bool)
     if min_p > 0:
@@ -45,7 +46,7 @@ def reference_kept(
         q = np.where(keep, p, 0.0)
         q = q / q.sum()
         above = np.array([q[q > q[v]].sum() for v in range(p.size)])
-        keep &= above < top_p
+        keep &= (above < top_p - 1e-6) | (q == q.max())
     return keep
 
 

@@ -144,23 +144,31 @@ def test_unnormalised_and_float64_input_give_the_same_result():
 
 
 @pytest.mark.parametrize(
-    "scale, top_k, top_p, min_p",
+    "scales, top_k, top_p, min_p",
     [
-        (4.0, 0, 0.9, 0.0),  # peaked: the cut is inside the 1024 largest (bounded path)
-        (0.05, 0, 0.9, 0.0),  # nearly flat over 3000 tokens: needs the full sort
-        (0.05, 2000, 0.5, 0.0),
-        (2.0, 50, 0.95, 0.01),
-        (2.0, 0, 1.0, 0.05),
+        # top-p's cut is searched among the 64, then 1024 largest values, then a full sort;
+        # nucleus sizes (tokens) of the rows are given for each case
+        ((8.0, 8.0), 0, 0.9, 0.0),  # ~10: within the first 64
+        ((4.0, 4.0), 0, 0.9, 0.0),  # 64 and 65: one row decided at 64, one at 1024
+        ((0.05, 0.05), 0, 0.9, 0.0),  # ~2700: full sort
+        ((8.0, 0.05), 0, 0.9, 0.0),  # one row per stage
+        ((4.0, 0.05, 8.0), 0, 0.5, 0.0),
+        ((0.05, 0.05), 2000, 0.5, 0.0),
+        ((2.0, 2.0), 50, 0.95, 0.01),
+        ((2.0, 2.0), 0, 1.0, 0.05),
+        ((1.0, 1.0), 3000, 1.0, 0.0),  # k = V keeps everything
     ],
 )
-def test_matches_brute_force_on_a_large_vocabulary(scale, top_k, top_p, min_p):
+def test_matches_brute_force_on_a_large_vocabulary(scales, top_k, top_p, min_p):
     g = torch.Generator().manual_seed(11)
     v = 3000
-    # quantise the logits so that ties occur
-    logits = torch.round(torch.randn(2, v, generator=g, dtype=torch.float64) * scale * 4) / 4
+    # logits rounded to multiples of 1/4 so that ties occur
+    logits = torch.stack(
+        [torch.round(torch.randn(v, generator=g, dtype=torch.float64) * s * 4) / 4 for s in scales]
+    )
     lp = torch.log_softmax(logits, -1).float()
     out = truncate_log_probs(lp, top_k, top_p, min_p)
-    for row in range(2):
+    for row in range(len(scales)):
         p = lp[row].double().exp().numpy()
         kept = reference_kept(p, top_k, top_p, min_p)
         assert np.array_equal(torch.isfinite(out[row]).numpy(), kept)

@@ -15,8 +15,6 @@ import math
 
 import torch
 
-_TOP_P_BOUND = 1024  # top-p first looks for its cut among this many most likely tokens
-
 
 def truncation_active(top_k: int, top_p: float, min_p: float) -> bool:
     """True when at least one filter is on (``top_k`` not 0/-1, ``top_p < 1``, ``min_p > 0``)."""
@@ -36,7 +34,8 @@ def truncate_log_probs(
             with the k-th are all kept, so a row may keep more than k); ``0`` or ``-1``: off;
             ``k >= V`` keeps every token.
         top_p: in (0, 1]; keep token v iff the mass of the tokens strictly more likely than
-            v is below ``top_p``, i.e. the smallest set of most likely tokens whose mass
+            v is below ``top_p`` (up to ``MASS_TOLERANCE`` = 1e-6: a mass within 1e-6 of
+            ``top_p`` reaches it), i.e. the smallest set of most likely tokens whose mass
             reaches ``top_p``, with every token tied at the boundary kept. The top token is
             always kept. ``1``: off.
         min_p: in [0, 1]; keep tokens with ``p(v) >= min_p * max_u p(u)``. ``0``: off.
@@ -53,40 +52,59 @@ def truncate_log_probs(
     if not truncation_active(top_k, top_p, min_p):
         return log_probs
     lp = log_probs.float()
-    keep: torch.Tensor | None = None
+    shape, v = lp.shape, lp.shape[-1]
+    lp = lp.reshape(-1, v)
+    # every filter keeps the tokens at or above a per-row threshold: keep lp >= max of them
+    thr: torch.Tensor | None = None
     if min_p > 0:
-        top = lp.amax(-1, keepdim=True)
-        keep = lp >= top + math.log(min_p)
-    if 0 < top_k < lp.shape[-1]:
+        thr = lp.amax(-1, keepdim=True) + math.log(min_p)
+    if 0 < top_k < v:
         kth = torch.topk(lp, top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-        k_keep = lp >= kth
-        keep = k_keep if keep is None else keep & k_keep
-    if keep is not None:
-        lp = lp.masked_fill(~keep, -math.inf)
+        thr = kth if thr is None else torch.maximum(thr, kth)
     if top_p < 1:
-        lp = lp.masked_fill(lp < _top_p_threshold(lp, top_p), -math.inf)
-    return torch.log_softmax(lp, dim=-1)
+        if thr is None:
+            thr = _top_p_threshold(lp, top_p)
+        else:  # on what min-p / top-k kept, renormalised
+            thr = torch.maximum(thr, _top_p_threshold(torch.where(lp >= thr, lp, -math.inf), top_p))
+    kept = lp if thr is None else torch.where(lp >= thr, lp, -math.inf)  # None: top_k >= V
+    return torch.log_softmax(kept, dim=-1).view(shape)
+
+
+_TOP_P_STAGES = (64, 1024)  # top-p looks for its cut among this many most likely tokens first
+MASS_TOLERANCE = 1e-6  # a prefix mass within this of top_p counts as reaching it
 
 
 def _top_p_threshold(lp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Smallest kept log-prob ``[..., 1]`` of the top-p rule on ``lp`` ``[..., V]``.
+    """Smallest kept log-prob ``[R, 1]`` of the top-p rule on the rows of ``lp`` ``[R, V]``
+    (``-inf`` marks tokens already removed; the rest is renormalised).
 
-    With ``s_0 >= s_1 >= ...`` the row sorted and ``c_i = sum_{j<i} p(s_j) / Z`` the mass
+    With ``s_0 >= s_1 >= ...`` a row sorted and ``c_i = sum_{j<i} p(s_j) / Z`` the mass
     before position i, the kept positions are ``i < L`` with ``L = #{i : c_i < top_p}``
     (``L >= 1`` since ``c_0 = 0``) and the threshold is ``s_{L-1}``; a token tied with it
-    sits in a group whose first position has ``c < top_p``, so it is kept as well. Only the
-    ``_TOP_P_BOUND`` largest values are sorted when they already hold ``top_p`` of the mass
-    (every row, checked); otherwise the whole row is. Masses in float64.
+    sits in a group whose first position has ``c < top_p``, so it is kept as well. "Reaches"
+    is up to :data:`MASS_TOLERANCE` (``c_i < top_p - 1e-6``, and at least one token), so that
+    a mass equal to ``top_p`` on paper is not decided by float rounding. Each row
+    is first cut among its 64 largest values (``torch.topk``), then 1024, and only if those
+    hold less than ``top_p`` of the mass is it fully sorted. ``Z`` (a float32 logsumexp)
+    and the prefix masses (float64 over the sorted values) are accurate to well within it.
     """
-    v = lp.shape[-1]
-    top = lp.amax(-1, keepdim=True)
-    total = (lp - top).double().exp().sum(-1, keepdim=True)  # Z / exp(top)
-    m = min(v, _TOP_P_BOUND)
-    s = torch.topk(lp, m, dim=-1).values  # sorted, descending
-    mass = (s - top).double().exp().cumsum(-1) / total
-    if m < v and not bool((mass[..., -1] >= top_p).all()):
-        s = torch.sort(lp, dim=-1, descending=True).values
-        mass = (s - top).double().exp().cumsum(-1) / total
-    before = torch.cat((torch.zeros_like(mass[..., :1]), mass[..., :-1]), -1)  # c_i
-    n_kept = (before < top_p).sum(-1, keepdim=True)  # L >= 1
-    return s.gather(-1, n_kept - 1)
+    r, v = lp.shape
+    log_z = torch.logsumexp(lp, -1, keepdim=True).double()
+    thr = torch.empty(r, 1, dtype=lp.dtype, device=lp.device)
+    rows = torch.arange(r, device=lp.device)
+    for m in (*_TOP_P_STAGES, v):
+        part = lp if rows.numel() == r else lp[rows]
+        if m < v:
+            s = torch.topk(part, m, dim=-1).values  # sorted, descending
+        else:
+            s = torch.sort(part, dim=-1, descending=True).values
+        mass = (s.double() - log_z[rows]).exp().cumsum(-1)  # c_1 .. c_m
+        before = torch.cat((torch.zeros_like(mass[:, :1]), mass[:, :-1]), -1)  # c_0 .. c_{m-1}
+        n_kept = (before < top_p - MASS_TOLERANCE).sum(-1, keepdim=True).clamp(min=1)  # L
+        reached = mass[:, -1] >= top_p - MASS_TOLERANCE  # then L <= m: this stage decides
+        done = reached if m < v else torch.ones_like(rows, dtype=torch.bool)
+        thr[rows[done]] = s[done].gather(-1, n_kept[done] - 1)
+        rows = rows[~done]
+        if rows.numel() == 0 or m >= v:
+            break
+    return thr
