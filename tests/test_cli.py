@@ -8,7 +8,7 @@ import re
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from smcspec.cli import _gsm8k_data, build_parser, main, resolve_max_new_tokens
+from smcspec.cli import _config, _gsm8k_data, build_parser, main, resolve_max_new_tokens
 from smcspec.eval.gsm8k import packaged_test_path
 
 
@@ -30,6 +30,10 @@ def pair(tmp_path_factory):
         (["--ess-threshold", "1.5"], "ess_threshold kappa must be in"),
         (["--max-new-tokens", "0"], "max_new_tokens must be"),
         (["--alpha", "0"], "alpha must be"),
+        (["--top-k", "-2"], "top_k must be"),
+        (["--top-p", "0"], "top_p must be in"),
+        (["--top-p", "nan"], "top_p must be in"),
+        (["--min-p", "1.5"], "min_p must be in"),
         (["--target", "/nonexistent/model.gguf"], "does not exist"),
         (["--device", "cuda:7"], "CUDA"),
     ],
@@ -40,6 +44,16 @@ def test_bad_options_exit_with_a_clear_error(capsys, args, message):
     assert code in (2, 3)
     assert err.startswith("error: ") and re.search(message, err)
     assert "Traceback" not in err
+
+
+def test_truncation_options_reach_the_config():
+    args = build_parser().parse_args(
+        ["generate", "hi", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"]
+    )
+    cfg = _config(args)
+    assert (cfg.top_k, cfg.top_p, cfg.min_p) == (40, 0.9, 0.05)
+    default = _config(build_parser().parse_args(["generate", "hi"]))
+    assert (default.top_k, default.top_p, default.min_p) == (0, 1.0, 0.0)  # all off
 
 
 def test_unknown_resampler_and_method_are_usage_errors(capsys):
@@ -89,6 +103,17 @@ def test_json_output(pair, capsys, method):
         assert {"rounds", "resamples", "mean_ess"} <= out.keys()
     if method == "sd":
         assert "acceptance_rate" in out
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_generate_with_truncation(pair, capsys, method):
+    target, draft = pair
+    args = ["generate", "ab cd", "--target", target, "--draft", draft, "--no-chat"]
+    args += ["--method", method, "-m", "6", "--seed", "2", "--json"]
+    code = main([*args, "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == method and 1 <= out["new_tokens"] <= 6
 
 
 def test_plain_output_streams_then_prints_one_stats_line(pair, capsys):

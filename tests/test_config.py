@@ -41,6 +41,17 @@ def test_config_is_frozen():
         {"ess_threshold": 1.0},
         {"ess_threshold": 1},
         {"seed": 0, "return_particles": True, "stop_token_ids": (2, 7)},
+        {"top_k": 0},
+        {"top_k": -1},
+        {"top_k": 1},
+        {"top_k": 1_000_000},  # more than the vocabulary: keeps everything
+        {"top_p": 1},
+        {"top_p": 1e-6},
+        {"top_p": 0.9},
+        {"min_p": 0},
+        {"min_p": 0.05},
+        {"min_p": 1.0},
+        {"top_k": 40, "top_p": 0.95, "min_p": 0.1},
     ]
     + [{"method": m} for m in METHODS]
     + [{"resampler": r} for r in RESAMPLERS],
@@ -82,6 +93,24 @@ def test_valid_values_pass(kwargs):
         {"max_new_tokens": 0},
         {"max_new_tokens": -5},
         {"max_new_tokens": 10.0},
+        {"top_k": -2},
+        {"top_k": 2.0},
+        {"top_k": True},
+        {"top_k": None},
+        {"top_p": 0.0},
+        {"top_p": 0},
+        {"top_p": -0.5},
+        {"top_p": 1.5},
+        {"top_p": math.nan},
+        {"top_p": math.inf},
+        {"top_p": True},
+        {"top_p": "0.9"},
+        {"top_p": None},
+        {"min_p": -0.1},
+        {"min_p": 1.01},
+        {"min_p": math.nan},
+        {"min_p": -math.inf},
+        {"min_p": False},
     ],
 )
 def test_bad_values_raise_config_error(kwargs):
@@ -95,3 +124,15 @@ def test_config_error_is_a_user_facing_value_error():
     assert isinstance(info.value, SmcspecError) and isinstance(info.value, ValueError)
     assert info.value.exit_code == 2
     assert "particles" in str(info.value)
+
+
+def test_truncation_defaults_are_off_and_errors_name_the_field():
+    cfg = GenerationConfig()
+    assert (cfg.top_k, cfg.top_p, cfg.min_p) == (0, 1.0, 0.0)
+    for kwargs, name in (
+        ({"top_k": -3}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"min_p": 2}, "min_p"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            GenerationConfig(**kwargs).validate()

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from smcspec.sampling.smc_weights import bonus_log_normalizer, incremental_log_weights
+from smcspec.sampling.smc_weights import (
+    bonus_log_normalizer,
+    incremental_log_weights,
+    power_log_probs,
+)
+from smcspec.sampling.truncation import truncate_log_probs
 
 
 def _brute_force(target_logp, draft_logp, alpha, bonus, kept) -> list[float]:
@@ -168,3 +173,60 @@ def test_bonus_normalizer_is_stable_for_large_logits():
     p = p / p.sum()
     assert math.isfinite(got)
     assert got == pytest.approx(math.log((p**2).sum()), abs=1e-10)
+
+
+# ----------------------------------------------------------------- power_log_probs (truncation)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.0, 3.5])
+def test_power_log_probs_without_truncation_is_the_bonus_normalizer(alpha):
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 60, generator=g) * 3
+    t = 0.7
+    log_r, log_z = power_log_probs(torch.log_softmax(logits.double() / t, -1), alpha)
+    assert log_r.dtype == torch.float32 and log_z.dtype == torch.float64
+    assert log_r.shape == (3, 60) and log_z.shape == (3,)
+    # tolerance 1e-10: float64 rounding of two equivalent formulas
+    torch.testing.assert_close(log_z, bonus_log_normalizer(logits, t, alpha), atol=1e-10, rtol=0)
+    # and r is softmax(alpha * l / T) (tolerance 1e-6: float32 output)
+    expected = torch.log_softmax(alpha * logits.double() / t, -1).float()
+    torch.testing.assert_close(log_r, expected, atol=1e-6, rtol=0)
+
+
+def test_power_log_probs_hand_computed_with_truncation():
+    # p = [1/2, 1/4, 1/8, 1/8], top_k = 2: p~ = [2/3, 1/3, 0, 0]; alpha = 2:
+    # Z = 4/9 + 1/9 = 5/9, r = [4/5, 1/5, 0, 0]
+    lp = truncate_log_probs(torch.tensor([0.5, 0.25, 0.125, 0.125]).log(), top_k=2)
+    log_r, log_z = power_log_probs(lp, 2.0)
+    assert float(log_z) == pytest.approx(math.log(5 / 9), abs=1e-6)  # float32 input
+    torch.testing.assert_close(log_r.exp(), torch.tensor([0.8, 0.2, 0.0, 0.0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5, 2.5])
+def test_power_log_probs_is_the_truncated_bonus_weight(alpha):
+    # For a bonus b drawn from r ∝ p~^alpha the weight against the target p~^alpha is
+    # alpha log p~(b) - log r(b) = log Z for every kept b; log Z = 0 at alpha = 1.
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(5, 80, generator=g) * 2
+    lp = truncate_log_probs(torch.log_softmax(logits, -1), top_k=10, top_p=0.9)
+    log_r, log_z = power_log_probs(lp, alpha)
+    kept = torch.isfinite(lp)
+    assert torch.equal(torch.isfinite(log_r), kept)  # same support
+    per_token = alpha * lp.double() - log_r.double()
+    # tolerance 1e-6: log_r is float32
+    torch.testing.assert_close(
+        per_token[kept], log_z[:, None].expand(5, 80)[kept], atol=1e-6, rtol=0
+    )
+    if alpha == 1.0:
+        torch.testing.assert_close(log_z, torch.zeros(5, dtype=torch.float64), atol=1e-6, rtol=0)
+    else:  # truncation changes the term: the untruncated normaliser would be wrong here
+        untruncated = bonus_log_normalizer(logits, 1.0, alpha)
+        assert ((log_z - untruncated).abs() > 1e-3).all()
+
+
+def test_drafted_token_outside_the_kept_set_gives_weight_zero():
+    # log p~(d) = -inf for a drafted token the target's truncation removed: log-weight -inf
+    tlp = torch.tensor([[-0.5, -math.inf], [-0.5, -1.0]])
+    dlp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+    got = incremental_log_weights(tlp, dlp, 1.0, None, torch.tensor([3, 3]))
+    assert got[0] == -math.inf and got[1] == pytest.approx(1.5)

@@ -105,6 +105,21 @@ def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentP
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
     d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
     d.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)"
+    )
+    d.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)",
+    )
+    d.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens with p >= min_p * max p, in [0, 1] (0: off)",
+    )
+    d.add_argument(
         "--ess-threshold",
         type=float,
         default=0.5,
@@ -374,6 +389,9 @@ def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
         ess_threshold=args.ess_threshold,
         resampler=args.resampler,
         seed=args.seed,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
         **extra,
     ).validate()  # fail on bad options before spending time loading models
 

@@ -33,6 +33,14 @@ class GenerationConfig:
         return_particles: also return every particle with its normalised weight (smc).
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
         ignore_eos: never stop before ``max_new_tokens`` (for benchmarks, like vLLM's).
+        top_k: keep the k most likely tokens (ties with the k-th kept); 0 or -1: off.
+        top_p: nucleus mass in (0, 1]; keep the smallest set of most likely tokens whose
+            mass reaches it (the top token always); 1: off.
+        min_p: in [0, 1]; keep tokens with ``p >= min_p * max p``; 0: off.
+    The three filters apply to the tempered target (and, separately, to the tempered draft)
+    at every step; all methods then sample the truncated, renormalised target exactly (ar,
+    sd) or approximately (smc). See :mod:`smcspec.sampling.truncation` and
+    ``docs/sampling.md``.
     Defaults are the SMC-SD authors' (N=4, K=4, T_d=T_t=0.7, alpha=1, kappa=0.5, systematic).
     """
 
@@ -49,13 +57,17 @@ class GenerationConfig:
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
-        for name in ("max_new_tokens", "particles", "draft_tokens"):
+        for name in ("max_new_tokens", "particles", "draft_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "draft_temperature", "alpha", "ess_threshold"):
+        numbers = ("temperature", "draft_temperature", "alpha", "ess_threshold", "top_p", "min_p")
+        for name in numbers:
             if not _is_number(getattr(self, name)):
                 raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -81,6 +93,12 @@ class GenerationConfig:
             raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")
         if not (isinstance(self.ess_threshold, int | float) and 0 <= self.ess_threshold <= 1):
             raise ConfigError(f"ess_threshold kappa must be in [0, 1], got {self.ess_threshold}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be an integer >= 1, or 0 or -1 (off), got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
         if self.resampler not in RESAMPLERS:
             raise ConfigError(
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"

@@ -9,6 +9,7 @@ from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tenso
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
+from smcspec.sampling.truncation import truncate_log_probs
 
 
 def ar_program(
@@ -22,6 +23,9 @@ def ar_program(
 ) -> Program:
     """Sample up to ``cfg.max_new_tokens`` tokens from ``softmax(logits / T_t)``, one per forward.
 
+    With ``cfg.top_k`` / ``top_p`` / ``min_p`` set, each token is drawn from the truncated,
+    renormalised distribution ``p~`` (:func:`~smcspec.sampling.truncation.truncate_log_probs`).
+
     Args:
         prompt: token ids. ``vocab``: number of token ids that may be sampled.
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
@@ -33,7 +37,8 @@ def ar_program(
     logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
     out: list[int] = []
     while True:
-        probs = tempered_log_probs(logits, cfg.temperature).exp()
+        lp = tempered_log_probs(logits, cfg.temperature)
+        probs = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p).exp()
         tok = int(sample_categorical(probs, generator))
         out.append(tok)
         if on_tokens:

@@ -5,6 +5,12 @@ forward, :func:`~smcspec.sampling.speculative.speculative_verify` accepts a pref
 the next token; rejected tokens are rolled back from both KV caches. The output is
 distributed exactly as the target at temperature ``T_t``.
 
+With top-k / top-p / min-p set, the target's and the draft's distributions are each
+truncated and renormalised (``p~`` and ``q~``, with the same parameters, as vLLM does)
+before the rule is applied: accept with ``min(1, p~(d)/q~(d))``, residual
+``norm(max(p~ - q~, 0))``, first and bonus tokens from ``p~``. The output is then
+distributed exactly as ``p~`` step by step (``docs/sampling.md``).
+
 The draft's KV is kept one step behind (deferred feeding): the tokens it has not yet seen
 (the last accepted draft token and the target's token) go into the next round's first draft
 forward, so a round costs K draft forwards.
@@ -26,6 +32,7 @@ from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.speculative import speculative_verify
+from smcspec.sampling.truncation import truncate_log_probs
 
 
 def sd_program(
@@ -48,14 +55,14 @@ def sd_program(
         (1 + accepted / rounds, as vLLM defines it).
     """
     dev = target.device
+    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     tcache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap)
     p = as_prompt_tensor(prompt, dev)
     first_logits = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
-    tok = int(
-        sample_categorical(tempered_log_probs(first_logits, cfg.temperature).exp(), generator)
-    )
+    first = truncate_log_probs(tempered_log_probs(first_logits, cfg.temperature), *trunc)
+    tok = int(sample_categorical(first.exp(), generator))
     out = [tok]
     if on_tokens:
         on_tokens([tok])
@@ -72,7 +79,8 @@ def sd_program(
             x = torch.tensor([pending_d], device=dev)
             for _ in range(k):
                 logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
-                q = tempered_log_probs(logits, cfg.draft_temperature).exp()
+                q = truncate_log_probs(tempered_log_probs(logits, cfg.draft_temperature), *trunc)
+                q = q.exp()
                 d = int(sample_categorical(q, generator))
                 d_tokens.append(d)
                 d_probs.append(q)
@@ -80,7 +88,7 @@ def sd_program(
         t_len0 = tcache.length
         block = torch.tensor([[pending_t, *d_tokens]], device=dev)
         t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-        t_probs = tempered_log_probs(t_logits, cfg.temperature).exp()
+        t_probs = truncate_log_probs(tempered_log_probs(t_logits, cfg.temperature), *trunc).exp()
         if k > 0:
             n, nxt = speculative_verify(
                 torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator

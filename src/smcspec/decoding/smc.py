@@ -10,6 +10,17 @@ and a bonus token from the target; nothing is rejected, so every particle advanc
 tokens. When ``ESS < kappa * N`` the particles are resampled (tokens and both KV caches).
 At the end one particle is drawn in proportion to its weight.
 
+With top-k / top-p / min-p set (``docs/sampling.md``) the target is truncated and
+renormalised (``p~``) at every step and the sampler targets ``prod_t p~(x_t | x_<t)^alpha``:
+the weight is ``sum_k alpha log p~(d_k) - log q_T(d_k)`` (``-inf`` when a drafted token is
+outside the target's kept set: that particle is resampled away), x0 and the bonus come from
+``∝ p~^alpha`` and the bonus term is ``log sum_v p~(v)^alpha``. The draft proposes from its
+*untruncated* ``q_T`` by default: importance sampling is consistent only if the proposal can
+draw every token the target keeps, and a truncated draft ``q~`` cannot draw the tokens the
+target keeps but the draft's own filter drops (``truncate_draft=True`` uses ``q~`` anyway;
+its error stops falling with N, see ``docs/sampling.md``). With all three filters off the
+code path is the one without truncation.
+
 Streaming: a token is final once every particle holds it (resampling only copies
 particles), so the common prefix of all particles is emitted round by round.
 """
@@ -37,7 +48,12 @@ from smcspec.sampling.resampling import (
     log_mean_weight,
     normalized_weights,
 )
-from smcspec.sampling.smc_weights import bonus_log_normalizer, incremental_log_weights
+from smcspec.sampling.smc_weights import (
+    bonus_log_normalizer,
+    incremental_log_weights,
+    power_log_probs,
+)
+from smcspec.sampling.truncation import truncate_log_probs, truncation_active
 
 
 def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
@@ -46,6 +62,29 @@ def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
         return 0
     agree = (tokens[:, :m] == tokens[:1, :m]).all(0)
     return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
+
+
+def _power_target(
+    logits: torch.Tensor,
+    t_t: float,
+    alpha: float,
+    trunc: tuple[int, float, float],
+    with_norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities ``∝ p~(v)^alpha`` (float32 ``[..., V]``) for x0 and the bonus token, and
+    the bonus log-weight ``log sum_v p~(v)^alpha`` (float64 ``[...]``; None at alpha == 1,
+    where it is 0, or without ``with_norm``). ``trunc``: ``(top_k, top_p, min_p)``. All
+    filters off: ``softmax(alpha * l / T_t)`` and :func:`bonus_log_normalizer`, the code
+    path used before truncation existed."""
+    if not truncation_active(*trunc):
+        probs = tempered_log_probs(alpha * logits, t_t).exp()
+        use_norm = with_norm and alpha != 1.0
+        return probs, bonus_log_normalizer(logits, t_t, alpha) if use_norm else None
+    lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
+    if alpha == 1.0:
+        return lp.exp(), None
+    log_r, log_z = power_log_probs(lp, alpha)
+    return log_r.exp(), log_z
 
 
 def smc_program(
@@ -57,13 +96,18 @@ def smc_program(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
+    truncate_draft: bool = False,
 ) -> Program:
     """Run SMC-SD for one request.
 
     Args:
         target, draft: models sharing a vocabulary; ``vocab`` ids may be sampled.
-        prompt: token ids. ``cfg``: N, K, temperatures, alpha, kappa, resampler, budget.
+        prompt: token ids. ``cfg``: N, K, temperatures, alpha, kappa, resampler, budget,
+            and top-k / top-p / min-p (applied to the target; see the module docstring).
         stop_ids: tokens that end a particle (EOS and stop tokens).
+        truncate_draft: draft from the truncated ``q~`` (same filters as the target)
+            instead of ``q_T``. Not consistent for ``p~`` when the draft's kept set misses
+            tokens the target keeps; kept for comparison (``docs/sampling.md``).
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
     Returns:
@@ -79,6 +123,8 @@ def smc_program(
     dev = target.device
     n, k = cfg.particles, cfg.draft_tokens
     alpha, t_t, t_d = cfg.alpha, cfg.temperature, cfg.draft_temperature
+    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)  # all off: truncate_log_probs returns its input
+    d_trunc = trunc if truncate_draft else (0, 1.0, 0.0)  # the proposal: q_T unless asked
     resample = RESAMPLERS[cfg.resampler]
     cap = cache_capacity(cfg.max_new_tokens, k)
     tcache, dcache = target.new_cache(n, cap), draft.new_cache(n, cap)
@@ -87,7 +133,7 @@ def smc_program(
     p = as_prompt_tensor(prompt, dev)
     first = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
-    x0 = int(sample_categorical(tempered_log_probs(alpha * first, t_t).exp(), generator))
+    x0 = int(sample_categorical(_power_target(first, t_t, alpha, trunc, False)[0], generator))
     tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
     tokens[:, 0] = x0
     lengths = torch.ones(n, dtype=torch.long, device=dev)
@@ -117,7 +163,7 @@ def smc_program(
         x = pending_d
         for j in range(k):
             d_logits = yield Forward(draft, x, dcache, last_only=True)
-            lq = tempered_log_probs(d_logits[:, -1, :vocab], t_d)
+            lq = truncate_log_probs(tempered_log_probs(d_logits[:, -1, :vocab], t_d), *d_trunc)
             d = sample_categorical(lq.exp(), generator)
             drafted[:, j] = d
             draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
@@ -125,11 +171,11 @@ def smc_program(
         # 3b. one target forward over [v, d_1..d_K] for every particle
         t_block = torch.cat((pending_t, drafted), 1)
         t_logits = (yield Forward(target, t_block, tcache))[:, :, :vocab]
-        lp = tempered_log_probs(t_logits[:, :k], t_t)
+        lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], t_t), *trunc)
         target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
-        # 3d. bonus token from softmax(alpha * l / T_t) at position K+1
-        bonus_logits = t_logits[:, k]
-        bonus = sample_categorical(tempered_log_probs(alpha * bonus_logits, t_t).exp(), generator)
+        # 3d. bonus token from softmax(alpha * l / T_t) (∝ p~^alpha) at position K+1
+        bonus_probs, bonus_norm = _power_target(t_logits[:, k], t_t, alpha, trunc)
+        bonus = sample_categorical(bonus_probs, generator)
         # 4. how much of the block each particle keeps (EOS / max_new_tokens cut it)
         block = torch.cat((drafted, bonus[:, None]), 1)  # [N, K+1]
         is_stop = torch.isin(block, stop_t)
@@ -137,7 +183,6 @@ def smc_program(
         kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - lengths)
         kept = torch.where(finished, torch.zeros_like(kept), kept)
         # 3c + 3e. incremental log-weights
-        bonus_norm = bonus_log_normalizer(bonus_logits, t_t, alpha) if alpha != 1.0 else None
         logw = logw + incremental_log_weights(target_lp, draft_lp, alpha, bonus_norm, kept)
         start = 1 + rounds * (k + 1)  # every unfinished particle has this length
         tokens[:, start : start + k + 1] = torch.where(

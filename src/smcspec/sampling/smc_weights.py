@@ -4,6 +4,11 @@ Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604
 see ``shared/docs/smc-sd.md`` step 3c and 4. The sequence-level target is
 ``pi(x) ∝ prod_t p_T(x_t | x_<t)^alpha`` and the proposal is the draft at temperature T_d
 for K tokens followed by the bonus token from ``softmax(alpha * l / T_t)``.
+
+With top-k / top-p / min-p (``docs/sampling.md``) every ``p_T`` and ``q_T`` above becomes the
+truncated, renormalised ``p~`` and ``q~``: the target is ``prod_t p~(x_t | x_<t)^alpha``,
+the drafted tokens come from ``q~`` and the bonus from ``∝ p~^alpha``
+(:func:`power_log_probs`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,34 @@ def bonus_log_normalizer(
     """``logsumexp(alpha * l / T) - alpha * logsumexp(l / T)`` over the vocabulary.
 
     The log-weight of a bonus token drawn from the power distribution; 0 when alpha == 1.
+    Equal to ``log sum_v p_T(v)^alpha`` (``p_T = softmax(l / T)``), i.e. the second output of
+    :func:`power_log_probs` without truncation.
     ``target_logits``: ``[..., V]``; returns float64 ``[...]``.
     """
     scaled = target_logits.double() / temperature
     return torch.logsumexp(alpha * scaled, -1) - alpha * torch.logsumexp(scaled, -1)
+
+
+def power_log_probs(log_probs: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The power distribution ``r(v) = p~(v)^alpha / Z`` of processed log-probs, and ``log Z``.
+
+    ``r`` is what x0 and the bonus token are drawn from when top-k / top-p / min-p are on;
+    ``log Z = log sum_v p~(v)^alpha`` is the bonus token's log-weight: for a bonus ``b``
+    drawn from ``r`` the importance weight against the power target is
+    ``p~(b)^alpha / r(b) = Z``, whatever ``b`` is. Without truncation (``p~ = p_T``) this is
+    :func:`bonus_log_normalizer`; at alpha = 1 it is ``log sum_v p~(v) = 0``.
+
+    Args:
+        log_probs: ``[..., V]`` ``log p~``, normalised, ``-inf`` outside the kept set (from
+            :func:`~smcspec.sampling.truncation.truncate_log_probs`).
+        alpha: power exponent (> 0).
+    Returns:
+        ``(log_r, log_z)``: float32 ``[..., V]`` (``-inf`` outside the kept set) and float64
+        ``[...]``.
+    """
+    scaled = alpha * log_probs.double()
+    log_z = torch.logsumexp(scaled, -1)
+    return (scaled - log_z[..., None]).float(), log_z
 
 
 def incremental_log_weights(
@@ -33,11 +62,15 @@ def incremental_log_weights(
     """Incremental log-weight of each particle for one SMC-SD round.
 
     Args:
-        target_logp: ``[N, K]`` ``log p_T(d_k)`` of the drafted tokens under the target.
-        draft_logp: ``[N, K]`` ``log q_T(d_k)`` under the draft they were sampled from.
+        target_logp: ``[N, K]`` ``log p_T(d_k)`` of the drafted tokens under the target
+            (``log p~(d_k)`` with truncation; ``-inf`` for a token outside the target's kept
+            set gives the particle weight zero).
+        draft_logp: ``[N, K]`` ``log q_T(d_k)`` (or ``log q~(d_k)``) under the draft they
+            were sampled from.
         alpha: power exponent.
-        bonus_log_norm: ``[N]`` from :func:`bonus_log_normalizer` at position K+1, or None
-            (alpha == 1, where it is 0).
+        bonus_log_norm: ``[N]`` ``log sum_v p~(v)^alpha`` at position K+1 (from
+            :func:`bonus_log_normalizer` without truncation, :func:`power_log_probs` with
+            it), or None (alpha == 1, where it is 0).
         kept: int64 ``[N]``, how many of the K+1 new tokens the particle keeps (the block is
             cut after an EOS or at ``max_new_tokens``; 0 for a finished particle).
     Returns:
