@@ -264,3 +264,20 @@ def test_a_failing_request_does_not_stop_the_worker(server, engine, monkeypatch)
     assert httpx.get(server.url("/health")).status_code == 200
     ok = server.client().completions.create(model=MODEL, prompt="ab", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_sampling_parameters_reach_the_decoder(server, method):
+    """top_k=1 makes the exact methods greedy: different seeds give the same text. (smc
+    samples the truncated target only approximately: with top_k=1 a drafted token other than
+    the target's argmax kills its particle, see docs/sampling.md.)"""
+
+    def text(seed: int, **extra) -> str:
+        r = server.client().completions.create(
+            model=MODEL, prompt="ab cd", max_tokens=12, seed=seed,
+            extra_body={"smc": {"method": method}, **extra},
+        )  # fmt: skip
+        return r.choices[0].text
+
+    assert text(1, top_k=1) == text(2, top_k=1) == text(3, top_k=1)
+    assert len({text(s) for s in (1, 2, 3)}) > 1  # without it the seeds differ
