@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from live_server import Server
-from tiny_models import make_tiny_chat_pair
+from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
 
 from smcspec import Engine, GenerationConfig
 from smcspec.models import load_hf_dir
@@ -20,9 +20,13 @@ from smcspec.server import create_app
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
+@pytest.fixture(scope="module", params=["torch", "llamacpp"])
+def engine(request, tmp_path_factory):
+    """The tiny chat pair on each backend (HF directories on torch, GGUF on llamacpp)."""
+    root = tmp_path_factory.mktemp(f"server-{request.param}")
+    if request.param == "llamacpp":
+        pytest.importorskip("llama_cpp")
+        return make_tiny_gguf_chat_engine(root, max_position_embeddings=4096)
     dirs = make_tiny_chat_pair(root, max_position_embeddings=4096)
     return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
 
@@ -94,16 +98,31 @@ def test_stop_strings_and_n(server):
         assert s.choices[0].finish_reason == "stop"
 
 
+def _isolation_settings(engine) -> dict:
+    """Decoder settings whose output a concurrent request must reproduce exactly.
+
+    torch: SMC-SD itself (the batched forward computes each row as it would alone).
+    llamacpp: llama.cpp's arithmetic depends on the batch's size (max |logit difference|
+    0.03 on these tiny models between a 128-token and a 16-token batch), so sampled outputs
+    are equal only in distribution; greedy decoding (top_k=1), whose logit gaps here are far
+    wider than that, must still be reproduced token for token.
+    """
+    if engine.target.backend == "llamacpp":
+        return {"method": "ar", "top_k": 1}
+    return {"method": "smc", "particles": 4, "draft_tokens": 3}
+
+
 def _solo(engine, prompt: str, seed: int, tokens: int) -> str:
-    cfg = GenerationConfig(
-        method="smc", max_new_tokens=tokens, seed=seed, particles=4, draft_tokens=3
-    )
+    cfg = GenerationConfig(max_new_tokens=tokens, seed=seed, **_isolation_settings(engine))
     return engine.generate(prompt, cfg, chat=False).text
 
 
 def test_concurrent_streams_are_batched_and_isolated(server, engine):
     prompts = ["ab", "cd ef", "gh", "ij kl mn", "op", "qr st", "uv", "wx yz"]
     before = server.metrics()
+    settings = _isolation_settings(engine)
+    top_k = settings.pop("top_k", None)
+    extra = {"smc": settings} | ({"top_k": top_k} if top_k else {})
 
     def run(i: int) -> tuple[str, int]:
         stream = server.client().completions.create(
@@ -113,7 +132,7 @@ def test_concurrent_streams_are_batched_and_isolated(server, engine):
             seed=100 + i,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 3}},
+            extra_body=extra,
         )
         text, usage = "", None
         for chunk in stream:
@@ -129,7 +148,7 @@ def test_concurrent_streams_are_batched_and_isolated(server, engine):
         # same seed alone gives the same text: nobody got another request's tokens
         assert text == _solo(engine, prompts[i], 100 + i, 40 + i)
     assert after["smcspec_max_batch_requests"] >= 2  # requests really shared forwards
-    key = 'smcspec_requests_total{"method": "smc", "outcome": "success"}'
+    key = f'smcspec_requests_total{{"method": "{settings["method"]}", "outcome": "success"}}'
     assert after[key] - before.get(key, 0) == 8
 
 

@@ -281,3 +281,23 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path, model
+
+
+def make_tiny_gguf_chat_engine(tmp_path: Path, **overrides):
+    """An Engine over a tiny qwen2 GGUF target (seed 0) and draft (seed 1) with
+    :data:`CHAT_TEMPLATE`, run by the llamacpp backend (tokenizers cached under ``tmp_path``).
+    """
+    import os
+
+    from smcspec import Engine
+    from smcspec.backends.llamacpp import LlamaCppSettings
+    from smcspec.models import load_model
+
+    os.environ.setdefault("SMCSPEC_CACHE", str(Path(tmp_path) / "cache"))
+    settings = LlamaCppSettings(threads=1, kv_cells=131072)
+    paths = [
+        make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, chat_template=CHAT_TEMPLATE, **overrides)[0]
+        for s in (0, 1)
+    ]
+    models = [load_model(p, backend="llamacpp", llamacpp=settings) for p in paths]
+    return Engine(*models)
