@@ -116,16 +116,22 @@ def _readable(text: str) -> bool:
     return len(text) > 40 and letters / len(text) > 0.7
 
 
-@pytest.mark.parametrize("method", ["smc", "sd"])
-def test_cli_generates_readable_text_on_the_real_pair(method, gguf_paths):
-    r = _cli("--method", method, "--max-new-tokens", "32", "--seed", "0", "--json")
+@pytest.mark.parametrize(
+    "method, backend",
+    [("smc", "auto"), ("sd", "auto"), ("ar", "auto"), ("smc", "torch")],
+)
+def test_cli_generates_readable_text_on_the_real_pair(method, backend, gguf_paths):
+    """``auto`` runs the GGUF pair on llama.cpp; ``torch`` on the dequantized pair."""
+    extra = ["--dtype", "bfloat16"] if backend == "torch" else []
+    r = _cli("--method", method, "--max-new-tokens", "32", "--seed", "0", "--json",
+             "--backend", backend, *extra)  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["method"] == method and out["new_tokens"] == 32
     assert _readable(out["text"]), out["text"]
     if method == "smc":
         assert out["rounds"] >= 6 and out["mean_ess"] > 1.0
-    else:
+    elif method == "sd":
         assert 0.0 < out["acceptance_rate"] <= 1.0
 
 
