@@ -42,6 +42,7 @@ class DecoderModel(Protocol):
     """
 
     device: torch.device
+    vocab_size: int  # logits per position
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         """A cache for ``rows`` particles of up to ``capacity`` generated tokens each."""

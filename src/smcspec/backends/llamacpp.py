@@ -93,14 +93,16 @@ class LlamaCppSettings:
         kv_cells: KV cells of the unified cache, shared by all requests and particles
             (prompt cells once per request, generated cells once per particle).
         max_sequences: sequence ids in the pool (each particle holds one).
-        n_batch: most tokens per ``llama_decode`` call (larger batches are chunked).
+        n_batch: most tokens per ``llama_decode`` call (larger batches are chunked); at
+            least ``max_sequences``. llama.cpp keeps an output buffer of ``n_batch`` logit
+            rows (311 MB at 512 for a 151,936-token vocabulary).
         kv_type: ``f16`` (llama.cpp's default) or ``f32`` KV storage.
     """
 
     threads: int | None = None
     kv_cells: int = 32768
     max_sequences: int = 256
-    n_batch: int = 2048
+    n_batch: int = 512
     kv_type: str = "f16"
 
 
@@ -208,6 +210,7 @@ class LlamaCppModel:
             raise ModelFileError(f"llama.cpp cannot create a context for {self.path}")
         self._memory = lib.llama_get_memory(self._ctx)
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        self.vocab_size = self.n_vocab
         self.context_length = lib.llama_model_n_ctx_train(self._model)
         self.n_batch = lib.llama_n_batch(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -353,6 +356,7 @@ def quantize_gguf(src: Path, dst: Path, kind: str, threads: int | None = None) -
     params = lib.llama_model_quantize_default_params()
     params.ftype = QUANT_TYPES[kind]
     params.nthread = threads or physical_cores()
+    params.allow_requantize = True  # the source may itself be quantized (Q8_0, ...)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
     rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))

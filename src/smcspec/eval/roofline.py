@@ -14,15 +14,15 @@ import time
 
 import torch
 
-from smcspec.models.transformer import Transformer
+from smcspec.backends.base import DecoderModel
 
 
 def forward_seconds(
-    model: Transformer, rows: int, tokens: int, reps: int = 5, context: int = 100
+    model: DecoderModel, rows: int, tokens: int, reps: int = 5, context: int = 100
 ) -> float:
     """Median wall seconds of one decode forward of ``rows x tokens`` after a ``context``-token
     prompt (logits of the last position only when ``tokens <= 2``, as the decoders ask)."""
-    vocab = model.embed.num_embeddings
+    vocab = model.vocab_size
     cache = model.new_cache(rows, tokens)
     model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
     x = torch.full((rows, tokens), 500 % vocab, device=model.device)
@@ -41,7 +41,9 @@ def forward_seconds(
     return statistics.median(times)
 
 
-def smc_forward_costs(target: Transformer, draft: Transformer, n: int, k: int) -> dict[str, float]:
+def smc_forward_costs(
+    target: DecoderModel, draft: DecoderModel, n: int, k: int
+) -> dict[str, float]:
     """Median seconds of the forwards of one AR step and one SMC-SD round at (N, K)."""
     return {
         "target_1x1": forward_seconds(target, 1, 1),

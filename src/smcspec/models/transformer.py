@@ -205,6 +205,11 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer (logits per position)."""
+        return self.cfg.vocab_size
+
     def new_cache(self, rows: int, capacity: int) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each."""
         c = self.cfg
