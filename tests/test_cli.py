@@ -8,7 +8,14 @@ import re
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from smcspec.cli import _config, _gsm8k_data, build_parser, main, resolve_max_new_tokens
+from smcspec.cli import (
+    _config,
+    _gsm8k_data,
+    build_parser,
+    main,
+    parse_args,
+    resolve_max_new_tokens,
+)
 from smcspec.eval.gsm8k import packaged_test_path
 
 
@@ -47,12 +54,10 @@ def test_bad_options_exit_with_a_clear_error(capsys, args, message):
 
 
 def test_truncation_options_reach_the_config():
-    args = build_parser().parse_args(
-        ["generate", "hi", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"]
-    )
+    args = parse_args(["generate", "hi", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"])
     cfg = _config(args)
     assert (cfg.top_k, cfg.top_p, cfg.min_p) == (40, 0.9, 0.05)
-    default = _config(build_parser().parse_args(["generate", "hi"]))
+    default = _config(parse_args(["generate", "hi"]))
     assert (default.top_k, default.top_p, default.min_p) == (0, 1.0, 0.0)  # all off
 
 
@@ -64,13 +69,17 @@ def test_unknown_resampler_and_method_are_usage_errors(capsys):
         assert "invalid choice" in capsys.readouterr().err
 
 
-def test_corrupt_gguf_exits_3(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "backend, message",
+    [("torch", "not a readable GGUF"), ("auto", "cannot read the tokenizer from .*bad.gguf")],
+)
+def test_corrupt_gguf_exits_3(tmp_path, capsys, monkeypatch, backend, message):
     monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
-    assert main(["generate", "hello", "--target", str(bad)]) == 3
+    assert main(["generate", "hello", "--target", str(bad), "--backend", backend]) == 3
     err = capsys.readouterr().err
-    assert "not a readable GGUF" in err and "Traceback" not in err
+    assert re.search(message, err) and "Traceback" not in err
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])

@@ -450,12 +450,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line, with the per-command defaults resolved (``-m``)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv)
+    args.max_new_tokens = resolve_max_new_tokens(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``smcspec`` command; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    args.max_new_tokens = resolve_max_new_tokens(args)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         if args.command == "generate":
             return _generate(args)
