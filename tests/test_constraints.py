@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
 import torch
-from tiny_models import make_tiny_chat_pair, make_tokenizer
+from tiny_models import make_tiny_chat_pair, make_tiny_hf_model, make_tokenizer
 
 from smcspec import (
     ConfigError,
@@ -18,6 +19,7 @@ from smcspec import (
     Regex,
     Reward,
 )
+from smcspec.cli import main
 from smcspec.models.loading import load_hf_dir
 from smcspec.potentials import reorder
 
@@ -124,3 +126,37 @@ def test_engine_reward_and_mask_time(engine):
     for _ in range(200):
         s.allowed()
     assert (time.perf_counter() - t0) / 200 < 0.01
+
+
+@pytest.fixture(scope="module")
+def cli_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-constraints")
+    return [str(make_tiny_hf_model(root, "qwen2", seed=s)) for s in (0, 1)]
+
+
+@pytest.mark.parametrize("method", ["ar", "smc"])
+def test_cli_regex_and_grammar(cli_pair, tmp_path, capsys, method):
+    base = ["generate", "ab", "--target", cli_pair[0], "--draft", cli_pair[1], "--no-chat"]
+    base += ["--method", method, "-m", "12", "--seed", "1", "--json"]
+    assert main([*base, "--regex", "[a-d]{2,5}"]) == 0
+    assert re.fullmatch("[a-d]{2,5}", json.loads(capsys.readouterr().out)["text"])
+    lark = tmp_path / "g.lark"
+    lark.write_text(GRAMMAR)
+    assert main([*base, "--grammar", str(lark)]) == 0
+    assert re.fullmatch("(ab|cd)*[ac]?( d)?", json.loads(capsys.readouterr().out)["text"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--regex", "ab("], ["--json-schema", "/nonexistent.json"], ["--grammar", "BAD"]],
+    ids=["bad-regex", "missing-file", "bad-grammar"],
+)
+def test_cli_bad_constraint_is_one_line_error(cli_pair, tmp_path, capsys, args):
+    if args[0] == "--grammar":
+        bad = tmp_path / "bad.lark"
+        bad.write_text('start: "a" undefined_rule')
+        args = ["--grammar", str(bad)]
+    argv = ["generate", "ab", "--target", cli_pair[0], "--method", "ar", "--no-chat"]
+    assert main([*argv, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err

@@ -102,7 +102,7 @@ def _grammar_from(kind: str, text: str) -> str:
     try:
         return llguidance.grammar_from(kind, text)
     except Exception as e:  # llguidance raises ValueError/RuntimeError
-        raise ConfigError(f"invalid {kind}: {e}") from e
+        raise ConfigError(f"invalid {kind}: " + " ".join(str(e).split())) from e
 
 
 @dataclass(frozen=True)
@@ -186,11 +186,11 @@ class LLGuidanceConstraint(TokenConstraint):
         self._tok = _ll_tokenizer(tokenizer, vocab_size, stop_ids)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
         if is_error:
-            raise ConfigError("invalid constraint: " + "; ".join(m.strip() for m in messages))
+            raise ConfigError("invalid constraint: " + " ".join(" ".join(messages).split()))
         self._grammar = grammar
         matcher = llguidance.LLMatcher(self._tok, grammar)
         if matcher.is_error():
-            raise ConfigError(f"invalid constraint: {matcher.get_error()}")
+            raise ConfigError("invalid constraint: " + " ".join(matcher.get_error().split()))
         self._start = matcher
 
     def start(self) -> ConstraintState:
