@@ -229,6 +229,23 @@ def test_dead_ends_kill_particles_and_all_dead_fails(setup):
         )
         assert dfa.allows(out.tokens) and len(out.tokens) == LENGTH
         assert out.stats["dead_particles"] > 0
+        # a mask that allows what the matcher then refuses: those particles die too
+        liar = NextTokenAutomaton(TABLE, VOCAB, refused=frozenset({(2, 2), (2, 3), (None, 0)}))
+        for seed in range(5):
+            out = decode_smc(
+                target,
+                draft,
+                PROMPT,
+                _smc(8, constraint=liar),
+                frozenset(),
+                VOCAB,
+                torch.Generator().manual_seed(seed),
+            )
+            assert liar.allows(out.tokens) and not any(
+                (a, b) in liar.refused
+                for a, b in zip([None, *out.tokens[:-1]], out.tokens, strict=True)
+            )
+            assert out.stats["dead_particles"] > 0
         hopeless = NextTokenAutomaton({None: {0, 3}, 0: set(), 3: set()}, VOCAB)
         for decode, models, cfg in (
             (decode_smc, (target, draft), _smc(4, constraint=hopeless)),

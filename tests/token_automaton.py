@@ -11,16 +11,23 @@ from collections.abc import Sequence
 
 import torch
 
-from smcspec.potentials import ConstraintState, TokenConstraint
+from smcspec.potentials import ConstraintState, DeadEndError, TokenConstraint
 
 
 class NextTokenAutomaton(TokenConstraint):
     """``table[None]``: allowed first tokens; ``table[t]``: allowed tokens after ``t``. Every
     state accepts (the language is prefix-closed); a state with no allowed token is a dead end.
-    ``calls`` counts mask computations (to measure their cost)."""
+    ``calls`` counts mask computations (to measure their cost). ``refused``: pairs
+    ``(last, token)`` the mask allows but :meth:`consume` refuses (an inexact mask, as a
+    grammar library's can be)."""
 
-    def __init__(self, table: dict[int | None, set[int]], vocab_size: int) -> None:
-        self.table, self.vocab_size = table, vocab_size
+    def __init__(
+        self,
+        table: dict[int | None, set[int]],
+        vocab_size: int,
+        refused: frozenset[tuple[int | None, int]] = frozenset(),
+    ) -> None:
+        self.table, self.vocab_size, self.refused = table, vocab_size, refused
         self.masks = {
             key: torch.tensor([v in allowed for v in range(vocab_size)], dtype=torch.bool)
             for key, allowed in table.items()
@@ -45,8 +52,9 @@ class _State(ConstraintState):
 
     def consume(self, tokens: Sequence[int]) -> None:
         for t in tokens:
-            if not bool(self.allowed()[t]):
-                raise AssertionError(f"token {t} not allowed after {self.history}")
+            last = self.history[-1] if self.history else None
+            if not bool(self.dfa.masks[last][t]) or (last, t) in self.dfa.refused:
+                raise DeadEndError(f"token {t} not allowed after {self.history}")
             self.history.append(int(t))
 
     def rollback(self, n: int) -> None:

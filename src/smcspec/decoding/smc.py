@@ -224,8 +224,11 @@ def smc_program(
         finished = torch.isin(x0s, stop_t) | (cfg.max_new_tokens == 1)
         if root is not None:
             states = [root.copy() for _ in range(n)]
-            for i in (~finished).nonzero()[:, 0].tolist():
-                states[i].consume([int(x0s[i])])
+            bad = _consume(states, ~finished, x0s)
+            if bad:  # the matcher refused a token its own mask allowed: a dead end
+                logw[bad] = -math.inf
+                finished[bad] = True
+                dead_count += len(bad)
         if twisted:
             phi = _log_twist(reward, tokens, lengths, finished, dev)
             logw = phi.clone()
@@ -265,8 +268,10 @@ def smc_program(
             draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
             if constraint is not None:
                 open_ = open_ & ~torch.isin(d, stop_t)
-                for i in open_.nonzero()[:, 0].tolist():
-                    states[i].consume([int(d[i])])
+                bad = _consume(states, open_, d)
+                if bad:  # d_{j+1} itself was refused: dead at block position j+1
+                    dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
+                    open_[bad] = False
             x = d[:, None]
         # 3b. one target forward over [v, d_1..d_K] for every particle
         t_block = torch.cat((pending_t, drafted), 1)
@@ -283,6 +288,9 @@ def smc_program(
         else:
             bonus_probs, bonus_norm = _power_target(t_logits[:, k], t_t, alpha, trunc)
         bonus = sample_categorical(bonus_probs, generator)
+        if constraint is not None:
+            bad = _consume(states, open_ & (dead_pos > k + 1) & ~torch.isin(bonus, stop_t), bonus)
+            dead_pos[bad] = k + 1
         # 4. how much of the block each particle keeps (EOS / max_new_tokens cut it)
         block = torch.cat((drafted, bonus[:, None]), 1)  # [N, K+1]
         is_stop = torch.isin(block, stop_t)
@@ -295,10 +303,6 @@ def smc_program(
             killed = ~finished & (dead_pos <= kept)
             logw = torch.where(killed, torch.full_like(logw, -math.inf), logw)
             dead_count += int(killed.sum())
-            if constraint is not None:
-                bonus_ok = open_ & ~killed & ~torch.isin(bonus, stop_t)
-                for i in bonus_ok.nonzero()[:, 0].tolist():
-                    states[i].consume([int(bonus[i])])
         start = 1 + rounds * (k + 1)  # every unfinished particle has this length
         tokens[:, start : start + k + 1] = torch.where(
             finished[:, None], tokens[:, start : start + k + 1], block
@@ -373,6 +377,18 @@ def smc_program(
         particles=particles,
         log_normalizer=log_z if math.isfinite(log_z) else None,
     )
+
+
+def _consume(states: list[ConstraintState], rows: torch.Tensor, toks: torch.Tensor) -> list[int]:
+    """Advance ``states[i]`` by ``toks[i]`` for each row set in ``rows`` (bool ``[N]``);
+    returns the rows whose matcher refused the token (:class:`DeadEndError`)."""
+    bad = []
+    for i in rows.nonzero()[:, 0].tolist():
+        try:
+            states[i].consume([int(toks[i])])
+        except DeadEndError:
+            bad.append(i)
+    return bad
 
 
 def _log_twist(
