@@ -254,3 +254,42 @@ def test_dead_ends_kill_particles_and_all_dead_fails(setup):
         ):
             with pytest.raises(DeadEndError):
                 decode(*models, PROMPT, cfg, frozenset(), VOCAB, torch.Generator().manual_seed(1))
+
+
+def _next_log_probs(model, ctx: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 2)
+    return torch.log_softmax(model.prefill(torch.tensor(ctx), cache).double() / T, -1)
+
+
+def test_smc_weights_with_a_mask_equal_brute_force(setup):
+    """One round with K=1 and no resampling: each particle [x0, d1, b] must have log-weight
+    ``log p(d1) - log q'(d1) + log sum_v p(v | x0, d1) m(v)`` (x0's term is shared)."""
+    target, draft, _ = setup
+    dfa = NextTokenAutomaton(TABLE, VOCAB)
+    cfg = _cfg(
+        "smc",
+        particles=6,
+        draft_tokens=1,
+        ess_threshold=0.0,
+        return_particles=True,
+        constraint=dfa,
+    )
+    with torch.inference_mode():
+        out = decode_smc(
+            target, draft, PROMPT, cfg, frozenset(), VOCAB, torch.Generator().manual_seed(7)
+        )
+        logw = []
+        for p in out.particles:
+            x0, d1, _ = p.tokens
+            m1 = dfa.masks[x0]
+            q = _next_log_probs(draft, [*PROMPT, x0]).masked_fill(~m1, -math.inf)
+            q_masked = q - torch.logsumexp(q, -1)
+            lp = _next_log_probs(target, [*PROMPT, x0])
+            bonus = _next_log_probs(target, [*PROMPT, x0, d1]).masked_fill(
+                ~dfa.masks[d1], -math.inf
+            )
+            logw.append(float(lp[d1] - q_masked[d1] + torch.logsumexp(bonus, -1)))
+    expected = torch.softmax(torch.tensor(logw, dtype=torch.float64), 0)
+    got = torch.tensor([p.weight for p in out.particles], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert out.stats["resamples"] == 0

@@ -184,11 +184,15 @@ class LLGuidanceConstraint(TokenConstraint):
 
         self.vocab_size = vocab_size
         self._tok = _ll_tokenizer(tokenizer, vocab_size, stop_ids)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
-        if is_error:
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self._tok
+            )
+            matcher = None if is_error else llguidance.LLMatcher(self._tok, grammar)
+        except Exception as e:  # anything llguidance raises here is about the grammar
+            raise ConfigError("invalid constraint: " + " ".join(str(e).split())) from e
+        if matcher is None:
             raise ConfigError("invalid constraint: " + " ".join(" ".join(messages).split()))
-        self._grammar = grammar
-        matcher = llguidance.LLMatcher(self._tok, grammar)
         if matcher.is_error():
             raise ConfigError("invalid constraint: " + " ".join(matcher.get_error().split()))
         self._start = matcher
