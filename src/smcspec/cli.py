@@ -465,6 +465,8 @@ def _generate(args: argparse.Namespace) -> int:
             f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
             f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, min ESS {s['min_ess']:.2f}"
         )
+        if "log_normalizer" in s:  # a constraint or reward was set
+            line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
     elif result.method == "sd":
         line += (
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
