@@ -89,19 +89,21 @@ def build_tiny_hf_model(family: str, vocab_size: int = 96, seed: int = 0, **over
     return model
 
 
-def bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
+def bpe_vocab(vocab_size: int, extra: str = "") -> tuple[list[str], list[tuple[str, str]]]:
     """A byte-level BPE vocabulary of exactly ``vocab_size`` tokens and its merges.
 
     Ids: 0-25 the letters ``a``-``z``, 26 ``\u0120`` (a space in the GPT-2 byte alphabet),
     then two-letter merges (``aa``, ``bb``, ...), and the eos token ``<|im_end|>`` at
     ``vocab_size - 1``. Every token but eos is spelled in the GPT-2 byte alphabet.
+    ``extra``: printable ASCII characters added as tokens after the space (e.g. JSON
+    punctuation and digits for the structured-output tests); the default adds none.
     """
     letters = [chr(ord("a") + i) for i in range(26)]
     merges: list[tuple[str, str]] = []
     if vocab_size < 29:  # tiny vocabularies: letters and one merge (llama.cpp needs merges)
         tokens = letters[: vocab_size - 2] + [letters[0] + letters[1]]
         return tokens + [EOS_TOKEN], [(letters[0], letters[1])]
-    tokens = letters + ["\u0120"]
+    tokens = letters + ["\u0120"] + [c for c in dict.fromkeys(extra) if c not in letters]
     i = 0
     while len(tokens) < vocab_size - 1:
         a, b = letters[i % 26], letters[(i // 26 + i) % 26]
@@ -112,7 +114,7 @@ def bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
     return tokens + [EOS_TOKEN], merges
 
 
-def make_tokenizer(vocab_size: int):
+def make_tokenizer(vocab_size: int, extra: str = ""):
     """A byte-level BPE ``PreTrainedTokenizerFast`` over :func:`bpe_vocab` (eos = ``V-1``).
 
     Byte-level BPE (not word-level) because ``AutoTokenizer`` loads a ``qwen2`` directory
@@ -122,7 +124,7 @@ def make_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens, merges = bpe_vocab(vocab_size)
+    tokens, merges = bpe_vocab(vocab_size, extra)
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -132,7 +134,12 @@ def make_tokenizer(vocab_size: int):
 
 
 def make_tiny_hf_model(
-    tmp_path: Path, family: str, vocab_size: int = 96, seed: int = 0, **overrides
+    tmp_path: Path,
+    family: str,
+    vocab_size: int = 96,
+    seed: int = 0,
+    extra_tokens: str = "",
+    **overrides,
 ) -> Path:
     """Save a tiny random model plus a working tokenizer under ``tmp_path``; return the dir.
 
@@ -143,11 +150,12 @@ def make_tiny_hf_model(
     """
     model = build_tiny_hf_model(family, vocab_size, seed, **overrides)
     tag = "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    tag += "-json" if extra_tokens else ""
     tag = re.sub(r"[^\w=.-]+", "_", tag)  # e.g. rope_parameters={...}
     out = Path(tmp_path) / f"{family}-v{vocab_size}-s{seed}{tag}"
     out.mkdir(parents=True, exist_ok=False)
     model.save_pretrained(str(out), safe_serialization=True)
-    make_tokenizer(vocab_size).save_pretrained(str(out))
+    make_tokenizer(vocab_size, extra_tokens).save_pretrained(str(out))
     return out
 
 

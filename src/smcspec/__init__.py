@@ -12,10 +12,28 @@ from smcspec.errors import (
     NumericalError,
     SmcspecError,
 )
+from smcspec.potentials import (
+    Constraint,
+    ConstraintState,
+    DeadEndError,
+    Grammar,
+    JsonSchema,
+    Regex,
+    Reward,
+    TokenConstraint,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
+    "Constraint",
+    "ConstraintState",
+    "DeadEndError",
+    "Grammar",
+    "JsonSchema",
+    "Regex",
+    "Reward",
+    "TokenConstraint",
     "ContextLengthError",
     "Engine",
     "GenerationConfig",

@@ -16,6 +16,7 @@ from pathlib import Path
 from smcspec.config import METHODS, GenerationConfig
 from smcspec.errors import ConfigError, SmcspecError
 from smcspec.models.loading import BACKENDS
+from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
 from smcspec.sampling.resampling import RESAMPLERS
 
 
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report every particle and its weight (smc, with --json)",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", help="output must be JSON valid under it")
+    c.add_argument("--regex", metavar="PATTERN", help="output must match this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
     s = sub.add_parser(
         "serve",
         parents=[common],
@@ -417,8 +422,27 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine, args.host, args.port, cfg, replace(settings, model_name=name))
 
 
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    """The constraint of ``--json-schema`` / ``--regex`` / ``--grammar`` (None without one).
+
+    Raises :class:`ConfigError` for an unreadable file; the pattern, schema or grammar itself
+    is checked when it is compiled against the tokenizer (also a ConfigError, exit 2).
+    """
+    if args.regex is not None:
+        return Regex(args.regex)
+    for path, kind in ((args.json_schema, "JSON schema"), (args.grammar, "grammar")):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {kind} file {path}: {exc}") from exc
+        return JsonSchema(text) if kind == "JSON schema" else Grammar(text)
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
-    cfg = _config(args, return_particles=args.particles_out)
+    cfg = _config(args, return_particles=args.particles_out, constraint=_constraint(args))
     engine = _load_engine(args, with_draft=args.method != "ar")
 
     def stream(piece: str) -> None:
@@ -441,6 +465,8 @@ def _generate(args: argparse.Namespace) -> int:
             f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
             f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, min ESS {s['min_ess']:.2f}"
         )
+        if "log_normalizer" in s:  # a constraint or reward was set
+            line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
     elif result.method == "sd":
         line += (
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "

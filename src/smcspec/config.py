@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from smcspec.errors import ConfigError
+from smcspec.potentials import Constraint, Reward, TokenConstraint
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
@@ -37,6 +38,11 @@ class GenerationConfig:
         top_p: nucleus mass in (0, 1]; keep the smallest set of most likely tokens whose
             mass reaches it (the top token always); 1: off.
         min_p: in [0, 1]; keep tokens with ``p >= min_p * max p``; 0: off.
+        constraint: a hard constraint on the output (:class:`~smcspec.potentials.Regex`,
+            :class:`~smcspec.potentials.JsonSchema`, :class:`~smcspec.potentials.Grammar`,
+            or an already compiled :class:`~smcspec.potentials.TokenConstraint`); ar and sd
+            sample the locally-masked target, smc the conditional (``docs/constraints.md``).
+        reward: a :class:`~smcspec.potentials.Reward` ``exp(beta * R(x))`` (smc only).
     The three filters apply to the tempered target (and, separately, to the tempered draft)
     at every step; all methods then sample the truncated, renormalised target exactly (ar,
     sd) or approximately (smc). See :mod:`smcspec.sampling.truncation` and
@@ -60,6 +66,8 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    constraint: Constraint | TokenConstraint | None = None
+    reward: Reward | None = None
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
@@ -103,6 +111,18 @@ class GenerationConfig:
             raise ConfigError(
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"
             )
+        if self.constraint is not None and not isinstance(
+            self.constraint, Constraint | TokenConstraint
+        ):
+            raise ConfigError(
+                "constraint must be a Regex, JsonSchema, Grammar or TokenConstraint, got "
+                f"{type(self.constraint).__name__}"
+            )
+        if self.reward is not None:
+            if not isinstance(self.reward, Reward):
+                raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
+            if self.method != "smc":
+                raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
         return self
 
 

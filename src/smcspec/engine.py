@@ -25,6 +25,7 @@ from smcspec.decoding.common import hit_token_cap
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
+from smcspec.potentials import Constraint
 
 # end-of-generation tokens of common chat templates, used when present in the vocabulary
 _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -231,7 +232,24 @@ class Engine:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
         seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
-        return Job(ids=ids, config=replace(cfg, seed=seed), stop_ids=stop_ids)
+        cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
+        return Job(ids=ids, config=cfg, stop_ids=stop_ids)
+
+    def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
+        """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
+        allowed only where the output is complete) and give ``cfg.reward`` the detokenizer.
+        Raises :class:`ConfigError` for an invalid pattern, schema or grammar."""
+        out: dict[str, Any] = {}
+        if isinstance(cfg.constraint, Constraint):
+            out["constraint"] = cfg.constraint.compile(
+                self.tokenizer, self.vocab, sorted(stop_ids or self.stop_ids)
+            )
+        if cfg.reward is not None and cfg.reward.detokenize is None:
+            tok = self.tokenizer
+            out["reward"] = replace(
+                cfg.reward, detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True)
+            )
+        return out
 
     def program(self, job: Job, on_tokens: Callable[[list[int]], None] | None = None) -> Program:
         """The decoder program of ``job`` (see :mod:`smcspec.decoding.program`)."""

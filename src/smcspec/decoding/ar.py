@@ -8,6 +8,7 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
+from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.truncation import truncate_log_probs
 
@@ -26,28 +27,48 @@ def ar_program(
     With ``cfg.top_k`` / ``top_p`` / ``min_p`` set, each token is drawn from the truncated,
     renormalised distribution ``p~`` (:func:`~smcspec.sampling.truncation.truncate_log_probs`).
 
+    With ``cfg.constraint`` each token is drawn from the locally-masked ``norm(p~ * m_t)``
+    (``m_t`` the constraint's mask after the tokens so far; what structured-output engines
+    do, which is not the conditional ``p(x | x in A)``: Park et al. 2024).
+
     Args:
         prompt: token ids. ``vocab``: number of token ids that may be sampled.
+    Raises:
+        DeadEndError: with a constraint, no allowed token has positive probability.
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
     Returns:
         :class:`DecodeOutput` with stats ``{"forwards": ...}``.
     """
+    constraint = compiled_constraint(cfg.constraint)
+    state = constraint.start() if constraint is not None else None
     cache = target.new_cache(1, cfg.max_new_tokens + 1)
     logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
     out: list[int] = []
     while True:
         lp = tempered_log_probs(logits, cfg.temperature)
-        probs = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p).exp()
-        tok = int(sample_categorical(probs, generator))
+        lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
+        if state is not None:
+            lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
+        tok = int(sample_categorical(lp.exp(), generator))
         out.append(tok)
         if on_tokens:
             on_tokens([tok])
         if tok in stop_ids or len(out) >= cfg.max_new_tokens:
             break
+        if state is not None:
+            state.consume([tok])
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
     return DecodeOutput(tokens=out, stats={"forwards": len(out)})
+
+
+def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log norm(p~ * m)`` (float32 ``[V]``); raises :class:`DeadEndError` when no allowed
+    token has positive probability."""
+    if not bool((mask & (lp > -torch.inf)).any()):
+        raise DeadEndError("no token allowed by the constraint can be sampled (dead end)")
+    return mask_log_probs(lp, mask)
 
 
 def decode_ar(*args, **kwargs) -> DecodeOutput:

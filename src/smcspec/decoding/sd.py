@@ -11,6 +11,13 @@ before the rule is applied: accept with ``min(1, p~(d)/q~(d))``, residual
 ``norm(max(p~ - q~, 0))``, first and bonus tokens from ``p~``. The output is then
 distributed exactly as ``p~`` step by step (``docs/sampling.md``).
 
+With a constraint (``cfg.constraint``) the draft and the target are both masked,
+``q' = norm(q~ * m)`` and ``p' = norm(p~ * m)`` with the mask ``m`` of the same prefix, and the
+same rule applies: the output is exactly the locally-masked ``prod_t norm(p~ * m_t)`` (what
+masked autoregressive sampling gives, not the conditional ``p(x | x in A)``; see
+``docs/constraints.md``). The matcher consumes the drafted tokens to give the next masks and
+rolls back the rejected ones; a drafted stop token or a dead end ends the block early.
+
 The draft's KV is kept one step behind (deferred feeding): the tokens it has not yet seen
 (the last accepted draft token and the target's token) go into the next round's first draft
 forward, so a round costs K draft forwards.
@@ -30,6 +37,12 @@ from smcspec.decoding.common import (
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
+from smcspec.potentials import (
+    ConstraintState,
+    DeadEndError,
+    compiled_constraint,
+    mask_log_probs,
+)
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.speculative import speculative_verify
 from smcspec.sampling.truncation import truncate_log_probs
@@ -56,12 +69,16 @@ def sd_program(
     """
     dev = target.device
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    constraint = compiled_constraint(cfg.constraint)
+    state = constraint.start() if constraint is not None else None
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     tcache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap)
     p = as_prompt_tensor(prompt, dev)
     first_logits = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
     first = truncate_log_probs(tempered_log_probs(first_logits, cfg.temperature), *trunc)
+    if state is not None:
+        first = _masked_target(first, _allowed(state, vocab, dev))
     tok = int(sample_categorical(first.exp(), generator))
     out = [tok]
     if on_tokens:
@@ -70,31 +87,56 @@ def sd_program(
     pending_d = [tok]  # tokens the draft has not seen yet
     rounds = drafted = accepted = 0
     finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
+    if state is not None and not finished:
+        state.consume([tok])
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_tokens: list[int] = []
         d_probs = []
         d_len0 = dcache.length
+        # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
+        masks = [_allowed(state, vocab, dev)] if state is not None else []
+        if state is not None and not bool(masks[0].any()):
+            raise DeadEndError("no token allowed by the constraint can follow (dead end)")
         if k > 0:
             x = torch.tensor([pending_d], device=dev)
             for _ in range(k):
                 logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
                 q = truncate_log_probs(tempered_log_probs(logits, cfg.draft_temperature), *trunc)
+                if state is not None:
+                    q = _masked_draft(q, masks[-1])
                 q = q.exp()
                 d = int(sample_categorical(q, generator))
                 d_tokens.append(d)
                 d_probs.append(q)
+                if state is not None:  # a stop token or a dead end ends the block early
+                    if d in stop_ids:
+                        masks.append(torch.ones(vocab, dtype=torch.bool, device=dev))
+                        break
+                    state.consume([d])
+                    masks.append(_allowed(state, vocab, dev))
+                    if not bool(masks[-1].any()):
+                        break
                 x = torch.tensor([[d]], device=dev)
+            k = len(d_tokens)
         t_len0 = tcache.length
         block = torch.tensor([[pending_t, *d_tokens]], device=dev)
         t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-        t_probs = truncate_log_probs(tempered_log_probs(t_logits, cfg.temperature), *trunc).exp()
+        t_lp = truncate_log_probs(tempered_log_probs(t_logits, cfg.temperature), *trunc)
+        if state is not None:
+            dead = not bool(masks[-1].any())  # fatal only if every drafted token is accepted
+            if dead:
+                masks[-1] = torch.ones_like(masks[-1])
+            t_lp = torch.stack([_masked_target(t_lp[j], masks[j]) for j in range(k + 1)])
+        t_probs = t_lp.exp()
         if k > 0:
             n, nxt = speculative_verify(
                 torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator
             )
         else:
             n, nxt = 0, int(sample_categorical(t_probs[0], generator))
+        if state is not None and dead and n == k:
+            raise DeadEndError("no token allowed by the constraint can follow (dead end)")
         rounds += 1
         drafted += k
         accepted += n
@@ -104,6 +146,10 @@ def sd_program(
         if on_tokens:
             on_tokens(new)
         finished = stopped or len(out) >= cfg.max_new_tokens
+        if state is not None and not finished:  # no stop token was accepted
+            consumed = k - (1 if d_tokens and d_tokens[-1] in stop_ids else 0)
+            state.rollback(consumed - n)
+            state.consume([nxt])
         # roll back what was rejected
         tcache.truncate(t_len0 + 1 + n)
         pending_t = nxt
@@ -122,6 +168,25 @@ def sd_program(
         "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
     }
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _allowed(state: ConstraintState, vocab: int, dev: torch.device) -> torch.Tensor:
+    return state.allowed()[:vocab].to(dev)
+
+
+def _masked_target(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log norm(p~ * m)`` (float32 ``[V]``); :class:`DeadEndError` if nothing is left."""
+    if not bool((mask & (lp > -torch.inf)).any()):
+        raise DeadEndError("no token allowed by the constraint can be sampled (dead end)")
+    return mask_log_probs(lp, mask)
+
+
+def _masked_draft(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The draft's ``log norm(q~ * m)``; uniform over the mask when the draft's kept set
+    misses it (any proposal keeps the rule exact; the mask itself is never empty here)."""
+    if not bool((mask & (lq > -torch.inf)).any()):
+        return mask_log_probs(torch.zeros_like(lq), mask)
+    return mask_log_probs(lq, mask)
 
 
 def decode_sd(*args, **kwargs) -> DecodeOutput:

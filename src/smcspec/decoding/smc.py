@@ -41,6 +41,16 @@ from smcspec.decoding.common import (
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
+from smcspec.potentials import (
+    ConstraintState,
+    DeadEndError,
+    TokenConstraint,
+    compiled_constraint,
+    mask_log_probs,
+    masked_power_log_probs,
+    reorder,
+    stack_masks,
+)
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
     RESAMPLERS,
@@ -87,6 +97,46 @@ def _power_target(
     return log_r.exp(), log_z
 
 
+def _masked_power_target(
+    logits: torch.Tensor,
+    t_t: float,
+    alpha: float,
+    trunc: tuple[int, float, float],
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities ``∝ p~(v)^alpha m(v)`` (float32 ``[R, V]``) and the bonus log-weight
+    ``logsumexp_v(alpha*log p~(v) + log m(v))`` (float64 ``[R]``; ``-inf`` where nothing the
+    mask allows has target mass: that row is uniform, for sampling only, and the particle
+    must get weight zero if it keeps the token). Source: ``shared/docs/smc-sd.md``,
+    "Potentials"."""
+    lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
+    log_r, log_z = masked_power_log_probs(lp, alpha, mask)
+    bad = ~torch.isfinite(log_z)
+    probs = torch.where(bad[:, None], torch.ones_like(log_r), log_r.exp())
+    return probs, log_z
+
+
+def _masked_proposal(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The masked draft ``log q'(v) = log norm(q * m)`` (float32 ``[R, V]``); a row whose mask
+    misses the draft's kept set (only with ``truncate_draft``) is uniform over the mask."""
+    empty = ~(mask & (lq > -math.inf)).any(-1, keepdim=True)
+    return mask_log_probs(torch.where(empty, torch.zeros_like(lq), lq), mask)
+
+
+def _masks(
+    constraint: TokenConstraint | None,
+    states: list[ConstraintState],
+    open_: torch.Tensor,
+    vocab: int,
+    dev: torch.device,
+) -> torch.Tensor:
+    """bool ``[N, V]`` masks of the open particles (all True elsewhere or without a
+    constraint)."""
+    if constraint is None:
+        return torch.ones(open_.shape[0], vocab, dtype=torch.bool, device=dev)
+    return stack_masks(states, open_.tolist(), vocab, dev)
+
+
 def smc_program(
     target: Transformer,
     draft: Transformer,
@@ -110,6 +160,17 @@ def smc_program(
             tokens the target keeps; kept for comparison (``docs/sampling.md``).
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
+    With ``cfg.constraint`` (a compiled :class:`~smcspec.potentials.TokenConstraint`) or
+    ``cfg.reward`` the sampler targets ``p~(x)^alpha Psi(x)`` (``docs/constraints.md``): every
+    particle draws its own x0 from the masked power target, drafts from the masked draft
+    ``q' ∝ q_T m`` with weight ``alpha log p~(d_k) - log q'(d_k)``, and draws the bonus from
+    ``∝ p~^alpha m`` with weight ``log sum_v p~(v)^alpha m(v)``; a particle at a dead end (an
+    empty mask) gets weight zero; a reward with ``prefix_fn`` multiplies the weight by
+    ``phi(new)/phi(old)`` each round, one without by ``exp(beta R(x))`` at the end.
+
+    Raises:
+        DeadEndError: with a constraint or reward, every particle reached a dead end.
+
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
@@ -118,7 +179,8 @@ def smc_program(
         resampling);
         with ``cfg.return_particles`` also all particles, their normalised weights and the
         log-normaliser estimate (sum over resampling events of ``logsumexp(logw) - log N``,
-        plus the same term for the final weights).
+        plus the same term for the final weights). With a constraint or reward the stats
+        also hold ``log_normalizer`` (including x0's masked mass) and ``dead_particles``.
     """
     dev = target.device
     n, k = cfg.particles, cfg.draft_tokens
@@ -126,6 +188,10 @@ def smc_program(
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)  # all off: truncate_log_probs returns its input
     d_trunc = trunc if truncate_draft else (0, 1.0, 0.0)  # the proposal: q_T unless asked
     resample = RESAMPLERS[cfg.resampler]
+    constraint = compiled_constraint(cfg.constraint)
+    reward = cfg.reward
+    potential = constraint is not None or reward is not None
+    twisted = reward is not None and reward.prefix_fn is not None
     cap = cache_capacity(cfg.max_new_tokens, k)
     tcache, dcache = target.new_cache(n, cap), draft.new_cache(n, cap)
 
@@ -133,20 +199,44 @@ def smc_program(
     p = as_prompt_tensor(prompt, dev)
     first = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
-    x0 = int(sample_categorical(_power_target(first, t_t, alpha, trunc, False)[0], generator))
     tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
-    tokens[:, 0] = x0
     lengths = torch.ones(n, dtype=torch.long, device=dev)
-    done = x0 in stop_ids or cfg.max_new_tokens == 1
-    finished = torch.full((n,), done, dtype=torch.bool, device=dev)
     logw = torch.zeros(n, dtype=torch.float64, device=dev)  # 2. uniform start
     stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+    log_z = 0.0
+    states: list[ConstraintState] = []
+    phi = torch.zeros(n, dtype=torch.float64, device=dev)  # log twist of each prefix
+    dead_count = 0
+    if not potential:
+        x0 = int(sample_categorical(_power_target(first, t_t, alpha, trunc, False)[0], generator))
+        tokens[:, 0] = x0
+        done = x0 in stop_ids or cfg.max_new_tokens == 1
+        finished = torch.full((n,), done, dtype=torch.bool, device=dev)
+    else:  # each particle draws its own x0 from ∝ p~^alpha m (a shared x0 would stay biased)
+        root = constraint.start() if constraint is not None else None
+        m0 = _masks(constraint, [root], torch.ones(1, dtype=torch.bool), vocab, dev)
+        probs0, lz0 = _masked_power_target(first[None], t_t, alpha, trunc, m0)
+        if not math.isfinite(float(lz0[0])):
+            raise DeadEndError("no first token is allowed by the constraint (dead end)")
+        log_z += float(lz0[0])  # x0's weight, the same for every particle
+        x0s = sample_categorical(probs0.expand(n, -1), generator)
+        tokens[:, 0] = x0s
+        finished = torch.isin(x0s, stop_t) | (cfg.max_new_tokens == 1)
+        if root is not None:
+            states = [root.copy() for _ in range(n)]
+            bad = _consume(states, ~finished, x0s)
+            if bad:  # the matcher refused a token its own mask allowed: a dead end
+                logw[bad] = -math.inf
+                finished[bad] = True
+                dead_count += len(bad)
+        if twisted:
+            phi = _log_twist(reward, tokens, lengths, finished, dev)
+            logw = phi.clone()
     pending_t = tokens[:, :1].clone()  # [N, 1] not yet fed to the target
     pending_d = tokens[:, :1].clone()  # [N, 1 or 2] not yet fed to the draft
     emitted = 0
     rounds = resamples = degenerate = 0
     ess_trace: list[float] = []
-    log_z = 0.0
     block_pos = torch.arange(1, k + 2, device=dev)
 
     def emit(upto: int, row: int = 0) -> None:
@@ -155,18 +245,33 @@ def smc_program(
             on_tokens(tokens[row, emitted:upto].tolist())
         emitted = max(emitted, upto)
 
-    emit(1)
+    emit(_common_prefix_len(tokens, lengths))
     while not bool(finished.all()):
         # 3a. draft K tokens per particle (deferred bonus: first forward feeds 1-2 tokens)
         drafted = torch.empty(n, k, dtype=torch.long, device=dev)
         draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
         x = pending_d
+        if potential:
+            open_ = ~finished  # still consuming tokens this round
+            dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
         for j in range(k):
             d_logits = yield Forward(draft, x, dcache, last_only=True)
             lq = truncate_log_probs(tempered_log_probs(d_logits[:, -1, :vocab], t_d), *d_trunc)
+            if constraint is not None:
+                m = _masks(constraint, states, open_, vocab, dev)
+                empty = ~m.any(-1)  # a dead end at block position j+1
+                dead_pos = torch.where(empty & open_, j + 1, dead_pos)
+                open_ = open_ & ~empty
+                lq = _masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
             d = sample_categorical(lq.exp(), generator)
             drafted[:, j] = d
             draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
+            if constraint is not None:
+                open_ = open_ & ~torch.isin(d, stop_t)
+                bad = _consume(states, open_, d)
+                if bad:  # d_{j+1} itself was refused: dead at block position j+1
+                    dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
+                    open_[bad] = False
             x = d[:, None]
         # 3b. one target forward over [v, d_1..d_K] for every particle
         t_block = torch.cat((pending_t, drafted), 1)
@@ -174,8 +279,18 @@ def smc_program(
         lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], t_t), *trunc)
         target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
         # 3d. bonus token from softmax(alpha * l / T_t) (∝ p~^alpha) at position K+1
-        bonus_probs, bonus_norm = _power_target(t_logits[:, k], t_t, alpha, trunc)
+        if potential:  # after all K drafted tokens: bonus ∝ p~^alpha m, weight log sum
+            m = _masks(constraint, states, open_, vocab, dev)
+            bonus_probs, bonus_norm = _masked_power_target(t_logits[:, k], t_t, alpha, trunc, m)
+            empty = ~m.any(-1) | ~torch.isfinite(bonus_norm)
+            dead_pos = torch.where(empty & open_, k + 1, dead_pos)
+            bonus_norm = torch.where(empty, torch.zeros_like(bonus_norm), bonus_norm)
+        else:
+            bonus_probs, bonus_norm = _power_target(t_logits[:, k], t_t, alpha, trunc)
         bonus = sample_categorical(bonus_probs, generator)
+        if constraint is not None:
+            bad = _consume(states, open_ & (dead_pos > k + 1) & ~torch.isin(bonus, stop_t), bonus)
+            dead_pos[bad] = k + 1
         # 4. how much of the block each particle keeps (EOS / max_new_tokens cut it)
         block = torch.cat((drafted, bonus[:, None]), 1)  # [N, K+1]
         is_stop = torch.isin(block, stop_t)
@@ -184,12 +299,29 @@ def smc_program(
         kept = torch.where(finished, torch.zeros_like(kept), kept)
         # 3c + 3e. incremental log-weights
         logw = logw + incremental_log_weights(target_lp, draft_lp, alpha, bonus_norm, kept)
+        if potential:  # a particle that reached a dead end inside what it keeps dies
+            killed = ~finished & (dead_pos <= kept)
+            logw = torch.where(killed, torch.full_like(logw, -math.inf), logw)
+            dead_count += int(killed.sum())
         start = 1 + rounds * (k + 1)  # every unfinished particle has this length
         tokens[:, start : start + k + 1] = torch.where(
             finished[:, None], tokens[:, start : start + k + 1], block
         )
         lengths = lengths + kept
+        was_finished = finished
         finished = finished | (first_stop <= kept) | (lengths >= cfg.max_new_tokens)
+        if potential:
+            finished = finished | killed
+            if twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
+                grew = ~was_finished & ~killed
+                new_phi = _log_twist(reward, tokens, lengths, finished, dev, rows=grew)
+                logw = torch.where(grew, logw + new_phi - phi, logw)
+                phi = torch.where(grew, new_phi, phi)
+            if not bool(torch.isfinite(logw).any()):
+                raise DeadEndError(
+                    "every particle reached a dead end of the constraint (no allowed "
+                    "continuation has target probability)"
+                )
         pending_t = bonus[:, None]
         pending_d = torch.stack((drafted[:, -1], bonus), 1)
         rounds += 1
@@ -203,10 +335,20 @@ def smc_program(
             pending_t, pending_d = pending_t[anc], pending_d[anc]
             tcache.reorder(anc)
             dcache.reorder(anc)
+            if potential:
+                phi = phi[anc]
+                if constraint is not None:
+                    states = reorder(states, anc)
             logw = torch.zeros_like(logw)
             resamples += 1
         emit(_common_prefix_len(tokens, lengths))
 
+    if reward is not None and not twisted:  # the whole reward at the end
+        alive = torch.isfinite(logw)
+        final = reward.log_potential(
+            [tokens[i, : int(lengths[i])].tolist() for i in range(n)], prefix=False
+        ).to(dev)
+        logw = torch.where(alive, logw + final, logw)
     # 5. output: one particle drawn in proportion to its final weight
     w, all_inf = normalized_weights(logw)
     degenerate += int(all_inf)
@@ -222,6 +364,8 @@ def smc_program(
         "min_ess": min(ess_trace) if ess_trace else float(n),
         "degenerate_weights": degenerate,
     }
+    if potential:
+        stats.update(log_normalizer=log_z, dead_particles=dead_count)
     particles = None
     if cfg.return_particles:
         particles = [
@@ -233,6 +377,39 @@ def smc_program(
         particles=particles,
         log_normalizer=log_z if math.isfinite(log_z) else None,
     )
+
+
+def _consume(states: list[ConstraintState], rows: torch.Tensor, toks: torch.Tensor) -> list[int]:
+    """Advance ``states[i]`` by ``toks[i]`` for each row set in ``rows`` (bool ``[N]``);
+    returns the rows whose matcher refused the token (:class:`DeadEndError`)."""
+    bad = []
+    for i in rows.nonzero()[:, 0].tolist():
+        try:
+            states[i].consume([int(toks[i])])
+        except DeadEndError:
+            bad.append(i)
+    return bad
+
+
+def _log_twist(
+    reward,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    finished: torch.Tensor,
+    dev: torch.device,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 ``[N]``: ``log phi`` of each particle's tokens: ``beta * R`` for a finished
+    particle, ``beta * prefix_fn`` otherwise (0 for rows outside ``rows``)."""
+    n = tokens.shape[0]
+    out = torch.zeros(n, dtype=torch.float64)
+    sel = range(n) if rows is None else rows.nonzero()[:, 0].tolist()
+    for done in (True, False):
+        idx = [i for i in sel if bool(finished[i]) == done]
+        if idx:
+            seqs = [tokens[i, : int(lengths[i])].tolist() for i in idx]
+            out[idx] = reward.log_potential(seqs, prefix=not done)
+    return out.to(dev)
 
 
 def decode_smc(*args, **kwargs) -> DecodeOutput:

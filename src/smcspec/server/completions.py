@@ -26,7 +26,7 @@ from smcspec.metrics import ServerMetrics
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
 from smcspec.scheduler import Request as EngineRequest
 from smcspec.server.errors import ApiError, error_body
-from smcspec.server.schemas import CommonBody, unsupported_fields
+from smcspec.server.schemas import CommonBody, constraint_spec, unsupported_fields
 from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
 
 MAX_N = 8
@@ -79,8 +79,10 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
             raise ApiError(400, f"{name} is not supported by this server", param=name)
         updates[name] = value
     if body.smc is not None:
-        updates.update({k: v for k, v in body.smc.model_dump().items() if v is not None})
+        extras = body.smc.model_dump(exclude={"regex", "grammar"})
+        updates.update({k: v for k, v in extras.items() if v is not None})
     try:
+        updates["constraint"] = constraint_spec(body)
         return replace(state.defaults, **updates).validate()
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from exc

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from smcspec.errors import ConfigError
+from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -28,6 +31,8 @@ class SmcOptions(BaseModel):
     alpha: float | None = None
     ess_threshold: float | None = None
     resampler: str | None = None
+    regex: str | None = None  # the output must match this regular expression
+    grammar: str | None = None  # the output must follow this Lark grammar
 
 
 class StreamOptions(BaseModel):
@@ -102,6 +107,34 @@ class ChatBody(CommonBody):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+def constraint_spec(body: CommonBody) -> Constraint | None:
+    """The request's output constraint: ``response_format`` ``json_object`` (any JSON
+    object) or ``json_schema`` (``{"json_schema": {"schema": ...}}``), or the ``smc`` extras
+    ``regex`` / ``grammar`` (Lark). At most one may be given.
+
+    Raises:
+        ConfigError: two constraints, a ``json_schema`` format without a schema, or a schema
+            that is not an object (the pattern/grammar itself is checked when compiled).
+    """
+    found: list[Constraint] = []
+    fmt = body.response_format or {}
+    if fmt.get("type") == "json_object":
+        found.append(JsonSchema({"type": "object"}))
+    elif fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ConfigError("response_format json_schema needs json_schema.schema (an object)")
+        found.append(JsonSchema(schema))
+    if body.smc is not None and body.smc.regex is not None:
+        found.append(Regex(body.smc.regex))
+    if body.smc is not None and body.smc.grammar is not None:
+        found.append(Grammar(body.smc.grammar))
+    if len(found) > 1:
+        raise ConfigError("give at most one of response_format json, smc.regex, smc.grammar")
+    return found[0] if found else None
+
+
 def unsupported_fields(body: CommonBody) -> list[str]:
     """Names of OpenAI fields ``body`` sets to a value smcspec cannot honour."""
     bad = []
@@ -114,7 +147,8 @@ def unsupported_fields(body: CommonBody) -> list[str]:
             bad.append(name)
     if body.logit_bias:
         bad.append("logit_bias")
-    if body.response_format not in (None, {"type": "text"}):
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema"):
         bad.append("response_format")
     if body.tools:
         bad.append("tools")

@@ -1,0 +1,339 @@
+"""Potentials: hard constraints (token masks) and rewards for the decoders.
+
+The sequence-level target becomes ``pi(x) ∝ p_T(x)^alpha * Psi(x)`` (``shared/docs/smc-sd.md``,
+"Potentials: constraints and rewards"; Lew et al. 2023, "Sequential Monte Carlo Steering of
+Large Language Models using Probabilistic Programs"; Park et al. 2024, "Grammar-Aligned
+Decoding"; twisting: Naesseth et al. 2019, "Elements of Sequential Monte Carlo").
+
+- A hard constraint ``Psi = 1[x in A]`` is applied through token masks ``m_t(v)`` (1 when the
+  prefix followed by ``v`` can still be completed inside A; EOS only where the prefix is in A).
+  The user-facing specs :class:`Regex`, :class:`JsonSchema` and :class:`Grammar` are compiled
+  once per request against the engine's tokenizer with llguidance into a
+  :class:`TokenConstraint`; each particle holds a :class:`ConstraintState` (a matcher) that
+  gives the mask, consumes tokens, rolls back (sd) and is copied on resampling.
+- A reward ``Psi = exp(beta * R(x))`` (:class:`Reward`) is a Python callable on decoded text,
+  batched over particles; with ``prefix_fn`` it is used as the twist on prefixes.
+
+The decoders only see :class:`TokenConstraint` / :class:`ConstraintState`, so any token-level
+automaton implementing them works (the statistical tests use a tiny DFA over token ids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from smcspec.errors import ConfigError, NumericalError
+
+
+class DeadEndError(NumericalError):
+    """No continuation satisfies the constraint (every particle, or the only sample, hit a
+    prefix whose mask is empty)."""
+
+
+class ConstraintState(ABC):
+    """One particle's position in a constraint: a matcher over the tokens generated so far."""
+
+    @abstractmethod
+    def allowed(self) -> torch.Tensor:
+        """bool ``[V]`` on CPU: tokens that keep the prefix completable inside A (a stop token
+        only where the prefix is in A). All False: a dead end."""
+
+    @abstractmethod
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Advance through ``tokens`` (each allowed in turn). Raises :class:`DeadEndError` if
+        the constraint rejects one (a mask that allowed a token leading nowhere)."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens (sd's rejected draft tokens)."""
+
+    @abstractmethod
+    def copy(self) -> ConstraintState:
+        """An independent copy (resampling copies a matcher with its particle)."""
+
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """Whether the tokens consumed so far form a sequence in A."""
+
+
+class TokenConstraint(ABC):
+    """A constraint compiled for one vocabulary; :meth:`start` gives a fresh state."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def start(self) -> ConstraintState:
+        """The state before any generated token."""
+
+
+class Constraint(ABC):
+    """A user-facing constraint spec, compiled against a tokenizer per request."""
+
+    @abstractmethod
+    def grammar(self) -> str:
+        """llguidance's grammar text for this spec (no tokenizer needed)."""
+
+    def compile(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> TokenConstraint:
+        """Compile against a Hugging Face tokenizer for ``vocab_size`` token ids.
+
+        Args:
+            tokenizer: a ``transformers`` tokenizer (fast, byte-level or sentencepiece).
+            vocab_size: ids ``0..vocab_size-1`` may be sampled (the model's, which may exceed
+                the tokenizer's); ids the tokenizer lacks are never allowed.
+            stop_ids: tokens that end a sequence (EOS, end of turn); allowed only where the
+                prefix is in A. Empty: the tokenizer's EOS.
+        Raises:
+            ConfigError: invalid pattern / schema / grammar (llguidance's message).
+        """
+        return LLGuidanceConstraint(self.grammar(), tokenizer, vocab_size, stop_ids)
+
+
+def _grammar_from(kind: str, text: str) -> str:
+    import llguidance
+
+    try:
+        return llguidance.grammar_from(kind, text)
+    except Exception as e:  # llguidance raises ValueError/RuntimeError
+        raise ConfigError(f"invalid {kind}: " + " ".join(str(e).split())) from e
+
+
+@dataclass(frozen=True)
+class Regex(Constraint):
+    """Output must match ``pattern`` (Rust ``regex`` syntax, anchored at both ends)."""
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise ConfigError(f"regex pattern must be a string, got {type(self.pattern).__name__}")
+
+    def grammar(self) -> str:
+        return _grammar_from("regex", self.pattern)
+
+
+@dataclass(frozen=True)
+class JsonSchema(Constraint):
+    """Output must be JSON valid under ``schema`` (a dict, or its JSON text)."""
+
+    schema: dict | str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schema, str):
+            try:
+                json.loads(self.schema)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"invalid json_schema: not JSON ({e})") from e
+        elif not isinstance(self.schema, dict):
+            raise ConfigError(f"json schema must be a dict or a string, got {self.schema!r}")
+
+    def grammar(self) -> str:
+        text = self.schema if isinstance(self.schema, str) else json.dumps(self.schema)
+        return _grammar_from("json_schema", text)
+
+
+@dataclass(frozen=True)
+class Grammar(Constraint):
+    """Output must be derived from a Lark grammar (llguidance's Lark dialect; rule ``start``)."""
+
+    lark: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lark, str):
+            raise ConfigError(f"grammar must be a string, got {type(self.lark).__name__}")
+
+    def grammar(self) -> str:
+        return _grammar_from("lark", self.lark)
+
+
+_LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Any:
+    """llguidance's tokenizer for a HF tokenizer, cached per (tokenizer, V, stop ids)."""
+    import llguidance.hf
+
+    key = (id(tokenizer), vocab_size, tuple(sorted(stop_ids)))  # the entry keeps it alive
+    if key not in _LL_TOKENIZERS:
+        eos: int | list[int] | None = sorted(stop_ids) if stop_ids else None
+        try:
+            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+            _LL_TOKENIZERS[key] = (tokenizer, ll)
+        except Exception as e:
+            raise ConfigError(f"llguidance cannot use this tokenizer: {e}") from e
+    return _LL_TOKENIZERS[key][1]
+
+
+class LLGuidanceConstraint(TokenConstraint):
+    """A grammar compiled by llguidance for one tokenizer (masks over ``vocab_size`` ids).
+
+    Raises :class:`ConfigError` with llguidance's message when the grammar is invalid.
+    """
+
+    def __init__(
+        self, grammar: str, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]
+    ) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._tok = _ll_tokenizer(tokenizer, vocab_size, stop_ids)
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self._tok
+            )
+            matcher = None if is_error else llguidance.LLMatcher(self._tok, grammar)
+        except Exception as e:  # anything llguidance raises here is about the grammar
+            raise ConfigError("invalid constraint: " + " ".join(str(e).split())) from e
+        if matcher is None:
+            raise ConfigError("invalid constraint: " + " ".join(" ".join(messages).split()))
+        if matcher.is_error():
+            raise ConfigError("invalid constraint: " + " ".join(matcher.get_error().split()))
+        self._start = matcher
+
+    def start(self) -> ConstraintState:
+        return LLGuidanceState(self._start.deep_copy(), self.vocab_size)
+
+
+class LLGuidanceState(ConstraintState):
+    """A per-particle llguidance ``LLMatcher``."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        if self.matcher.is_error():
+            return torch.zeros(self.vocab_size, dtype=torch.bool)
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return torch.from_numpy(mask)
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        if not self.matcher.consume_tokens(list(tokens)):
+            err = self.matcher.get_error().splitlines()[0:1]
+            raise DeadEndError(f"the constraint rejected tokens {list(tokens)}: {err}")
+
+    def rollback(self, n: int) -> None:
+        if n > 0 and not self.matcher.rollback(n):
+            raise ConfigError(f"constraint cannot roll back {n} tokens")
+
+    def copy(self) -> ConstraintState:
+        return LLGuidanceState(self.matcher.deep_copy(), self.vocab_size)
+
+    def is_accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def compiled_constraint(constraint: object) -> TokenConstraint | None:
+    """``cfg.constraint`` as the decoders need it. Raises :class:`ConfigError` for an
+    uncompiled spec (``Engine`` compiles specs against its tokenizer)."""
+    if constraint is None or isinstance(constraint, TokenConstraint):
+        return constraint
+    raise ConfigError(
+        "the decoders need a compiled constraint; Engine compiles Regex/JsonSchema/Grammar "
+        "against its tokenizer (or call .compile(tokenizer, vocab_size, stop_ids))"
+    )
+
+
+def reorder(states: list[ConstraintState], ancestors: torch.Tensor) -> list[ConstraintState]:
+    """Resampling: particle i becomes a copy of ``states[ancestors[i]]`` (int64 ``[N]``)."""
+    return [states[a].copy() for a in ancestors.tolist()]
+
+
+def stack_masks(
+    states: Sequence[ConstraintState], active: Sequence[bool], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """bool ``[N, vocab]``: each active state's mask; all True for inactive rows (a finished,
+    stopped or dead particle whose tokens are discarded)."""
+    out = torch.ones(len(states), vocab, dtype=torch.bool)
+    for i, (s, a) in enumerate(zip(states, active, strict=True)):
+        if a:
+            out[i] = s.allowed()[:vocab]
+    return out.to(device)
+
+
+def mask_log_probs(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The locally-masked distribution ``log q'(v) = log q(v) + log m(v) - log sum_u q(u) m(u)``.
+
+    Args:
+        log_probs: float32 ``[..., V]`` normalised log-probs.
+        mask: bool ``[..., V]``; a row with no allowed token of positive mass gives NaN (the
+            caller treats it as a dead end first).
+    Returns float32 ``[..., V]`` (``-inf`` where masked). Source: the notes' masked draft ``q'``.
+    """
+    return torch.log_softmax(log_probs.masked_fill(~mask, -math.inf), dim=-1)
+
+
+def masked_power_log_probs(
+    log_probs: torch.Tensor, alpha: float, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked power target ``r(v) ∝ p~(v)^alpha m(v)`` and the bonus log-weight ``log Z``.
+
+    ``log Z = logsumexp_v(alpha * log p~(v) + log m(v))``; with ``p~ = softmax(l / T_t)`` this
+    is ``logsumexp_v(alpha*l_v/T_t + log m(v)) - alpha*logsumexp_v(l_v/T_t)`` (the notes'
+    bonus term; it generalises the alpha bonus normaliser and is non-zero at alpha = 1).
+
+    Args:
+        log_probs: ``[..., V]`` normalised ``log p~``. mask: bool ``[..., V]``.
+    Returns:
+        ``(log_r, log_z)``: float32 ``[..., V]`` and float64 ``[...]`` (``-inf`` for a row
+        with nothing allowed; its ``log_r`` is NaN and must not be sampled).
+    """
+    scaled = (alpha * log_probs.double()).masked_fill(~mask, -math.inf)
+    log_z = torch.logsumexp(scaled, -1)
+    return (scaled - log_z[..., None]).float(), log_z
+
+
+# ------------------------------------------------------------------------------ rewards
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A reward potential ``Psi(x) = exp(beta * R(x))`` (smc only).
+
+    Attributes:
+        fn: ``R`` on complete texts, batched: ``fn(list[str]) -> list[float]``.
+        beta: inverse temperature of the reward (finite).
+        prefix_fn: optional ``R`` estimate on prefixes, used as the twist
+            ``phi = exp(beta * prefix_fn)``: each round multiplies a particle's weight by
+            ``phi(new) / phi(old)``, and a finished particle's last factor uses ``fn``
+            (Naesseth et al. 2019; Lew et al. 2023). Without it the whole reward is applied
+            to the final weights before the output draw (importance sampling at the end).
+        detokenize: token ids -> text; ``Engine`` fills it from its tokenizer.
+    Raises :class:`ConfigError` when ``fn`` is not callable or ``beta`` not finite.
+    """
+
+    fn: Callable[[list[str]], Sequence[float]]
+    beta: float = 1.0
+    prefix_fn: Callable[[list[str]], Sequence[float]] | None = None
+    detokenize: Callable[[list[int]], str] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn) or (self.prefix_fn is not None and not callable(self.prefix_fn)):
+            raise ConfigError("reward fn and prefix_fn must be callables on lists of strings")
+        if not (isinstance(self.beta, int | float) and math.isfinite(self.beta)):
+            raise ConfigError(f"reward beta must be a finite number, got {self.beta!r}")
+
+    def log_potential(self, seqs: list[list[int]], prefix: bool) -> torch.Tensor:
+        """float64 ``[len(seqs)]``: ``beta * R`` (``prefix``: ``beta * prefix_fn``) of each
+        token sequence. Raises :class:`NumericalError` for a non-finite or missing value and
+        :class:`ConfigError` without ``detokenize``."""
+        if self.detokenize is None:
+            raise ConfigError("reward needs detokenize (Engine sets it from its tokenizer)")
+        fn = self.prefix_fn if prefix else self.fn
+        values = list(fn([self.detokenize(s) for s in seqs]))
+        if len(values) != len(seqs):
+            raise NumericalError(f"reward returned {len(values)} values for {len(seqs)} texts")
+        out = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if not bool(torch.isfinite(out).all()):
+            raise NumericalError("reward returned a non-finite value")
+        return self.beta * out

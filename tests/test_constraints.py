@@ -1,0 +1,162 @@
+"""The llguidance-backed constraints on the tiny HF models (real byte-level BPE tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+from tiny_models import make_tiny_chat_pair, make_tiny_hf_model, make_tokenizer
+
+from smcspec import (
+    ConfigError,
+    Engine,
+    GenerationConfig,
+    Grammar,
+    JsonSchema,
+    Regex,
+    Reward,
+)
+from smcspec.cli import main
+from smcspec.models.loading import load_hf_dir
+from smcspec.potentials import reorder
+
+V = 96
+EOS = V - 1
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer(V)
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_regex_masks_eos_only_when_accepting(tok):
+    c = Regex("ab+c").compile(tok, V, [EOS])
+    s = c.start()
+    m = s.allowed()
+    assert m.dtype == torch.bool and m.shape == (V,)
+    assert bool(m[0]) and not bool(m[EOS]) and not bool(m[1])  # 'a' yes, eos and 'b' no
+    s.consume(_ids(tok, "ab"))
+    assert not s.is_accepting() and not bool(s.allowed()[EOS])
+    s.consume(_ids(tok, "c"))
+    assert s.is_accepting()
+    m = s.allowed()
+    assert bool(m[EOS]) and int(m.sum()) == 1  # complete: only eos
+    # copies are independent; rollback undoes tokens
+    t = s.copy()
+    s.rollback(1)
+    assert not s.is_accepting() and t.is_accepting()
+    assert bool(s.allowed()[2])  # 'c' again
+    copies = reorder([s, t], torch.tensor([1, 1]))
+    assert all(x.is_accepting() for x in copies) and copies[0] is not copies[1]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Regex("ab("),
+        JsonSchema({"type": 3}),
+        Grammar('start: "a" undefined_rule'),
+    ],
+    ids=["regex", "schema", "grammar"],
+)
+def test_invalid_specs_raise_config_error(tok, spec):
+    with pytest.raises(ConfigError, match="invalid"):
+        spec.compile(tok, V, [EOS])
+
+
+def test_bad_types_raise_config_error():
+    with pytest.raises(ConfigError):
+        JsonSchema("{not json")
+    with pytest.raises(ConfigError):
+        GenerationConfig(constraint="ab+").validate()
+    with pytest.raises(ConfigError):
+        GenerationConfig(method="ar", reward=Reward(lambda t: [0.0] * len(t))).validate()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    dirs = make_tiny_chat_pair(tmp_path_factory.mktemp("constraints"))
+    return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+
+
+GRAMMAR = 'start: pair+ " d"\npair: "ab" | "cd"'
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_engine_output_satisfies_regex_and_schema(engine, method):
+    for seed in range(3):
+        cfg = GenerationConfig(
+            method=method, max_new_tokens=24, seed=seed, constraint=Regex("[a-d]{2,5}")
+        )
+        res = engine.generate("ab", cfg)
+        assert re.fullmatch("[a-d]{2,5}", res.text), res.text
+        assert res.finish_reason == "stop"
+    # a Lark grammar (the tiny vocabulary has only letters and a space: no JSON punctuation)
+    cfg = GenerationConfig(
+        method=method, max_new_tokens=24, seed=0, constraint=Grammar(GRAMMAR), temperature=0.7
+    )
+    res = engine.generate("ab", cfg)
+    if res.finish_reason == "stop":
+        assert re.fullmatch("(ab|cd)+ d", res.text), res.text
+    else:  # cut by the budget: a prefix of the language
+        assert re.fullmatch("(ab|cd)*[ac]?", res.text), res.text
+    if method == "smc":
+        assert "log_normalizer" in res.stats and "dead_particles" in res.stats
+
+
+def test_engine_reward_and_mask_time(engine):
+    def score(texts: list[str]) -> list[float]:
+        return [float(t.count("a")) for t in texts]
+
+    cfg = GenerationConfig(
+        method="smc", max_new_tokens=8, seed=0, particles=8, reward=Reward(score, 1.0, score)
+    )
+    res = engine.generate("ab", cfg)
+    assert "log_normalizer" in res.stats
+    # cost of one mask on this 96-token vocabulary (reported in docs/constraints.md)
+    s = Regex("[a-d]{2,50}").compile(engine.tokenizer, engine.vocab, [EOS]).start()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        s.allowed()
+    assert (time.perf_counter() - t0) / 200 < 0.01
+
+
+@pytest.fixture(scope="module")
+def cli_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-constraints")
+    return [str(make_tiny_hf_model(root, "qwen2", seed=s)) for s in (0, 1)]
+
+
+@pytest.mark.parametrize("method", ["ar", "smc"])
+def test_cli_regex_and_grammar(cli_pair, tmp_path, capsys, method):
+    base = ["generate", "ab", "--target", cli_pair[0], "--draft", cli_pair[1], "--no-chat"]
+    base += ["--method", method, "-m", "12", "--seed", "1", "--json"]
+    assert main([*base, "--regex", "[a-d]{2,5}"]) == 0
+    assert re.fullmatch("[a-d]{2,5}", json.loads(capsys.readouterr().out)["text"])
+    lark = tmp_path / "g.lark"
+    lark.write_text(GRAMMAR)
+    assert main([*base, "--grammar", str(lark)]) == 0
+    assert re.fullmatch("(ab|cd)*[ac]?( d)?", json.loads(capsys.readouterr().out)["text"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--regex", "ab("], ["--json-schema", "/nonexistent.json"], ["--grammar", "BAD"]],
+    ids=["bad-regex", "missing-file", "bad-grammar"],
+)
+def test_cli_bad_constraint_is_one_line_error(cli_pair, tmp_path, capsys, args):
+    if args[0] == "--grammar":
+        bad = tmp_path / "bad.lark"
+        bad.write_text('start: "a" undefined_rule')
+        args = ["--grammar", str(bad)]
+    argv = ["generate", "ab", "--target", cli_pair[0], "--method", "ar", "--no-chat"]
+    assert main([*argv, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
