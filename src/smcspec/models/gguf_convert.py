@@ -47,39 +47,28 @@ def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
 
 def converted_dir(gguf_path: Path, root: Path, sha256: str | None = None) -> Path:
     """Return the cached HF directory for ``gguf_path``, converting it on first use."""
-    digest = sha256 or sha256_file(gguf_path)
-    out = root / "converted" / f"{gguf_path.stem}-{digest[:16]}-v{CONVERTER_VERSION}"
-    if (out / "DONE").is_file():
-        return out
-    root.joinpath("converted").mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        convert_gguf(gguf_path, tmp)
-        (tmp / "DONE").write_text(json.dumps({"source": str(gguf_path), "sha256": digest}))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return _built_once(gguf_path, root / "converted", sha256, convert_gguf)
 
 
 def tokenizer_dir(gguf_path: Path, root: Path, sha256: str | None = None) -> Path:
     """The cached tokenizer files (vocabulary, merges, chat template) of a GGUF file, for
     backends that run the file itself; made once, keyed by the file's SHA-256."""
+    return _built_once(gguf_path, root / "tokenizers", sha256, _save_tokenizer)
+
+
+def _built_once(gguf_path: Path, parent: Path, sha256: str | None, build) -> Path:
+    """``parent/<stem>-<sha16>-v<version>``, made by ``build(gguf_path, dir)`` on first use
+    (in a temporary directory renamed when complete; a failed build leaves nothing)."""
     digest = sha256 or sha256_file(gguf_path)
-    out = root / "tokenizers" / f"{gguf_path.stem}-{digest[:16]}-v{CONVERTER_VERSION}"
+    out = parent / f"{gguf_path.stem}-{digest[:16]}-v{CONVERTER_VERSION}"
     if (out / "DONE").is_file():
         return out
+    parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
-        _save_tokenizer(gguf_path, tmp)
+        build(gguf_path, tmp)
         (tmp / "DONE").write_text(json.dumps({"source": str(gguf_path), "sha256": digest}))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
