@@ -273,11 +273,33 @@ def test_api_key(engine):
         srv.stop()
 
 
-def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server):
+def _slowed(engine, monkeypatch, seconds: float) -> None:
+    """Every forward of every request takes ``seconds`` longer (a slow model), so a request
+    of many rounds is still decoding when its client gives up."""
+    real = engine.program
+
+    def slow(job, on_tokens=None):
+        program = real(job, on_tokens)
+        try:
+            step = next(program)
+            while True:
+                time.sleep(seconds)
+                step = program.send((yield step))
+        except StopIteration as done:
+            return done.value
+        finally:
+            program.close()
+
+    monkeypatch.setattr(engine, "program", slow)
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, engine, monkeypatch):
     before = server.metrics()
+    _slowed(engine, monkeypatch, 0.1)  # 16 particles x 400 tokens: many 0.5 s rounds
     body = completion(max_tokens=400, smc={"particles": 16, "draft_tokens": 4})
     with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and hangs up
         httpx.post(server.url(C), timeout=httpx.Timeout(30, read=1.0), **body)
+    monkeypatch.undo()
     deadline = time.time() + 10
     key = 'smcspec_requests_total{"method": "smc", "outcome": "cancelled"}'
     while time.time() < deadline:
