@@ -35,6 +35,7 @@ from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
 _INIT_LOCK = threading.Lock()
 _INITIALISED = False
+_LOG_CALLBACK = None  # llama.cpp's log callback (logs silenced), made on first use
 
 
 def _llama():
@@ -43,7 +44,7 @@ def _llama():
     Raises:
         ConfigError: llama-cpp-python is not installed.
     """
-    global _INITIALISED
+    global _INITIALISED, _LOG_CALLBACK
     try:
         import llama_cpp
     except ImportError as exc:
@@ -53,7 +54,9 @@ def _llama():
         ) from exc
     with _INIT_LOCK:
         if not _INITIALISED:
-            llama_cpp.llama_log_set(_SILENT, ctypes.c_void_p())
+            # the callback object must outlive every llama.cpp call: kept in the module
+            _LOG_CALLBACK = llama_cpp.llama_log_callback(_silent)
+            llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
             llama_cpp.llama_backend_init()
             _INITIALISED = True
     return llama_cpp
@@ -62,13 +65,6 @@ def _llama():
 def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     pass
 
-
-try:  # the callback object must outlive every llama.cpp call
-    import llama_cpp as _lc
-
-    _SILENT = _lc.llama_log_callback(_silent)
-except ImportError:  # resolved when the backend is first used
-    _SILENT = None
 
 
 def physical_cores() -> int:

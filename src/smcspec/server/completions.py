@@ -13,7 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -66,18 +66,14 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
     bad = unsupported_fields(body)
     if bad:
         raise ApiError(400, f"{bad[0]} is not supported by this server", param=bad[0])
-    known = {f.name for f in fields(GenerationConfig)}
     updates: dict[str, Any] = {}
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
         value = getattr(body, name)
-        if value is None:
-            continue
-        if name not in known:  # a sampling parameter this engine does not implement
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-        updates[name] = value
+        if value is not None:
+            updates[name] = value
     if body.smc is not None:
         extras = body.smc.model_dump(exclude={"regex", "grammar"})
         updates.update({k: v for k, v in extras.items() if v is not None})
