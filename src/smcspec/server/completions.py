@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from smcspec.config import GenerationConfig
-from smcspec.engine import Engine, GenerationResult, TextStreamer
+from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.metrics import ServerMetrics
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
@@ -93,12 +93,13 @@ class Completion:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         engine = state.engine
         try:
-            self.jobs = [
-                engine.prepare(prompt, replace(self.cfg, seed=self._seed(i)), chat)
-                for i in range(body.n)
-            ]
+            job = engine.prepare(prompt, self.cfg, chat)  # tokenized and compiled once
         except (ConfigError, ContextLengthError) as exc:
             raise ApiError(400, str(exc)) from exc
+        self.jobs = [  # choice i uses seed + i
+            replace(job, config=replace(job.config, seed=(job.config.seed + i) % SEED_RANGE))
+            for i in range(body.n)
+        ]
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [Choice(i, stops) for i in range(body.n)]
@@ -110,9 +111,6 @@ class Completion:
             c.engine_req = EngineRequest(
                 job=job, on_tokens=streamer, on_done=lambda out, c=c: self._send("done", c, out)
             )
-
-    def _seed(self, i: int) -> int | None:
-        return None if self.cfg.seed is None else self.cfg.seed + i
 
     def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
         try:
