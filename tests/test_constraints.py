@@ -98,6 +98,8 @@ def test_engine_output_satisfies_regex_and_schema(engine, method):
         res = engine.generate("ab", cfg)
         assert re.fullmatch("[a-d]{2,5}", res.text), res.text
         assert res.finish_reason == "stop"
+        # time in masks and matchers is reported, and is part of the request's wall time
+        assert 0 < res.stats["constraint_seconds"] < res.seconds
     # a Lark grammar (the tiny vocabulary has only letters and a space: no JSON punctuation)
     cfg = GenerationConfig(
         method=method, max_new_tokens=24, seed=0, constraint=Grammar(GRAMMAR), temperature=0.7

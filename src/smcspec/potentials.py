@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -228,6 +229,56 @@ class LLGuidanceState(ConstraintState):
 
     def is_accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+@dataclass
+class ConstraintClock:
+    """Wall seconds one request spent in its constraint (masks, consume, rollback, copies)."""
+
+    seconds: float = 0.0
+
+
+class TimedState(ConstraintState):
+    """A :class:`ConstraintState` that adds the wall time of every call to ``clock``; its
+    copies share the clock, so all particles of a request add to one total (the decoders
+    report it as ``stats["constraint_seconds"]``, to set beside the forward time)."""
+
+    def __init__(self, inner: ConstraintState, clock: ConstraintClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.clock.seconds += time.perf_counter() - t0
+
+    def allowed(self) -> torch.Tensor:
+        return self._timed(self.inner.allowed)
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        self._timed(self.inner.consume, tokens)
+
+    def rollback(self, n: int) -> None:
+        self._timed(self.inner.rollback, n)
+
+    def copy(self) -> ConstraintState:
+        return TimedState(self._timed(self.inner.copy), self.clock)
+
+    def is_accepting(self) -> bool:
+        return self._timed(self.inner.is_accepting)
+
+
+def timed_start(constraint: TokenConstraint) -> tuple[TimedState, ConstraintClock]:
+    """``constraint.start()`` wrapped in a :class:`TimedState` with a fresh clock."""
+    clock = ConstraintClock()
+    t0 = time.perf_counter()
+    state = constraint.start()
+    clock.seconds += time.perf_counter() - t0
+    return TimedState(state, clock), clock
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -8,7 +8,7 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
-from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs
+from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.truncation import truncate_log_probs
 
@@ -38,10 +38,11 @@ def ar_program(
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
     Returns:
-        :class:`DecodeOutput` with stats ``{"forwards": ...}``.
+        :class:`DecodeOutput` with stats ``{"forwards": ...}`` and, with a constraint,
+        ``constraint_seconds`` (wall seconds spent computing masks and advancing matchers).
     """
     constraint = compiled_constraint(cfg.constraint)
-    state = constraint.start() if constraint is not None else None
+    state, clock = timed_start(constraint) if constraint is not None else (None, None)
     cache = target.new_cache(1, cfg.max_new_tokens + 1)
     logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
     out: list[int] = []
@@ -60,7 +61,10 @@ def ar_program(
             state.consume([tok])
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
-    return DecodeOutput(tokens=out, stats={"forwards": len(out)})
+    stats: dict[str, float | int] = {"forwards": len(out)}
+    if clock is not None:
+        stats["constraint_seconds"] = clock.seconds
+    return DecodeOutput(tokens=out, stats=stats)
 
 
 def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

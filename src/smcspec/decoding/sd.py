@@ -42,6 +42,7 @@ from smcspec.potentials import (
     DeadEndError,
     compiled_constraint,
     mask_log_probs,
+    timed_start,
 )
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.speculative import speculative_verify
@@ -65,12 +66,13 @@ def sd_program(
     Returns:
         :class:`DecodeOutput`; stats: ``rounds``, ``drafted``, ``accepted``,
         ``acceptance_rate`` (accepted / drafted) and ``mean_accepted_length``
-        (1 + accepted / rounds, as vLLM defines it).
+        (1 + accepted / rounds, as vLLM defines it); with a constraint also
+        ``constraint_seconds`` (wall seconds in masks and matchers).
     """
     dev = target.device
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
     constraint = compiled_constraint(cfg.constraint)
-    state = constraint.start() if constraint is not None else None
+    state, clock = timed_start(constraint) if constraint is not None else (None, None)
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     tcache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap)
     p = as_prompt_tensor(prompt, dev)
@@ -167,6 +169,8 @@ def sd_program(
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
     }
+    if clock is not None:
+        stats["constraint_seconds"] = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
 
 

@@ -50,6 +50,7 @@ from smcspec.potentials import (
     masked_power_log_probs,
     reorder,
     stack_masks,
+    timed_start,
 )
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -180,7 +181,9 @@ def smc_program(
         with ``cfg.return_particles`` also all particles, their normalised weights and the
         log-normaliser estimate (sum over resampling events of ``logsumexp(logw) - log N``,
         plus the same term for the final weights). With a constraint or reward the stats
-        also hold ``log_normalizer`` (including x0's masked mass) and ``dead_particles``.
+        also hold ``log_normalizer`` (including x0's masked mass) and ``dead_particles``, and
+        with a constraint ``constraint_seconds`` (wall seconds in masks, matchers and their
+        copies on resampling).
     """
     dev = target.device
     n, k = cfg.particles, cfg.draft_tokens
@@ -207,13 +210,14 @@ def smc_program(
     states: list[ConstraintState] = []
     phi = torch.zeros(n, dtype=torch.float64, device=dev)  # log twist of each prefix
     dead_count = 0
+    clock = None
     if not potential:
         x0 = int(sample_categorical(_power_target(first, t_t, alpha, trunc, False)[0], generator))
         tokens[:, 0] = x0
         done = x0 in stop_ids or cfg.max_new_tokens == 1
         finished = torch.full((n,), done, dtype=torch.bool, device=dev)
     else:  # each particle draws its own x0 from ∝ p~^alpha m (a shared x0 would stay biased)
-        root = constraint.start() if constraint is not None else None
+        root, clock = timed_start(constraint) if constraint is not None else (None, None)
         m0 = _masks(constraint, [root], torch.ones(1, dtype=torch.bool), vocab, dev)
         probs0, lz0 = _masked_power_target(first[None], t_t, alpha, trunc, m0)
         if not math.isfinite(float(lz0[0])):
@@ -366,6 +370,8 @@ def smc_program(
     }
     if potential:
         stats.update(log_normalizer=log_z, dead_particles=dead_count)
+    if clock is not None:
+        stats["constraint_seconds"] = clock.seconds
     particles = None
     if cfg.return_particles:
         particles = [
