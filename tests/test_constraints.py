@@ -78,6 +78,8 @@ def test_bad_types_raise_config_error():
         GenerationConfig(constraint="ab+").validate()
     with pytest.raises(ConfigError):
         GenerationConfig(method="ar", reward=Reward(lambda t: [0.0] * len(t))).validate()
+    with pytest.raises(ConfigError, match="ignore_eos"):  # the constraint decides the end
+        GenerationConfig(constraint=Regex("a+"), ignore_eos=True).validate()
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,36 @@ def test_server_on_the_default_pair(gguf_paths):
             text += "".join(c.delta.content or "" for c in chunk.choices)
         assert usage.completion_tokens == 16
         assert len(text) > 20 and sum(c.isalpha() for c in text) > 10, text
+        # structured output: a JSON schema through response_format, constrained SMC-SD
+        import jsonschema_rs
+
+        schema = {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 30},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "skills": {
+                    "type": "array",
+                    "items": {"type": "string", "enum": ["python", "rust", "sql", "go"]},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["name", "age", "skills"],
+            "additionalProperties": False,
+        }
+        reply = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Ana Ruiz, 34, writes Python and SQL. "
+                       "Give her name, age and skills as JSON."}],
+            max_tokens=96,
+            seed=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": schema}},
+            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content))
     finally:
         server.should_exit = True
         thread.join(30)

@@ -118,6 +118,11 @@ class GenerationConfig:
                 "constraint must be a Regex, JsonSchema, Grammar or TokenConstraint, got "
                 f"{type(self.constraint).__name__}"
             )
+        if self.constraint is not None and self.ignore_eos:
+            raise ConfigError(
+                "ignore_eos cannot be combined with a constraint: the constraint decides where "
+                "the output ends (its stop token is allowed only once the output is complete)"
+            )
         if self.reward is not None:
             if not isinstance(self.reward, Reward):
                 raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
