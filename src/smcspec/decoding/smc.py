@@ -28,9 +28,11 @@ particles), so the common prefix of all particles is emitted round by round.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
+from smcspec.backends.base import KVCache
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -42,8 +44,10 @@ from smcspec.decoding.common import (
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.models.transformer import Transformer
 from smcspec.potentials import (
+    ConstraintClock,
     ConstraintState,
     DeadEndError,
+    Reward,
     TokenConstraint,
     compiled_constraint,
     mask_log_probs,
@@ -138,6 +142,69 @@ def _masks(
     return stack_masks(states, open_.tolist(), vocab, dev)
 
 
+@dataclass(frozen=True)
+class _Setting:
+    """What one request's rounds need besides the particles (constants of the request)."""
+
+    n: int
+    k: int
+    alpha: float
+    t_t: float
+    t_d: float
+    trunc: tuple[int, float, float]  # (top_k, top_p, min_p) of the target
+    d_trunc: tuple[int, float, float]  # the proposal's: all off unless truncate_draft
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    stop_t: torch.Tensor  # int64 [S] the stop ids
+    vocab: int
+    dev: torch.device
+    generator: torch.Generator
+    constraint: TokenConstraint | None
+    reward: Reward | None
+    ess_threshold: float
+    resampler: str
+
+    @property
+    def potential(self) -> bool:
+        return self.constraint is not None or self.reward is not None
+
+    @property
+    def twisted(self) -> bool:
+        return self.reward is not None and self.reward.prefix_fn is not None
+
+
+@dataclass
+class _Particles:
+    """The N particles of one request between rounds (tensors on the models' device)."""
+
+    tokens: torch.Tensor  # int64 [N, cap]: generated tokens, x0 in column 0
+    lengths: torch.Tensor  # int64 [N]
+    finished: torch.Tensor  # bool [N]
+    logw: torch.Tensor  # float64 [N]: log-weights since the last resampling
+    pending_t: torch.Tensor  # int64 [N, 1]: not yet fed to the target
+    pending_d: torch.Tensor  # int64 [N, 1 or 2]: not yet fed to the draft
+    phi: torch.Tensor  # float64 [N]: log twist of each prefix (0 without prefix_fn)
+    states: list[ConstraintState] = field(default_factory=list)  # matchers (constraint)
+    log_z: float = 0.0  # log-normaliser estimate so far
+    dead: int = 0  # particles killed by dead ends
+    rounds: int = 0
+    resamples: int = 0
+    ess_trace: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    """One round's proposal: K drafted tokens per particle and what the target made of them."""
+
+    drafted: torch.Tensor  # int64 [N, K]
+    draft_lp: torch.Tensor  # float32 [N, K]: log q of each drafted token
+    dead_pos: torch.Tensor | None  # int64 [N]: block position of a dead end (K+2: none)
+    open_: torch.Tensor | None  # bool [N]: still consuming tokens (constraint)
+    target_lp: torch.Tensor | None = None  # float32 [N, K]: log p~ of each drafted token
+    bonus: torch.Tensor | None = None  # int64 [N]: the target's token at position K+1
+    bonus_norm: torch.Tensor | None = None  # float64 [N]: the bonus log-weight (or None)
+
+
 def smc_program(
     target: Transformer,
     draft: Transformer,
@@ -186,202 +253,272 @@ def smc_program(
         copies on resampling).
     """
     dev = target.device
-    n, k = cfg.particles, cfg.draft_tokens
-    alpha, t_t, t_d = cfg.alpha, cfg.temperature, cfg.draft_temperature
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)  # all off: truncate_log_probs returns its input
-    d_trunc = trunc if truncate_draft else (0, 1.0, 0.0)  # the proposal: q_T unless asked
-    resample = RESAMPLERS[cfg.resampler]
-    constraint = compiled_constraint(cfg.constraint)
-    reward = cfg.reward
-    potential = constraint is not None or reward is not None
-    twisted = reward is not None and reward.prefix_fn is not None
-    cap = cache_capacity(cfg.max_new_tokens, k)
-    tcache, dcache = target.new_cache(n, cap), draft.new_cache(n, cap)
-
+    st = _Setting(
+        n=cfg.particles,
+        k=cfg.draft_tokens,
+        alpha=cfg.alpha,
+        t_t=cfg.temperature,
+        t_d=cfg.draft_temperature,
+        trunc=trunc,
+        d_trunc=trunc if truncate_draft else (0, 1.0, 0.0),  # the proposal: q_T unless asked
+        max_new_tokens=cfg.max_new_tokens,
+        stop_ids=stop_ids,
+        stop_t=torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev),
+        vocab=vocab,
+        dev=dev,
+        generator=generator,
+        constraint=compiled_constraint(cfg.constraint),
+        reward=cfg.reward,
+        ess_threshold=cfg.ess_threshold,
+        resampler=cfg.resampler,
+    )
+    cap = cache_capacity(cfg.max_new_tokens, st.k)
+    tcache, dcache = target.new_cache(st.n, cap), draft.new_cache(st.n, cap)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
     p = as_prompt_tensor(prompt, dev)
     first = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
+    ps, clock = _initial_particles(st, first, cap)
+    emitted = _emit(ps, 0, on_tokens)
+    while not bool(ps.finished.all()):
+        block = yield from _draft_block(st, ps, draft, dcache)  # 3a
+        yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
+        _advance(st, ps, block)  # 3c, 3e, 4
+        _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
+        emitted = _emit(ps, emitted, on_tokens)
+    return _output(st, ps, cfg.return_particles, emitted, on_tokens, clock)
+
+
+def _initial_particles(
+    st: _Setting, first: torch.Tensor, cap: int
+) -> tuple[_Particles, ConstraintClock | None]:
+    """Steps 1-2: x0 for every particle and uniform log-weights. Without potentials all
+    particles share one x0 from ``∝ p~^alpha``; with them each particle draws its own from
+    ``∝ p~^alpha m`` (a shared x0 would stay biased) and ``log_z`` starts at x0's masked
+    mass. ``first``: float32 ``[V]`` logits after the prompt. Raises :class:`DeadEndError`."""
+    n, dev = st.n, st.dev
     tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
-    lengths = torch.ones(n, dtype=torch.long, device=dev)
-    logw = torch.zeros(n, dtype=torch.float64, device=dev)  # 2. uniform start
-    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
-    log_z = 0.0
-    states: list[ConstraintState] = []
-    phi = torch.zeros(n, dtype=torch.float64, device=dev)  # log twist of each prefix
-    dead_count = 0
+    ps = _Particles(
+        tokens=tokens,
+        lengths=torch.ones(n, dtype=torch.long, device=dev),
+        finished=torch.zeros(n, dtype=torch.bool, device=dev),
+        logw=torch.zeros(n, dtype=torch.float64, device=dev),  # 2. uniform start
+        pending_t=tokens[:, :1],
+        pending_d=tokens[:, :1],
+        phi=torch.zeros(n, dtype=torch.float64, device=dev),
+    )
     clock = None
-    if not potential:
-        x0 = int(sample_categorical(_power_target(first, t_t, alpha, trunc, False)[0], generator))
+    if not st.potential:
+        probs = _power_target(first, st.t_t, st.alpha, st.trunc, False)[0]
+        x0 = int(sample_categorical(probs, st.generator))
         tokens[:, 0] = x0
-        done = x0 in stop_ids or cfg.max_new_tokens == 1
-        finished = torch.full((n,), done, dtype=torch.bool, device=dev)
-    else:  # each particle draws its own x0 from ∝ p~^alpha m (a shared x0 would stay biased)
-        root, clock = timed_start(constraint) if constraint is not None else (None, None)
-        m0 = _masks(constraint, [root], torch.ones(1, dtype=torch.bool), vocab, dev)
-        probs0, lz0 = _masked_power_target(first[None], t_t, alpha, trunc, m0)
+        done = x0 in st.stop_ids or st.max_new_tokens == 1
+        ps.finished = torch.full((n,), done, dtype=torch.bool, device=dev)
+    else:
+        root, clock = timed_start(st.constraint) if st.constraint is not None else (None, None)
+        m0 = _masks(st.constraint, [root], torch.ones(1, dtype=torch.bool), st.vocab, dev)
+        probs0, lz0 = _masked_power_target(first[None], st.t_t, st.alpha, st.trunc, m0)
         if not math.isfinite(float(lz0[0])):
             raise DeadEndError("no first token is allowed by the constraint (dead end)")
-        log_z += float(lz0[0])  # x0's weight, the same for every particle
-        x0s = sample_categorical(probs0.expand(n, -1), generator)
+        ps.log_z += float(lz0[0])  # x0's weight, the same for every particle
+        x0s = sample_categorical(probs0.expand(n, -1), st.generator)
         tokens[:, 0] = x0s
-        finished = torch.isin(x0s, stop_t) | (cfg.max_new_tokens == 1)
+        ps.finished = torch.isin(x0s, st.stop_t) | (st.max_new_tokens == 1)
         if root is not None:
-            states = [root.copy() for _ in range(n)]
-            bad = _consume(states, ~finished, x0s)
+            ps.states = [root.copy() for _ in range(n)]
+            bad = _consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
-                logw[bad] = -math.inf
-                finished[bad] = True
-                dead_count += len(bad)
-        if twisted:
-            phi = _log_twist(reward, tokens, lengths, finished, dev)
-            logw = phi.clone()
-    pending_t = tokens[:, :1].clone()  # [N, 1] not yet fed to the target
-    pending_d = tokens[:, :1].clone()  # [N, 1 or 2] not yet fed to the draft
-    emitted = 0
-    rounds = resamples = degenerate = 0
-    ess_trace: list[float] = []
-    block_pos = torch.arange(1, k + 2, device=dev)
+                ps.logw[bad] = -math.inf
+                ps.finished[bad] = True
+                ps.dead += len(bad)
+        if st.twisted:
+            ps.phi = _log_twist(st.reward, tokens, ps.lengths, ps.finished, dev)
+            ps.logw = ps.phi.clone()
+    ps.pending_t = tokens[:, :1].clone()
+    ps.pending_d = tokens[:, :1].clone()
+    return ps, clock
 
-    def emit(upto: int, row: int = 0) -> None:
-        nonlocal emitted
-        if upto > emitted and on_tokens:
-            on_tokens(tokens[row, emitted:upto].tolist())
-        emitted = max(emitted, upto)
 
-    emit(_common_prefix_len(tokens, lengths))
-    while not bool(finished.all()):
-        # 3a. draft K tokens per particle (deferred bonus: first forward feeds 1-2 tokens)
-        drafted = torch.empty(n, k, dtype=torch.long, device=dev)
-        draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
-        x = pending_d
-        if potential:
-            open_ = ~finished  # still consuming tokens this round
-            dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
-        for j in range(k):
-            d_logits = yield Forward(draft, x, dcache, last_only=True)
-            lq = truncate_log_probs(tempered_log_probs(d_logits[:, -1, :vocab], t_d), *d_trunc)
-            if constraint is not None:
-                m = _masks(constraint, states, open_, vocab, dev)
-                empty = ~m.any(-1)  # a dead end at block position j+1
-                dead_pos = torch.where(empty & open_, j + 1, dead_pos)
-                open_ = open_ & ~empty
-                lq = _masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
-            d = sample_categorical(lq.exp(), generator)
-            drafted[:, j] = d
-            draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
-            if constraint is not None:
-                open_ = open_ & ~torch.isin(d, stop_t)
-                bad = _consume(states, open_, d)
-                if bad:  # d_{j+1} itself was refused: dead at block position j+1
-                    dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
-                    open_[bad] = False
-            x = d[:, None]
-        # 3b. one target forward over [v, d_1..d_K] for every particle
-        t_block = torch.cat((pending_t, drafted), 1)
-        t_logits = (yield Forward(target, t_block, tcache))[:, :, :vocab]
-        lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], t_t), *trunc)
-        target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
-        # 3d. bonus token from softmax(alpha * l / T_t) (∝ p~^alpha) at position K+1
-        if potential:  # after all K drafted tokens: bonus ∝ p~^alpha m, weight log sum
-            m = _masks(constraint, states, open_, vocab, dev)
-            bonus_probs, bonus_norm = _masked_power_target(t_logits[:, k], t_t, alpha, trunc, m)
-            empty = ~m.any(-1) | ~torch.isfinite(bonus_norm)
-            dead_pos = torch.where(empty & open_, k + 1, dead_pos)
-            bonus_norm = torch.where(empty, torch.zeros_like(bonus_norm), bonus_norm)
-        else:
-            bonus_probs, bonus_norm = _power_target(t_logits[:, k], t_t, alpha, trunc)
-        bonus = sample_categorical(bonus_probs, generator)
-        if constraint is not None:
-            bad = _consume(states, open_ & (dead_pos > k + 1) & ~torch.isin(bonus, stop_t), bonus)
-            dead_pos[bad] = k + 1
-        # 4. how much of the block each particle keeps (EOS / max_new_tokens cut it)
-        block = torch.cat((drafted, bonus[:, None]), 1)  # [N, K+1]
-        is_stop = torch.isin(block, stop_t)
-        first_stop = torch.where(is_stop, block_pos, k + 2).min(1).values  # K+2: none
-        kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - lengths)
-        kept = torch.where(finished, torch.zeros_like(kept), kept)
-        # 3c + 3e. incremental log-weights
-        logw = logw + incremental_log_weights(target_lp, draft_lp, alpha, bonus_norm, kept)
-        if potential:  # a particle that reached a dead end inside what it keeps dies
-            killed = ~finished & (dead_pos <= kept)
-            logw = torch.where(killed, torch.full_like(logw, -math.inf), logw)
-            dead_count += int(killed.sum())
-        start = 1 + rounds * (k + 1)  # every unfinished particle has this length
-        tokens[:, start : start + k + 1] = torch.where(
-            finished[:, None], tokens[:, start : start + k + 1], block
-        )
-        lengths = lengths + kept
-        was_finished = finished
-        finished = finished | (first_stop <= kept) | (lengths >= cfg.max_new_tokens)
-        if potential:
-            finished = finished | killed
-            if twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
-                grew = ~was_finished & ~killed
-                new_phi = _log_twist(reward, tokens, lengths, finished, dev, rows=grew)
-                logw = torch.where(grew, logw + new_phi - phi, logw)
-                phi = torch.where(grew, new_phi, phi)
-            if not bool(torch.isfinite(logw).any()):
-                raise DeadEndError(
-                    "every particle reached a dead end of the constraint (no allowed "
-                    "continuation has target probability)"
-                )
-        pending_t = bonus[:, None]
-        pending_d = torch.stack((drafted[:, -1], bonus), 1)
-        rounds += 1
-        # 3f. ESS and resampling
-        ess = effective_sample_size(logw)
-        ess_trace.append(ess)
-        if n >= 2 and ess < cfg.ess_threshold * n:
-            log_z += log_mean_weight(logw)
-            anc = resample(logw, generator)
-            tokens, lengths, finished = tokens[anc], lengths[anc], finished[anc]
-            pending_t, pending_d = pending_t[anc], pending_d[anc]
-            tcache.reorder(anc)
-            dcache.reorder(anc)
-            if potential:
-                phi = phi[anc]
-                if constraint is not None:
-                    states = reorder(states, anc)
-            logw = torch.zeros_like(logw)
-            resamples += 1
-        emit(_common_prefix_len(tokens, lengths))
+def _draft_block(st: _Setting, ps: _Particles, draft: Transformer, dcache: KVCache) -> Program:
+    """Step 3a: K draft forwards (deferred bonus: the first feeds 1-2 tokens per particle),
+    each token from ``q_T`` (``q'`` ∝ ``q_T m`` with a constraint). Returns a :class:`_Block`."""
+    n, k, dev = st.n, st.k, st.dev
+    drafted = torch.empty(n, k, dtype=torch.long, device=dev)
+    draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
+    open_ = dead_pos = None
+    if st.potential:
+        open_ = ~ps.finished  # still consuming tokens this round
+        dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
+    x = ps.pending_d
+    for j in range(k):
+        d_logits = yield Forward(draft, x, dcache, last_only=True)
+        lq = tempered_log_probs(d_logits[:, -1, : st.vocab], st.t_d)
+        lq = truncate_log_probs(lq, *st.d_trunc)
+        if st.constraint is not None:
+            m = _masks(st.constraint, ps.states, open_, st.vocab, dev)
+            empty = ~m.any(-1)  # a dead end at block position j+1
+            dead_pos = torch.where(empty & open_, j + 1, dead_pos)
+            open_ = open_ & ~empty
+            lq = _masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+        d = sample_categorical(lq.exp(), st.generator)
+        drafted[:, j] = d
+        draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
+        if st.constraint is not None:
+            open_ = open_ & ~torch.isin(d, st.stop_t)
+            bad = _consume(ps.states, open_, d)
+            if bad:  # d_{j+1} itself was refused: dead at block position j+1
+                dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
+                open_[bad] = False
+        x = d[:, None]
+    return _Block(drafted, draft_lp, dead_pos, open_)
 
-    if reward is not None and not twisted:  # the whole reward at the end
-        alive = torch.isfinite(logw)
-        final = reward.log_potential(
-            [tokens[i, : int(lengths[i])].tolist() for i in range(n)], prefix=False
-        ).to(dev)
-        logw = torch.where(alive, logw + final, logw)
-    # 5. output: one particle drawn in proportion to its final weight
-    w, all_inf = normalized_weights(logw)
-    degenerate += int(all_inf)
+
+def _score_block(st: _Setting, ps: _Particles, b: _Block, target: Transformer, tcache) -> Program:
+    """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
+    ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
+    with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``)."""
+    k = st.k
+    t_block = torch.cat((ps.pending_t, b.drafted), 1)
+    t_logits = (yield Forward(target, t_block, tcache))[:, :, : st.vocab]
+    lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], st.t_t), *st.trunc)
+    b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
+    if st.potential:  # after all K drafted tokens
+        m = _masks(st.constraint, ps.states, b.open_, st.vocab, st.dev)
+        probs, norm = _masked_power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc, m)
+        empty = ~m.any(-1) | ~torch.isfinite(norm)
+        b.dead_pos = torch.where(empty & b.open_, k + 1, b.dead_pos)
+        b.bonus_norm = torch.where(empty, torch.zeros_like(norm), norm)
+    else:
+        probs, b.bonus_norm = _power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc)
+    b.bonus = sample_categorical(probs, st.generator)
+    if st.constraint is not None:
+        alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, st.stop_t)
+        bad = _consume(ps.states, alive, b.bonus)
+        b.dead_pos[bad] = k + 1
+
+
+def _advance(st: _Setting, ps: _Particles, b: _Block) -> None:
+    """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
+    ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
+    twist ``phi(new) / phi(old)``, and the new tokens. Raises :class:`DeadEndError` when
+    every particle is dead."""
+    k = st.k
+    block = torch.cat((b.drafted, b.bonus[:, None]), 1)  # [N, K+1]
+    block_pos = torch.arange(1, k + 2, device=st.dev)
+    first_stop = torch.where(torch.isin(block, st.stop_t), block_pos, k + 2).min(1).values
+    kept = torch.minimum(first_stop.clamp(max=k + 1), st.max_new_tokens - ps.lengths)
+    kept = torch.where(ps.finished, torch.zeros_like(kept), kept)
+    ps.logw = ps.logw + incremental_log_weights(
+        b.target_lp, b.draft_lp, st.alpha, b.bonus_norm, kept
+    )
+    killed = None
+    if st.potential:  # a particle that reached a dead end inside what it keeps dies
+        killed = ~ps.finished & (b.dead_pos <= kept)
+        ps.logw = torch.where(killed, torch.full_like(ps.logw, -math.inf), ps.logw)
+        ps.dead += int(killed.sum())
+    start = 1 + ps.rounds * (k + 1)  # every unfinished particle has this length
+    window = ps.tokens[:, start : start + k + 1]
+    ps.tokens[:, start : start + k + 1] = torch.where(ps.finished[:, None], window, block)
+    ps.lengths = ps.lengths + kept
+    was_finished = ps.finished
+    ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= st.max_new_tokens)
+    if killed is not None:
+        ps.finished = ps.finished | killed
+        if st.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
+            grew = ~was_finished & ~killed
+            new_phi = _log_twist(st.reward, ps.tokens, ps.lengths, ps.finished, st.dev, grew)
+            ps.logw = torch.where(grew, ps.logw + new_phi - ps.phi, ps.logw)
+            ps.phi = torch.where(grew, new_phi, ps.phi)
+        if not bool(torch.isfinite(ps.logw).any()):
+            raise DeadEndError(
+                "every particle reached a dead end of the constraint (no allowed "
+                "continuation has target probability)"
+            )
+    ps.pending_t = b.bonus[:, None]
+    ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
+    ps.rounds += 1
+
+
+def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
+    """Step 3f: when ``ESS < kappa * N``, add the round's ``log mean w`` to ``log_z``, draw
+    ancestors and copy tokens, caches, matchers and twists; the log-weights restart at 0."""
+    ess = effective_sample_size(ps.logw)
+    ps.ess_trace.append(ess)
+    if st.n < 2 or ess >= st.ess_threshold * st.n:
+        return
+    ps.log_z += log_mean_weight(ps.logw)
+    anc = RESAMPLERS[st.resampler](ps.logw, st.generator)
+    ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
+    ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
+    tcache.reorder(anc)
+    dcache.reorder(anc)
+    ps.phi = ps.phi[anc]
+    if ps.states:
+        ps.states = reorder(ps.states, anc)
+    ps.logw = torch.zeros_like(ps.logw)
+    ps.resamples += 1
+
+
+def _emit(
+    ps: _Particles,
+    emitted: int,
+    on_tokens: TokenCallback | None,
+    upto: int | None = None,
+    row: int = 0,
+) -> int:
+    """Stream the tokens every particle holds (final: resampling only copies particles), or
+    ``row``'s tokens up to ``upto``; returns how many tokens have been emitted."""
+    upto = _common_prefix_len(ps.tokens, ps.lengths) if upto is None else upto
+    if upto > emitted and on_tokens:
+        on_tokens(ps.tokens[row, emitted:upto].tolist())
+    return max(emitted, upto)
+
+
+def _output(
+    st: _Setting,
+    ps: _Particles,
+    return_particles: bool,
+    emitted: int,
+    on_tokens: TokenCallback | None,
+    clock: ConstraintClock | None,
+) -> DecodeOutput:
+    """Step 5: a reward without twist enters the final weights; one particle is drawn in
+    proportion to its weight and streamed to the end; stats and (optionally) all particles."""
+    n = st.n
+    if st.reward is not None and not st.twisted:  # the whole reward at the end
+        alive = torch.isfinite(ps.logw)
+        seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
+        final = st.reward.log_potential(seqs, prefix=False).to(st.dev)
+        ps.logw = torch.where(alive, ps.logw + final, ps.logw)
+    w, all_inf = normalized_weights(ps.logw)
     if not all_inf:
-        log_z += log_mean_weight(logw)
-    choice = int(sample_categorical(w, generator)) if n > 1 else 0
-    emit(int(lengths[choice]), row=choice)
-    out = tokens[choice, : int(lengths[choice])].tolist()
-    stats = {
-        "rounds": rounds,
-        "resamples": resamples,
-        "mean_ess": sum(ess_trace) / len(ess_trace) if ess_trace else float(n),
-        "min_ess": min(ess_trace) if ess_trace else float(n),
-        "degenerate_weights": degenerate,
+        ps.log_z += log_mean_weight(ps.logw)
+    choice = int(sample_categorical(w, st.generator)) if n > 1 else 0
+    _emit(ps, emitted, on_tokens, upto=int(ps.lengths[choice]), row=choice)
+    trace = ps.ess_trace
+    stats: dict[str, float | int] = {
+        "rounds": ps.rounds,
+        "resamples": ps.resamples,
+        "mean_ess": sum(trace) / len(trace) if trace else float(n),
+        "min_ess": min(trace) if trace else float(n),
+        "degenerate_weights": int(all_inf),
     }
-    if potential:
-        stats.update(log_normalizer=log_z, dead_particles=dead_count)
+    if st.potential:
+        stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     particles = None
-    if cfg.return_particles:
+    if return_particles:
         particles = [
-            ParticleOutput(tokens[i, : int(lengths[i])].tolist(), float(w[i])) for i in range(n)
+            ParticleOutput(ps.tokens[i, : int(ps.lengths[i])].tolist(), float(w[i]))
+            for i in range(n)
         ]
     return DecodeOutput(
-        tokens=out,
+        tokens=ps.tokens[choice, : int(ps.lengths[choice])].tolist(),
         stats=stats,
         particles=particles,
-        log_normalizer=log_z if math.isfinite(log_z) else None,
+        log_normalizer=ps.log_z if math.isfinite(ps.log_z) else None,
     )
 
 
