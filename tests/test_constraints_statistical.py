@@ -1,7 +1,7 @@
 """Statistical checks of constraints and rewards in the decoders, on tiny enumerable models.
 
-The constraint is a token-level automaton (:class:`token_automaton.NextTokenAutomaton`; the
-decoders only see the :class:`~smcspec.potentials.TokenConstraint` interface). Over the first
+The constraint is a token-level automaton (:class:`smcspec.eval.automaton.NextTokenAutomaton`;
+the decoders only see the :class:`~smcspec.potentials.TokenConstraint` interface). Over the first
 3 generated tokens everything is enumerable:
 
 - the conditional ``p(x | x in A)`` (the target restricted to A, renormalised) and ``P(A)``;
@@ -22,11 +22,11 @@ from collections import Counter
 import pytest
 import torch
 from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
-from token_automaton import NextTokenAutomaton
 
 import smcspec.decoding.smc as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
+from smcspec.eval.automaton import NextTokenAutomaton
 from smcspec.potentials import DeadEndError, Reward
 
 PROMPT = [1, 2, 0]
