@@ -376,6 +376,8 @@ def _bench_eos_note(stop_at_eos: bool) -> str:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
+    import time
+
     from smcspec.eval import fidelity as fid
     from smcspec.eval.automaton import NextTokenAutomaton
 
@@ -383,10 +385,13 @@ def _fidelity(args: argparse.Namespace) -> int:
     ks = [int(v) for v in args.fidelity_k.split(",")]
     prompt, length = [1, 2, 0], 3
     with fid.one_thread():
+        start = time.perf_counter()
         target, draft = fid.tiny_transformer(seed=1), fid.tiny_transformer(seed=2)
         rows, draft_tv = fid.fidelity_grid(target, draft, prompt, length, ns, ks, args.runs)
+        seconds = f"wall time {time.perf_counter() - start:.0f} s"
         potentials, summary = None, ""
         if not args.no_potentials:
+            start = time.perf_counter()
             near = fid.tiny_transformer(seed=2, scale=0.1, base=target)
             dfa = NextTokenAutomaton(fid.CONSTRAINT_TABLE, target.cfg.vocab_size)
             reward = fid.letter_count_reward(1, _FIDELITY_BETA, target.cfg.vocab_size)
@@ -394,11 +399,12 @@ def _fidelity(args: argparse.Namespace) -> int:
                 target, near, prompt, length, ns, args.potential_k, args.runs, dfa, reward
             )
             summary = fid.potential_summary(potentials)
+            seconds += f" (+ {time.perf_counter() - start:.0f} s with potentials)"
         note = (
             f"Tiny random 1-layer models (vocab 4, target seed 1, draft seed 2), prompt "
             f"[1, 2, 0], distribution of the first {length} generated tokens (64 sequences), "
             f"T = 1, {args.runs} seeded runs per setting; KL uses eps = 1e-6 smoothing. "
-            f"{_provenance(args)}.\n\nCommand: `smcspec {shlex.join(args.argv)}`"
+            f"{_provenance(args)}; {seconds}.\n\nCommand: `smcspec {shlex.join(args.argv)}`"
         )
     md = fid.write_fidelity_report(rows, draft_tv, args.out, note, potentials, _POTENTIALS_NOTE)
     print(md.read_text())
