@@ -421,7 +421,8 @@ _POTENTIALS_NOTE = (
     f'and after 2). Reward: R(x) = number of token 1 ("b") in x, beta = {_FIDELITY_BETA}. '
     "Exact targets by enumeration: the conditional p(x | x in A), the locally-masked "
     "distribution prod_t norm(p(. | x_<t) m_t) and p(x) exp(beta R(x)) / Z "
-    "(`docs/constraints.md`). Runs i = 0 .. runs-1 are seeded i in every setting."
+    "(`docs/constraints.md`). Run i of each SMC-SD setting and of masked AR's larger sample "
+    "is seeded i; masked AR's smaller sample is seeded from `runs` on (independent)."
 )
 
 
