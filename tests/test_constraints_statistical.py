@@ -1,8 +1,8 @@
 """Statistical checks of constraints and rewards in the decoders, on tiny enumerable models.
 
-The constraint is a token-level automaton (:class:`token_automaton.NextTokenAutomaton`; the
-decoders only see the :class:`~smcspec.potentials.TokenConstraint` interface). Over the first
-3 generated tokens everything is enumerable:
+The constraint is a token-level automaton (:class:`smcspec.eval.automaton.NextTokenAutomaton`;
+the decoders only see the :class:`~smcspec.potentials.TokenConstraint` interface). Over the
+first 3 generated tokens everything is enumerable (:mod:`smcspec.eval.fidelity`):
 
 - the conditional ``p(x | x in A)`` (the target restricted to A, renormalised) and ``P(A)``;
 - the locally-masked distribution ``prod_t norm(p(. | x_<t) m_t)`` that masked AR and masked
@@ -17,25 +17,32 @@ All runs are seeded (deterministic); thresholds are stated next to each assertio
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import pytest
 import torch
 from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
-from token_automaton import NextTokenAutomaton
 
 import smcspec.decoding.smc as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
-from smcspec.potentials import DeadEndError, Reward
+from smcspec.eval.automaton import NextTokenAutomaton
+from smcspec.eval.fidelity import (
+    CONSTRAINT_TABLE,
+    conditional_log_probs,
+    letter_count_reward,
+    locally_masked_log_probs,
+    probabilities,
+    sample_outputs,
+    tilted_log_probs,
+)
+from smcspec.eval.stats import total_variation as tv_exact
+from smcspec.potentials import DeadEndError
 
 PROMPT = [1, 2, 0]
 T = 1.0
 LENGTH = 3
 VOCAB = 4
-# after 0 only 1; after 1 only 2 or 3; after 3 only 0; anything first and after 2
-TABLE: dict[int | None, set[int]] = {None: {0, 1, 2, 3}, 0: {1}, 1: {2, 3}, 2: {0, 1, 2, 3}, 3: {0}}
-LETTERS = "abcd"
+TABLE = CONSTRAINT_TABLE  # after 0 only 1; after 1 only 2 or 3; after 3 only 0
 
 
 @pytest.fixture(scope="module")
@@ -49,56 +56,14 @@ def setup():
     torch.set_num_threads(threads)
 
 
-def _conditional(exact: dict, dfa: NextTokenAutomaton) -> tuple[dict, float]:
-    """``log p(x | x in A)`` of every sequence in A, and ``log P(A)``."""
-    inside = {k: v for k, v in exact.items() if dfa.allows(k)}
-    log_pa = math.log(sum(math.exp(v) for v in inside.values()))
-    return {k: v - log_pa for k, v in inside.items()}, log_pa
-
-
-def _locally_masked(exact: dict, dfa: NextTokenAutomaton) -> dict:
-    """``log prod_t p(x_t | x_<t) m_t(x_t) / sum_v p(v | x_<t) m_t(v)`` by enumeration."""
-    probs = {k: math.exp(v) for k, v in exact.items()}
-
-    def mass(prefix: tuple) -> float:
-        return sum(p for k, p in probs.items() if k[: len(prefix)] == prefix)
-
-    out = {}
-    for seq in exact:
-        if not dfa.allows(seq):
-            continue
-        total = 0.0
-        for t in range(LENGTH):
-            pre = seq[:t]
-            allowed = dfa.table[pre[-1] if pre else None]
-            kept = sum(mass((*pre, v)) for v in allowed)
-            total += math.log(mass((*pre, seq[t])) / kept)
-        out[seq] = total
-    return out
-
-
 def _tv(p: dict, q: dict) -> float:
-    keys = set(p) | set(q)
-    return 0.5 * sum(
-        abs(math.exp(p.get(k, -math.inf)) - math.exp(q.get(k, -math.inf))) for k in keys
-    )
+    """TV between two exact distributions given as log-probs."""
+    return tv_exact(probabilities(p), probabilities(q))
 
 
 def _cfg(method: str, **kw) -> GenerationConfig:
     base = {"max_new_tokens": LENGTH, "temperature": T, "draft_temperature": T}
     return GenerationConfig(method=method, **{**base, **kw}).validate()
-
-
-def _sample(decode, models, cfg, runs: int, seed0: int = 0) -> tuple[Counter, list[float]]:
-    counts: Counter = Counter()
-    log_zs: list[float] = []
-    with torch.inference_mode():
-        for i in range(runs):
-            g = torch.Generator().manual_seed(seed0 + i)
-            out = decode(*models, PROMPT, cfg, frozenset(), VOCAB, g)
-            counts[tuple(out.tokens)] += 1
-            log_zs.append(out.stats.get("log_normalizer", math.nan))
-    return counts, log_zs
 
 
 def _smc(n: int, **kw) -> GenerationConfig:
@@ -108,15 +73,15 @@ def _smc(n: int, **kw) -> GenerationConfig:
 def test_masked_ar_and_sd_have_a_fixed_bias(setup):
     target, draft, exact = setup
     dfa = NextTokenAutomaton(TABLE, VOCAB)
-    cond, _ = _conditional(exact, dfa)
-    local = _locally_masked(exact, dfa)
+    cond, _ = conditional_log_probs(exact, dfa)
+    local = locally_masked_log_probs(exact, dfa)
     bias = _tv(local, cond)
     # exact TV between the locally-masked distribution and the conditional: 0.443 here
     assert bias > 0.3
     cfg = _cfg("ar", constraint=dfa)
     tvs = {}
     for runs in (500, 4000):
-        counts, _ = _sample(decode_ar, (target,), cfg, runs)
+        counts, _ = sample_outputs(target, draft, PROMPT, cfg, runs)
         assert all(dfa.allows(k) for k in counts)
         # masked AR samples the locally-masked distribution (chi-square p-value bound 1e-3)
         assert chisquare_p(local, counts, runs) > 1e-3
@@ -125,8 +90,8 @@ def test_masked_ar_and_sd_have_a_fixed_bias(setup):
     # 4000): it does not shrink with more samples
     assert abs(tvs[500] - bias) < 0.08 and abs(tvs[4000] - bias) < 0.04
     # masked SD (draft and target masked, usual rule) samples the same distribution exactly
-    counts, _ = _sample(
-        decode_sd, (target, draft), _cfg("sd", draft_tokens=2, constraint=dfa), 3000
+    counts, _ = sample_outputs(
+        target, draft, PROMPT, _cfg("sd", draft_tokens=2, constraint=dfa), 3000
     )
     assert chisquare_p(local, counts, 3000) > 1e-3
     assert abs(total_variation(cond, counts, 3000) - bias) < 0.05
@@ -135,12 +100,12 @@ def test_masked_ar_and_sd_have_a_fixed_bias(setup):
 def test_smc_approaches_the_conditional_and_its_normaliser(setup):
     target, draft, exact = setup
     dfa = NextTokenAutomaton(TABLE, VOCAB)
-    cond, log_pa = _conditional(exact, dfa)
-    bias = _tv(_locally_masked(exact, dfa), cond)
+    cond, log_pa = conditional_log_probs(exact, dfa)
+    bias = _tv(locally_masked_log_probs(exact, dfa), cond)
     runs = 1000
     tv, log_z = {}, {}
     for n in (1, 16):
-        counts, zs = _sample(decode_smc, (target, draft), _smc(n, constraint=dfa), runs)
+        counts, zs = sample_outputs(target, draft, PROMPT, _smc(n, constraint=dfa), runs)
         assert all(dfa.allows(k) for k in counts)
         tv[n] = total_variation(cond, counts, runs)
         log_z[n] = zs
@@ -162,46 +127,26 @@ def test_smc_approaches_the_conditional_and_its_normaliser(setup):
 def test_smc_without_the_mask_correction_fails(setup, monkeypatch):
     target, draft, exact = setup
     dfa = NextTokenAutomaton(TABLE, VOCAB)
-    cond, _ = _conditional(exact, dfa)
+    cond, _ = conditional_log_probs(exact, dfa)
 
     def no_renormalisation(lq, mask):  # samples q' but records log q_T(d): wrong weights
         return lq.masked_fill(~mask, -math.inf)
 
     monkeypatch.setattr(smc_module, "_masked_proposal", no_renormalisation)
-    counts, _ = _sample(decode_smc, (target, draft), _smc(16, constraint=dfa), 1000)
+    counts, _ = sample_outputs(target, draft, PROMPT, _smc(16, constraint=dfa), 1000)
     # the same threshold the correct rule meets (0.12) fails clearly (measured 0.67)
     assert total_variation(cond, counts, 1000) > 0.2
-
-
-def _reward_exact(exact: dict, beta: float) -> dict:
-    tilted = {k: v + beta * _count_b(k) for k, v in exact.items()}
-    log_z = math.log(sum(math.exp(v) for v in tilted.values()))
-    return {k: v - log_z for k, v in tilted.items()}
-
-
-def _count_b(seq) -> float:
-    return float(sum(t == 1 for t in seq))
 
 
 @pytest.mark.parametrize("twisted", [True, False], ids=["prefix_fn", "at_end"])
 def test_smc_reward_error_falls_with_particles(setup, twisted):
     target, draft, exact = setup
-    beta = 0.7
-    want = _reward_exact(exact, beta)
-
-    def count_b(texts: list[str]) -> list[float]:
-        return [float(t.count("b")) for t in texts]
-
-    reward = Reward(
-        count_b,
-        beta,
-        prefix_fn=count_b if twisted else None,
-        detokenize=lambda ids: "".join(LETTERS[i] for i in ids),
-    )
+    reward = letter_count_reward(1, 0.7, VOCAB, twisted=twisted)  # R = number of "b"
+    want, _ = tilted_log_probs(exact, reward)
     runs = 1000
     tv = {}
     for n in (1, 16):
-        counts, _ = _sample(decode_smc, (target, draft), _smc(n, reward=reward), runs, seed0=5000)
+        counts, _ = sample_outputs(target, draft, PROMPT, _smc(n, reward=reward), runs, seed0=5000)
         tv[n] = total_variation(want, counts, runs)
     # N=1 ignores the reward (measured TV 0.50 at 400 runs); N=16 must be below half of it
     # and below 0.25 (measured about 0.18: this unconstrained tilt is harder for the draft

@@ -6,6 +6,8 @@ Modules:
         resource-limited subprocess.
     stats: Wilson interval, paired bootstrap, exact McNemar test, TV and KL distances.
     results: append-only, resumable JSONL result file.
+    fidelity: exact fidelity on enumerable tiny models, with and without a constraint or
+        reward (``smcspec eval fidelity``); automaton: the token-level constraint it uses.
 """
 
 from smcspec.eval.gsm8k import (

@@ -1,8 +1,9 @@
-"""A token-level constraint for the enumerable models (which have no tokenizer).
+"""A token-level automaton constraint for models without a tokenizer (the enumerable ones).
 
 :class:`NextTokenAutomaton` implements :class:`smcspec.potentials.TokenConstraint` with a
-table ``last token -> allowed next tokens`` (a DFA whose state is the last token); the
-decoders only see the interface, so it stands in for the llguidance-backed constraints.
+table ``last token -> allowed next tokens`` (a DFA whose state is the last token). The
+decoders only see that interface, so it stands in for the llguidance-backed constraints in
+the exact fidelity evaluation (:mod:`smcspec.eval.fidelity`) and the statistical tests.
 """
 
 from __future__ import annotations
@@ -13,13 +14,24 @@ import torch
 
 from smcspec.potentials import ConstraintState, DeadEndError, TokenConstraint
 
+__all__ = ["NextTokenAutomaton"]
+
 
 class NextTokenAutomaton(TokenConstraint):
-    """``table[None]``: allowed first tokens; ``table[t]``: allowed tokens after ``t``. Every
-    state accepts (the language is prefix-closed); a state with no allowed token is a dead end.
-    ``calls`` counts mask computations (to measure their cost). ``refused``: pairs
-    ``(last, token)`` the mask allows but :meth:`consume` refuses (an inexact mask, as a
-    grammar library's can be)."""
+    """A DFA over token ids whose state is the last generated token.
+
+    Args:
+        table: ``table[None]``: the allowed first tokens; ``table[t]``: the tokens allowed
+            after ``t``. Every state accepts (the language is prefix-closed); a state with
+            no allowed token is a dead end.
+        vocab_size: masks are bool ``[vocab_size]``.
+        refused: pairs ``(last, token)`` the mask allows but :meth:`_State.consume` refuses
+            with :class:`DeadEndError` (an inexact mask, as a grammar library's can be).
+
+    Attributes:
+        masks: ``last -> bool [vocab_size]`` (CPU), built once from ``table``.
+        calls: how many masks were computed (``allowed()`` calls), to measure their cost.
+    """
 
     def __init__(
         self,
@@ -35,14 +47,20 @@ class NextTokenAutomaton(TokenConstraint):
         self.calls = 0
 
     def start(self) -> ConstraintState:
+        """The state before any generated token (a fresh history)."""
         return _State(self, [])
 
     def allows(self, seq: Sequence[int]) -> bool:
-        """Whether every token of ``seq`` is allowed after its prefix (``seq`` in A)."""
+        """Whether every token of ``seq`` is allowed after its prefix (``seq`` in A).
+
+        Pairs in ``refused`` count as allowed here (the mask's view, not the matcher's).
+        """
         return all(t in self.table[seq[i - 1] if i else None] for i, t in enumerate(seq))
 
 
 class _State(ConstraintState):
+    """One particle's history in a :class:`NextTokenAutomaton`."""
+
     def __init__(self, dfa: NextTokenAutomaton, history: list[int]) -> None:
         self.dfa, self.history = dfa, history
 
