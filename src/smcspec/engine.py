@@ -126,6 +126,8 @@ class Engine:
         with_draft: bool = True,
         backend: str = "auto",
         threads: int | None = None,
+        quantize_draft: str | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> Engine:
         """Load a pair. ``None`` selects the default model (installed from PyPI packages).
 
@@ -137,6 +139,10 @@ class Engine:
             backend: ``auto`` (llama.cpp for GGUF files on the CPU when installed, else
                 torch), ``torch`` or ``llamacpp``.
             threads: llamacpp compute threads (default: the physical cores).
+            quantize_draft: a llama.cpp type (``Q4_0``, ``Q8_0``, ``Q4_K_M``, ...): run the
+                draft GGUF re-quantized to it, made once and cached
+                (:mod:`smcspec.models.quantize`; llamacpp backend only).
+            log: called with one line before slow one-time work (re-quantizing).
         Raises:
             ModelFileError, ConfigError.
         """
@@ -150,6 +156,8 @@ class Engine:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         opts = dict(device=device, dtype=dtype, backend=backend)
         opts["llamacpp"] = LlamaCppSettings(threads=threads)
+        if with_draft and quantize_draft is not None:
+            draft = _requantized(draft, quantize_draft, backend, device, threads, log)
         tgt = _load(target, DEFAULT_TARGET, **opts)
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
@@ -365,6 +373,18 @@ def _load(path, default, **opts) -> LoadedModel:
         return load_model(Path(path), **opts)
     gguf = ensure_packaged_model(default, cache_root())
     return load_model(gguf, sha256=default.sha256, **opts)
+
+
+def _requantized(draft, kind, backend, device, threads, log) -> Path:
+    """The draft (default: the packaged one) re-quantized to ``kind`` (see :meth:`Engine.load`)."""
+    from smcspec.models.loading import resolve_backend
+    from smcspec.models.quantize import requantized_draft
+
+    src = Path(draft) if draft is not None else ensure_packaged_model(DEFAULT_DRAFT, cache_root())
+    if not src.exists():
+        raise ModelFileError(f"model path does not exist: {src}")
+    resolved = resolve_backend(backend, src, device) if src.is_file() else "torch"
+    return requantized_draft(src, kind, cache_root(), resolved, threads, log)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
