@@ -162,6 +162,28 @@ class Engine:
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
 
+    def tune(
+        self,
+        config: GenerationConfig | None = None,
+        min_particles: int = 4,
+        particles: int | None = None,
+        draft_tokens: int | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
+        """Predicted tokens/s of every ar, sd(K) and smc(N, K) setting on this machine, and
+        the fastest ones (:func:`smcspec.tuning.tune`): ``.auto`` (any method), ``.smc``
+        (N >= ``min_particles``), ``.predictions`` (the table), ``.config(base, method)``.
+
+        The forward costs are measured once per machine, backend and pair (about a minute
+        on a 2-core CPU for the default pair) and cached under ``$SMCSPEC_CACHE/costs``.
+
+        Raises:
+            ConfigError: bad ``min_particles``, or no setting meets the restrictions.
+        """
+        from smcspec.tuning import tune
+
+        return tune(self, config, min_particles, particles, draft_tokens, log=log)
+
     def _stop_ids(self) -> set[int]:
         tok = self.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
