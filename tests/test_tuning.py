@@ -1,15 +1,18 @@
 """Settings from measured costs (``smcspec.tuning``): the roofline predictions and the choice on
-hand-written costs, and the cost cache on a tiny GGUF pair."""
+hand-written costs, the cost cache on a tiny GGUF pair, and the CLI (``--method auto``, smc
+without -N/-K, ``bench --predict``, ``--quantize-draft``)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import SMALL_GRID
-from tiny_models import CHAT_TEMPLATE, make_tiny_gguf
+from tiny_models import CHAT_TEMPLATE, make_tiny_gguf, make_tiny_hf_model
 
 from smcspec import ConfigError, Engine, GenerationConfig
+from smcspec.cli import main
 from smcspec.tuning import (
     ForwardCosts,
     Setting,
@@ -269,3 +272,108 @@ def test_table_marks_the_choices(engine, own_cache):
     assert sum("smc (N >= 4)" in r for r in rows[1:]) == 1
     assert any("below --min-particles" in r for r in rows if r.startswith("| smc | 1 |"))
     assert "alpha" in table and "measured now" in table
+
+
+# ------------------------------------------------------------------ command line
+def _args(gguf_pair, *extra: str) -> list[str]:
+    target, draft = (str(p) for p in gguf_pair)
+    return ["generate", "ab cd", "--target", target, "--draft", draft, "--threads", "1",
+            "-m", "6", "--seed", "1", *extra]  # fmt: skip
+
+
+def test_generate_method_auto_says_what_it_chose(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "--method", "auto", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    tuned = out["tuned"]
+    assert tuned["chosen_by"] == "auto" and tuned["predicted_tokens_per_second"] > 0
+    assert out["method"] == re.match(r"(ar|sd|smc)", tuned["setting"]).group(1)
+    if out["method"] == "smc":
+        assert tuned["setting"] == f"smc-n{out['particles']}-k{out['draft_tokens']}"
+        assert out["particles"] >= 4
+
+
+def test_generate_smc_without_n_k_is_tuned_with_the_floor(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "--min-particles", "8")) == 0
+    line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    m = re.match(r"\[smc\] .*N=(\d+) K=(\d+), .*; smc-n\1-k\2 chosen by smc without -N/-K", line)
+    assert m and int(m.group(1)) >= 8, line
+    assert re.search(r"predicted [\d.]+ tokens/s$", line)
+
+
+def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "-N", "2", "--json")) == 0  # below the floor: as given
+    out = json.loads(capsys.readouterr().out)
+    assert out["particles"] == 2 and out["tuned"]["setting"].startswith("smc-n2-")
+    assert main(_args(gguf_pair, "-N", "3", "-K", "2", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["particles"], out["draft_tokens"]) == (3, 2) and "tuned" not in out
+
+
+@pytest.mark.parametrize("value", ["0", "100000"])
+def test_bad_min_particles_is_a_one_line_error(gguf_pair, capsys, value):
+    assert main(_args(gguf_pair, "--min-particles", value)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: min_particles must be in [1, ") and err.count("\n") == 1
+
+
+def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, capsys):
+    target, draft = (str(p) for p in gguf_pair)
+    out = tmp_path / "bench"
+    code = main(["bench", "--predict", "--target", target, "--draft", draft, "--threads", "1",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0 and not out.exists()
+    text = capsys.readouterr().out
+    assert "Predicted tokens/s from measured forward costs" in text
+    assert re.search(r"^\| ar \| - \| - \| 1\.00 \| [\d.]+ \| [\d.]+ \| 1\.00x \|", text, re.M)
+    assert re.search(r"^\| smc \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
+
+
+def test_bench_runs_auto_as_the_chosen_setting(gguf_pair, tmp_path, capsys, monkeypatch):
+    from smcspec.eval import bench
+
+    target, draft = (str(p) for p in gguf_pair)
+    monkeypatch.setattr(bench, "roofline_rows", lambda *a: [])  # not what this test checks
+    monkeypatch.setattr(
+        "smcspec.eval.sharegpt.load_sharegpt_prompts", lambda *a, **k: ["ab cd", "ef gh"]
+    )
+    out = tmp_path / "bench"
+    code = main(["bench", "--methods", "ar,auto,smc", "--target", target, "--draft", draft,
+                 "--threads", "1", "-m", "4", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    methods = {json.loads(ln)["method"] for ln in (out / "runs.jsonl").read_text().splitlines()}
+    auto = next(m for m in methods if m.startswith("auto-"))
+    smc = next(m for m in methods if m.startswith("smc-"))
+    assert methods == {"ar", auto, smc} and int(re.match(r"smc-n(\d+)", smc).group(1)) >= 4
+    assert "Settings chosen from measured costs" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --quantize-draft
+def test_quantize_draft_is_made_once_and_used(gguf_pair, test_cache_dir, capsys):
+    argv = _args(gguf_pair, "--quantize-draft", "Q8_0", "--method", "sd", "-K", "2", "--json")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "re-quantizing the draft tiny-qwen2-s1.gguf to Q8_0 once" in captured.err
+    made = list((test_cache_dir / "quantized").glob("tiny-qwen2-s1-*-Q8_0.gguf"))
+    assert len(made) == 1 and made[0].stat().st_size < gguf_pair[1].stat().st_size  # F32 -> Q8_0
+    assert json.loads(captured.out)["method"] == "sd"
+    assert main(argv) == 0
+    assert "re-quantizing" not in capsys.readouterr().err  # cached
+    engine = Engine.load(*gguf_pair, quantize_draft="Q8_0", threads=1)
+    assert engine.draft.path == made[0]
+    assert cost_key(engine, 100)["draft"]["path"] == str(made[0])  # the cost key follows it
+
+
+def test_quantize_draft_errors(gguf_pair, tmp_path, capsys):
+    hf = str(make_tiny_hf_model(tmp_path, "qwen2", seed=1))
+    capsys.readouterr()
+    for extra, message in (
+        (["--draft", hf], "needs a GGUF draft file"),
+        (["--backend", "torch"], "the torch backend dequantizes GGUF weights"),
+    ):
+        argv = _args(gguf_pair, "--quantize-draft", "Q4_0", "--method", "sd", *extra)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --quantize-draft") and message in err, err
+    with pytest.raises(SystemExit) as exc:
+        main(_args(gguf_pair, "--quantize-draft", "Q5_9"))
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
