@@ -9,13 +9,8 @@ with ``c`` the draft/target cost ratio of single-token forwards.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Sequence
-
-import torch
-
 from smcspec.backends.base import DecoderModel
+from smcspec.tuning.measure import forward_seconds_by_tokens
 
 
 def forward_seconds(
@@ -24,34 +19,6 @@ def forward_seconds(
     """Median wall seconds of one decode forward of ``rows x tokens`` after a ``context``-token
     prompt (logits of the last position only when ``tokens <= 2``, as the decoders ask)."""
     return forward_seconds_by_tokens(model, rows, [tokens], reps, context)[tokens]
-
-
-def forward_seconds_by_tokens(
-    model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
-) -> dict[int, float]:
-    """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
-    ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
-    then the median of ``reps`` timed ones, each rolled back before the next)."""
-    vocab = model.vocab_size
-    cache = model.new_cache(rows, max(tokens))
-    model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
-    out = {}
-    for t in tokens:
-        x = torch.full((rows, t), 500 % vocab, device=model.device)
-        model.decode(x, cache, last_only=t <= 2)
-        cache.truncate(0)
-        times = []
-        for _ in range(reps):
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model.decode(x, cache, last_only=t <= 2)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            cache.truncate(0)
-        out[t] = statistics.median(times)
-    return out
 
 
 def smc_forward_costs(

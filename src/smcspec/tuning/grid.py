@@ -34,7 +34,7 @@ class TuningGrid:
     max_forward_tokens: int = CPU_MAX_FORWARD_TOKENS
     context: int = 100
     reps: int = 3
-    acceptance_tokens: int = 64
+    acceptance_tokens: int = 128
     acceptance_draft_tokens: int = 4
 
     def settings(

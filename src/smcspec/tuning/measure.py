@@ -1,23 +1,28 @@
 """Measuring what the predictions need: forward costs and sd's acceptance alpha.
 
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
-(:func:`smcspec.eval.roofline.forward_seconds_by_tokens`: one prefill per row count, an
-untimed warm-up, then ``reps`` timed forwards per token count). alpha comes from one short
-real sd run on a fixed prompt and seed (:func:`smcspec.tuning.predict.alpha_from_counts`).
+(:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
+``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it too). alpha comes
+from one short real sd run on a fixed prompt and seed
+(:func:`smcspec.tuning.predict.alpha_from_counts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import statistics
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from smcspec.config import GenerationConfig
 from smcspec.errors import ConfigError
-from smcspec.eval.roofline import forward_seconds_by_tokens
 from smcspec.tuning.predict import Shape, alpha_from_counts
 
 if TYPE_CHECKING:
+    from smcspec.backends.base import DecoderModel
     from smcspec.engine import Engine
     from smcspec.models.loading import LoadedModel
 
@@ -37,6 +42,34 @@ class Acceptance:
     accepted: int
     drafted: int
     rounds: int
+
+
+def forward_seconds_by_tokens(
+    model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
+) -> dict[int, float]:
+    """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
+    ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
+    then the median of ``reps`` timed ones, each rolled back before the next)."""
+    vocab = model.vocab_size
+    cache = model.new_cache(rows, max(tokens))
+    model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
+    out = {}
+    for t in tokens:
+        x = torch.full((rows, t), 500 % vocab, device=model.device)
+        model.decode(x, cache, last_only=t <= 2)
+        cache.truncate(0)
+        times = []
+        for _ in range(reps):
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.decode(x, cache, last_only=t <= 2)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            cache.truncate(0)
+        out[t] = statistics.median(times)
+    return out
 
 
 def measurement_context(model: LoadedModel, context: int, longest: int) -> int:
