@@ -214,6 +214,15 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     assert engine.tune(min_particles=8).smc.setting.particles >= 8  # same costs, other floor
 
 
+def test_remeasure_replaces_the_cached_costs(engine, own_cache):
+    first = engine.tune()
+    notes: list[str] = []
+    again = engine.tune(remeasure=True, log=notes.append)
+    assert again.measured_seconds > 0 and len(notes) == 1
+    assert again.cache_path == first.cache_path
+    assert read_costs(first.cache_path, first.key).target == again.costs.target
+
+
 def test_other_sampling_measures_only_alpha_again(engine, own_cache, monkeypatch):
     engine.tune()
     calls = []
@@ -326,6 +335,10 @@ def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, ca
     assert "Predicted tokens/s from measured forward costs" in text
     assert re.search(r"^\| ar \| - \| - \| 1\.00 \| [\d.]+ \| [\d.]+ \| 1\.00x \|", text, re.M)
     assert re.search(r"^\| smc \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
+    assert main(["bench", "--predict", "--remeasure", "--target", target, "--draft", draft,
+                 "--threads", "1"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert "measured now" in captured.out and "smcspec: measuring" in captured.err
 
 
 def test_bench_runs_auto_as_the_chosen_setting(gguf_pair, tmp_path, capsys, monkeypatch):

@@ -63,6 +63,7 @@ def _tune(engine, args: argparse.Namespace, cfg: GenerationConfig):
         particles=args.particles,
         draft_tokens=args.draft_tokens,
         log=_note,
+        remeasure=getattr(args, "remeasure", False),
     )
 
 
@@ -316,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the predicted tokens/s of every ar, sd and smc setting from this "
         "machine's measured forward costs, and the chosen ones; run nothing else",
+    )
+    b.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure the forward costs again, replacing the cached ones (measure on an "
+        "otherwise idle machine)",
     )
     b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
     b.add_argument("--prompts", type=int, default=8, help="number of ShareGPT prompts")

@@ -169,20 +169,24 @@ class Engine:
         particles: int | None = None,
         draft_tokens: int | None = None,
         log: Callable[[str], None] | None = None,
+        remeasure: bool = False,
     ):
         """Predicted tokens/s of every ar, sd(K) and smc(N, K) setting on this machine, and
         the fastest ones (:func:`smcspec.tuning.tune`): ``.auto`` (any method), ``.smc``
         (N >= ``min_particles``), ``.predictions`` (the table), ``.config(base, method)``.
 
         The forward costs are measured once per machine, backend and pair (about a minute
-        on a 2-core CPU for the default pair) and cached under ``$SMCSPEC_CACHE/costs``.
+        on a 2-core CPU for the default pair, on an otherwise idle machine) and cached under
+        ``$SMCSPEC_CACHE/costs``; ``remeasure=True`` measures them again.
 
         Raises:
             ConfigError: bad ``min_particles``, or no setting meets the restrictions.
         """
         from smcspec.tuning import tune
 
-        return tune(self, config, min_particles, particles, draft_tokens, log=log)
+        return tune(
+            self, config, min_particles, particles, draft_tokens, log=log, remeasure=remeasure
+        )
 
     def _stop_ids(self) -> set[int]:
         tok = self.tokenizer

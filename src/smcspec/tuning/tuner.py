@@ -76,6 +76,7 @@ def tune(
     grid: TuningGrid | None = None,
     log: Callable[[str], None] | None = None,
     tie: float = 0.05,
+    remeasure: bool = False,
 ) -> Tuning:
     """Predict tokens/s of every ar, sd(K) and smc(N, K) setting of ``engine`` on this machine
     and choose the fastest (see :mod:`smcspec.tuning.predict` for the formulas and
@@ -93,6 +94,8 @@ def tune(
             even below ``min_particles``).
         grid: the settings and measurement budget (default: :func:`default_grid`).
         log: called with one line before anything is measured (the CLI prints it).
+        remeasure: ignore the cached file: measure everything now and replace it (costs
+            measured while other work loaded the machine are wrong, and stay cached).
     Raises:
         ConfigError: bad ``min_particles``, or no setting meets the restrictions.
     """
@@ -104,7 +107,7 @@ def tune(
     settings = grid.settings(min_particles, particles, draft_tokens, with_draft)
     key = cost_key(engine, grid.context)
     path = cache_file(key)
-    record = read_costs(path, key)
+    record = CostRecord() if remeasure else read_costs(path, key)
     acc_key = sampling_key(cfg.temperature, cfg.draft_temperature, cfg.top_k, cfg.top_p, cfg.min_p)
     measured = _measure_missing(engine, cfg, grid, settings, record, acc_key, path, log)
     if measured:
