@@ -318,6 +318,22 @@ def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):
     assert (out["particles"], out["draft_tokens"]) == (3, 2) and "tuned" not in out
 
 
+def test_serve_chooses_once_at_startup(gguf_pair, capsys, monkeypatch):
+    import smcspec.server
+
+    served = []
+    monkeypatch.setattr(
+        smcspec.server, "serve", lambda engine, host, port, cfg, settings: served.append(cfg)
+    )
+    target, draft = (str(p) for p in gguf_pair)
+    argv = ["serve", "--target", target, "--draft", draft, "--threads", "1", "--method", "auto"]
+    main(argv)  # returns what serve returns
+    (cfg,) = served
+    err = capsys.readouterr().err
+    m = re.search(r"smcspec: default setting (\S+) chosen by --method auto", err)
+    assert m and cfg.method == m.group(1).split("-")[0]
+
+
 @pytest.mark.parametrize("value", ["0", "100000"])
 def test_bad_min_particles_is_a_one_line_error(gguf_pair, capsys, value):
     assert main(_args(gguf_pair, "--min-particles", value)) == 2

@@ -581,7 +581,7 @@ def _serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         shutdown_timeout_s=args.shutdown_timeout,
     ).validate()  # before the models load
-    engine = _load_engine(args, with_draft=args.method != "ar")
+    engine = _load_engine(args)  # with the draft: a request may ask for any method
     cfg, pick = _tuned(engine, args, cfg)  # once, at startup
     if pick is not None:
         _note(f"default setting {_tuned_note(pick, args.method)}")
