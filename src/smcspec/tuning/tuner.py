@@ -62,7 +62,9 @@ class Tuning:
             raise ConfigError("smc needs a draft model; none is loaded")
         return self.smc
 
-    def config(self, base: GenerationConfig | None = None, method: str = "auto"):
+    def config(
+        self, base: GenerationConfig | None = None, method: str = "auto"
+    ) -> GenerationConfig:
         """``base`` (default: GenerationConfig()) with ``method``'s chosen setting."""
         return self.pick(method).setting.apply(base or GenerationConfig())
 
