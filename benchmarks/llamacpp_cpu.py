@@ -11,8 +11,10 @@ Every system gets the same chat-templated prompt (ShareGPT first turns and GSM8K
 and decodes ``--max-new-tokens`` tokens with EOS suppressed, so every run does the same
 work. Reported: median tokens/s (new tokens / wall time including prefill), its ratio to
 llama.cpp AR, and beside every speculative setting the roofline prediction of its speed-up
-over our AR from measured forward costs (SMC-SD: K+1 tokens a round; SD: the measured
-acceptance rate a gives (1 - a^(K+1)) / (1 - a) tokens a round).
+over our AR from measured forward costs (``smcspec.tuning.predict``; SMC-SD: K+1 tokens a
+round; SD: (1 - a^(K+1)) / (1 - a) tokens a round with Leviathan et al.'s per-token alpha,
+found from the runs' accepted/drafted/rounds counts: the acceptance rate accepted/drafted is
+smaller than alpha, since a round stops at its first rejection).
 
 Usage:
   python benchmarks/llamacpp_cpu.py --prompts 2 --methods ar,sd,smc \
@@ -42,6 +44,7 @@ from smcspec.eval.sharegpt import load_sharegpt_prompts
 from smcspec.models import load_model
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import cache_root
+from smcspec.tuning import ForwardCosts, Setting, alpha_from_counts, predict
 
 
 def _anchor(target_gguf: Path, threads: int, stop_ids: set[int]):
@@ -62,15 +65,21 @@ def _anchor(target_gguf: Path, threads: int, stop_ids: set[int]):
     return generate
 
 
-def _sd_prediction(engine: Engine, k: int, acceptance: float) -> float:
-    """Roofline speed-up of SD over AR: tokens a round over the cost of a round, in target
-    forwards (K draft forwards of 1 token, one target forward of K+1 tokens)."""
-    t1 = forward_seconds(engine.target.model, 1, 1)
-    tk = forward_seconds(engine.target.model, 1, k + 1)
-    d1 = forward_seconds(engine.draft.model, 1, 1)
-    a = min(acceptance, 0.999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens * t1 / (k * d1 + tk)
+def _sd_prediction(engine: Engine, k: int, stats: list[dict]) -> tuple[float, float]:
+    """Roofline speed-up of SD over AR, and alpha: tokens a round over the cost of a round
+    (K draft forwards, the first of 2 tokens after a fully accepted round; one target
+    forward of K+1 tokens), alpha from the pooled counts of ``stats``."""
+    alpha = alpha_from_counts(
+        *(sum(s[key] for s in stats) for key in ("accepted", "drafted", "rounds"))
+    )
+    tm, dm = engine.target.model, engine.draft.model
+    costs = ForwardCosts(
+        target={(1, 1): forward_seconds(tm, 1, 1), (1, k + 1): forward_seconds(tm, 1, k + 1)},
+        draft={(1, 1): forward_seconds(dm, 1, 1), (1, 2): forward_seconds(dm, 1, 2)},
+        alpha=alpha,
+    )
+    sd = predict(Setting("sd", 1, k), costs)
+    return sd.tokens_per_second * costs.target[(1, 1)], alpha
 
 
 def _smc_prediction(engine: Engine, n: int, k: int) -> float:
@@ -169,10 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.method == "smc":
                 pred = f"{_smc_prediction(eng, cfg.particles, cfg.draft_tokens):.2f}x"
             elif cfg.method == "sd":
-                acc = statistics.median(
-                    r["stats"]["acceptance_rate"] for r in records if r["system"] == name
-                )
-                pred = f"{_sd_prediction(eng, cfg.draft_tokens, acc):.2f}x (a={acc:.2f})"
+                stats = [r["stats"] for r in records if r["system"] == name]
+                speedup, alpha = _sd_prediction(eng, cfg.draft_tokens, stats)
+                pred = f"{speedup:.2f}x (alpha={alpha:.2f})"
         vs_ar = f"{statistics.median(tps) / ar_tps:.2f}x" if ar_tps else ""
         lines.append(
             f"| {name} | {statistics.median(tps):.2f} | {min(tps):.2f}-{max(tps):.2f} | "

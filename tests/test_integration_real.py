@@ -136,11 +136,30 @@ def test_cli_generates_readable_text_on_the_real_pair(method, backend, gguf_path
 
 
 def test_cli_plain_mode_streams_and_ends_with_stats(gguf_paths):
+    """smc without -N/-K: the setting comes from this machine's measured costs (measured once,
+    about a minute, into ``$SMCSPEC_CACHE/costs``), N at least 4."""
     r = _cli("--max-new-tokens", "16", "--seed", "3")
     assert r.returncode == 0, r.stderr
     *text, stats = r.stdout.rstrip("\n").split("\n")
     assert _readable("\n".join(text))
-    assert re.match(r"\[smc\] \d+ tokens in [\d.]+ s .*N=4 K=4, rounds \d+", stats)
+    m = re.match(
+        r"\[smc\] \d+ tokens in [\d.]+ s .*N=(\d+) K=(\d+), rounds \d+.*; "
+        r"smc-n\1-k\2 chosen by smc without -N/-K from measured costs",
+        stats,
+    )
+    assert m and int(m.group(1)) >= 4, stats
+
+
+def test_cli_method_auto_on_the_real_pair(gguf_paths):
+    """``--method auto`` picks the fastest predicted setting and says which (on the 2-core CPU
+    of ``docs/benchmarks/llamacpp-cpu/predict.md`` that is ar)."""
+    r = _cli("--method", "auto", "--max-new-tokens", "32", "--seed", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    tuned = out["tuned"]
+    assert tuned["chosen_by"] == "auto" and tuned["predicted_tokens_per_second"] > 0
+    assert tuned["setting"].split("-")[0] == out["method"] and out["new_tokens"] == 32
+    assert _readable(out["text"]), out["text"]
 
 
 def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):

@@ -13,11 +13,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from smcspec.config import METHODS, GenerationConfig
+from smcspec.config import METHODS, GenerationConfig, check_min_particles
 from smcspec.errors import ConfigError, SmcspecError
 from smcspec.models.loading import BACKENDS
+from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
 from smcspec.sampling.resampling import RESAMPLERS
+
+DEFAULT_PARTICLES = GenerationConfig.particles
+DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
 
 
 def _load_engine(args: argparse.Namespace, with_draft: bool = True):
@@ -33,6 +37,50 @@ def _load_engine(args: argparse.Namespace, with_draft: bool = True):
         with_draft=with_draft,
         backend=args.backend,
         threads=args.threads,
+        quantize_draft=args.quantize_draft,
+        log=_note,
+    )
+
+
+def _note(line: str) -> None:
+    """One line of progress on stderr (slow one-time work: measuring, quantizing)."""
+    print(f"smcspec: {line}", file=sys.stderr, flush=True)
+
+
+def wants_tuning(args: argparse.Namespace) -> bool:
+    """Whether the setting is chosen from measured costs: ``--method auto``, or ``smc``
+    without ``-N`` or ``-K`` (the one given is kept)."""
+    if args.method == "auto":
+        return True
+    return args.method == "smc" and (args.particles is None or args.draft_tokens is None)
+
+
+def _tune(engine, args: argparse.Namespace, cfg: GenerationConfig):
+    """Measured costs (cached) -> predictions -> the chosen setting, for ``args``."""
+    return engine.tune(
+        cfg,
+        min_particles=args.min_particles,
+        particles=args.particles,
+        draft_tokens=args.draft_tokens,
+        log=_note,
+        remeasure=getattr(args, "remeasure", False),
+    )
+
+
+def _tuned(engine, args: argparse.Namespace, cfg: GenerationConfig):
+    """``(cfg with the chosen setting, the Prediction)``, or ``(cfg, None)`` when ``args``
+    names the setting itself (:func:`wants_tuning`)."""
+    if not wants_tuning(args):
+        return cfg, None
+    pick = _tune(engine, args, cfg).pick(args.method)
+    return pick.setting.apply(cfg).validate(), pick
+
+
+def _tuned_note(pick, method: str) -> str:
+    how = "--method auto" if method == "auto" else "smc without -N/-K"
+    return (
+        f"{pick.setting.name} chosen by {how} from measured costs, predicted "
+        f"{pick.tokens_per_second:.2f} tokens/s"
     )
 
 
@@ -97,10 +145,38 @@ def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentP
         choices=["float32", "bfloat16", "float16"],
         help="torch backend weights and compute (llamacpp uses the file's types)",
     )
+    g.add_argument(
+        "--quantize-draft",
+        metavar="TYPE",
+        default=None,
+        choices=quantize_types(),
+        help="run the GGUF draft re-quantized to this llama.cpp type, made once and cached "
+        f"({', '.join(quantize_types())}; llamacpp backend)",
+    )
     d = p.add_argument_group("decoding")
-    d.add_argument("--method", choices=METHODS, default="smc", help="decoder (default: smc)")
-    d.add_argument("--particles", "-N", type=int, default=4, help="SMC particles N (default 4)")
-    d.add_argument("--draft-tokens", "-K", type=int, default=4, help="draft tokens K per round")
+    d.add_argument(
+        "--method",
+        choices=(*METHODS, "auto"),
+        default="smc",
+        help="decoder (default: smc); auto: the fastest of ar, sd and smc predicted from "
+        "this machine's measured forward costs (measured once, cached)",
+    )
+    d.add_argument(
+        "--particles",
+        "-N",
+        type=int,
+        default=None,
+        help="SMC particles N (default: smc and auto choose N >= --min-particles from measured "
+        f"costs; eval: {DEFAULT_PARTICLES})",
+    )
+    d.add_argument(
+        "--draft-tokens",
+        "-K",
+        type=int,
+        default=None,
+        help="draft tokens K per round (default: smc and auto choose it from measured costs; "
+        f"sd and eval: {DEFAULT_DRAFT_TOKENS})",
+    )
     d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
     d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
@@ -131,13 +207,25 @@ def _model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentP
     return p
 
 
+def _tuning_options() -> argparse.ArgumentParser:
+    """``--min-particles``, for the commands that choose settings from measured costs."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--min-particles",
+        type=int,
+        default=4,
+        help="the fewest particles smc and auto may choose: the fidelity floor (default 4)",
+    )
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smcspec", description="LLM inference with SMC speculative decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    common = _model_options()
-    g = sub.add_parser("generate", parents=[common], help="generate a completion for one prompt")
+    common = [_model_options(), _tuning_options()]
+    g = sub.add_parser("generate", parents=common, help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
     g.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
     g.add_argument(
@@ -152,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
     s = sub.add_parser(
         "serve",
-        parents=[common],
+        parents=common,
         help="OpenAI-compatible HTTP server (decoding options are defaults)",
     )
     s.add_argument("--host", default="127.0.0.1")
@@ -226,10 +314,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b = sub.add_parser(
         "bench",
-        parents=[_model_options(_BENCH_M_HELP)],
+        parents=[_model_options(_BENCH_M_HELP), _tuning_options()],
         help="tokens/s and time to first token on ShareGPT prompts",
     )
-    b.add_argument("--methods", default="ar,sd,smc", help="comma list of ar, sd, smc")
+    b.add_argument(
+        "--methods",
+        default="ar,sd,smc",
+        help="comma list of ar, sd, smc, auto (auto, and smc without -N/-K/--grid: the "
+        "setting chosen from measured costs)",
+    )
+    b.add_argument(
+        "--predict",
+        action="store_true",
+        help="print the predicted tokens/s of every ar, sd and smc setting from this "
+        "machine's measured forward costs, and the chosen ones; run nothing else",
+    )
+    b.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure the forward costs again, replacing the cached ones (measure on an "
+        "otherwise idle machine)",
+    )
     b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
     b.add_argument("--prompts", type=int, default=8, help="number of ShareGPT prompts")
     b.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt sample")
@@ -248,7 +353,7 @@ def _eval(args: argparse.Namespace) -> int:
     from smcspec.eval import harness
     from smcspec.eval.results import ResultFile
 
-    base = _config(args)
+    base = _config(args)  # eval decodes the settings it is given: N and K default to 4
     if args.task == "fidelity":
         return _fidelity(args)
     specs = harness.method_specs(args.methods, base, args.grid)
@@ -330,12 +435,18 @@ def _provenance(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from smcspec.eval import bench, harness
+    from smcspec.eval import bench
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
     base = _config(args, ignore_eos=not args.stop_at_eos)
-    specs = harness.method_specs(args.methods, base, args.grid)
-    engine = _load_engine(args, with_draft=any(s.config.method != "ar" for s in specs))
+    specs = _bench_specs(args, base)  # option errors before the models load
+    needs_draft = args.predict or any(s.config.method != "ar" for s in specs)
+    engine = _load_engine(args, with_draft=needs_draft or "auto" in _bench_methods(args))
+    if args.predict:
+        from smcspec.tuning import format_table
+
+        print(format_table(_tune(engine, args, base)), end="")
+        return 0
     prompts = load_sharegpt_prompts(
         args.prompts,
         engine.tokenizer,
@@ -344,6 +455,8 @@ def _bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_prompt_tokens,
         path=args.sharegpt,
     )
+    tuning = _tune(engine, args, base) if _bench_tunes(args) else None
+    specs = _bench_specs(args, base, tuning)
     records = bench.run_bench(engine, prompts, specs, seed=args.seed or 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,18 +466,64 @@ def _bench(args: argparse.Namespace) -> int:
     roof = (
         [] if args.no_roofline or engine.draft is None else bench.roofline_rows(engine, specs, rows)
     )
+    tuned = (
+        ""
+        if tuning is None
+        else f" Settings chosen from measured costs (--min-particles {args.min_particles}): "
+        f"auto = {tuning.auto.setting.name}"
+        + (f", smc = {tuning.smc.setting.name}" if tuning.smc else "")
+        + "."
+    )
     note = (
         f"{_provenance(args)}. Target {engine.target.path.name}, draft "
         f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
         f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
         f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
         f"{_bench_eos_note(args.stop_at_eos)}; T_t {base.temperature}, T_d "
-        f"{base.draft_temperature}; one request at a time, methods alternated.\n\n"
+        f"{base.draft_temperature}; one request at a time, methods alternated.{tuned}\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
     report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
+
+
+def _bench_methods(args: argparse.Namespace) -> list[str]:
+    return [m.strip() for m in args.methods.split(",") if m.strip()]
+
+
+def _bench_tunes(args: argparse.Namespace) -> bool:
+    """Whether bench needs the tuner: ``auto`` listed, or ``smc`` without -N/-K/--grid."""
+    methods = _bench_methods(args)
+    unset = args.particles is None or args.draft_tokens is None
+    return "auto" in methods or ("smc" in methods and unset and args.grid is None)
+
+
+def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) -> list:
+    """The bench's methods: ``auto`` as ``auto-<chosen setting>``, ``smc`` without
+    -N/-K/--grid as the chosen smc setting (both skipped/defaulted while ``tuning`` is None,
+    to check the options before the models load), the others by
+    :func:`smcspec.eval.harness.method_specs`.
+
+    Raises:
+        ConfigError: an unknown method or a bad grid.
+    """
+    from smcspec.eval.harness import MethodSpec, method_specs
+
+    specs = []
+    tunes = _bench_tunes(args)
+    for name in _bench_methods(args):
+        if name == "auto":
+            if tuning is not None:
+                pick = tuning.auto
+                specs.append(MethodSpec(f"auto-{pick.setting.name}", pick.setting.apply(base)))
+        elif name == "smc" and tunes and args.grid is None and tuning is not None:
+            specs.append(MethodSpec(tuning.smc.setting.name, tuning.smc.setting.apply(base)))
+        else:
+            specs += method_specs(name, base, args.grid)
+    for s in specs:
+        s.config.validate()
+    return specs
 
 
 def _bench_eos_note(stop_at_eos: bool) -> str:
@@ -427,13 +586,18 @@ _POTENTIALS_NOTE = (
 
 
 def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
+    """The GenerationConfig of ``args``, validated before any model loads. An unset N or K is
+    the default one (4) here; ``auto`` validates as ``smc``. For ``auto``, and ``smc`` without
+    -N/-K, :func:`_tuned` later replaces them with the chosen setting."""
+    if getattr(args, "min_particles", None) is not None:
+        check_min_particles(args.min_particles)
     return GenerationConfig(
-        method=args.method,
+        method="smc" if args.method == "auto" else args.method,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         draft_temperature=args.draft_temperature,
-        particles=args.particles,
-        draft_tokens=args.draft_tokens,
+        particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
+        draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
         alpha=args.alpha,
         ess_threshold=args.ess_threshold,
         resampler=args.resampler,
@@ -461,7 +625,10 @@ def _serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         shutdown_timeout_s=args.shutdown_timeout,
     ).validate()  # before the models load
-    engine = _load_engine(args)
+    engine = _load_engine(args)  # with the draft: a request may ask for any method
+    cfg, pick = _tuned(engine, args, cfg)  # once, at startup
+    if pick is not None:
+        _note(f"default setting {_tuned_note(pick, args.method)}")
     name = args.served_model_name or engine.target.name
     return serve(engine, args.host, args.port, cfg, replace(settings, model_name=name))
 
@@ -488,6 +655,8 @@ def _constraint(args: argparse.Namespace) -> Constraint | None:
 def _generate(args: argparse.Namespace) -> int:
     cfg = _config(args, return_particles=args.particles_out, constraint=_constraint(args))
     engine = _load_engine(args, with_draft=args.method != "ar")
+    engine.encode(args.prompt, chat=not args.no_chat)  # a bad prompt fails before tuning
+    cfg, pick = _tuned(engine, args, cfg)
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
@@ -497,7 +666,15 @@ def _generate(args: argparse.Namespace) -> int:
         args.prompt, cfg, chat=not args.no_chat, on_text=None if args.json else stream
     )
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        out = result.to_dict()
+        if pick is not None:
+            out["tuned"] = {
+                "setting": pick.setting.name,
+                "chosen_by": args.method,
+                "min_particles": args.min_particles,
+                "predicted_tokens_per_second": round(pick.tokens_per_second, 3),
+            }
+        print(json.dumps(out, ensure_ascii=False))
         return 0
     s = result.stats
     line = (
@@ -516,6 +693,8 @@ def _generate(args: argparse.Namespace) -> int:
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
             f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
         )
+    if pick is not None:
+        line += f"; {_tuned_note(pick, args.method)}"
     print(f"\n{line}")
     return 0
 

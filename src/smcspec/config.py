@@ -131,6 +131,14 @@ class GenerationConfig:
         return self
 
 
+def check_min_particles(min_particles: object) -> int:
+    """``min_particles`` (the fewest particles a tuned smc setting may have) if it is an
+    integer in [1, MAX_PARTICLES]. Raises :class:`ConfigError` otherwise."""
+    if not _is_int(min_particles) or not 1 <= min_particles <= MAX_PARTICLES:
+        raise ConfigError(f"min_particles must be in [1, {MAX_PARTICLES}], got {min_particles!r}")
+    return min_particles
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

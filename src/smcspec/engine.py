@@ -126,6 +126,8 @@ class Engine:
         with_draft: bool = True,
         backend: str = "auto",
         threads: int | None = None,
+        quantize_draft: str | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> Engine:
         """Load a pair. ``None`` selects the default model (installed from PyPI packages).
 
@@ -137,6 +139,10 @@ class Engine:
             backend: ``auto`` (llama.cpp for GGUF files on the CPU when installed, else
                 torch), ``torch`` or ``llamacpp``.
             threads: llamacpp compute threads (default: the physical cores).
+            quantize_draft: a llama.cpp type (``Q4_0``, ``Q8_0``, ``Q4_K_M``, ...): run the
+                draft GGUF re-quantized to it, made once and cached
+                (:mod:`smcspec.models.quantize`; llamacpp backend only).
+            log: called with one line before slow one-time work (re-quantizing).
         Raises:
             ModelFileError, ConfigError.
         """
@@ -150,9 +156,37 @@ class Engine:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         opts = dict(device=device, dtype=dtype, backend=backend)
         opts["llamacpp"] = LlamaCppSettings(threads=threads)
+        if with_draft and quantize_draft is not None:
+            draft = _requantized(draft, quantize_draft, backend, device, threads, log)
         tgt = _load(target, DEFAULT_TARGET, **opts)
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
+
+    def tune(
+        self,
+        config: GenerationConfig | None = None,
+        min_particles: int = 4,
+        particles: int | None = None,
+        draft_tokens: int | None = None,
+        log: Callable[[str], None] | None = None,
+        remeasure: bool = False,
+    ):
+        """Predicted tokens/s of every ar, sd(K) and smc(N, K) setting on this machine, and
+        the fastest ones (:func:`smcspec.tuning.tune`): ``.auto`` (any method), ``.smc``
+        (N >= ``min_particles``), ``.predictions`` (the table), ``.config(base, method)``.
+
+        The forward costs are measured once per machine, backend and pair (about a minute
+        on a 2-core CPU for the default pair, on an otherwise idle machine) and cached under
+        ``$SMCSPEC_CACHE/costs``; ``remeasure=True`` measures them again.
+
+        Raises:
+            ConfigError: bad ``min_particles``, or no setting meets the restrictions.
+        """
+        from smcspec.tuning import tune
+
+        return tune(
+            self, config, min_particles, particles, draft_tokens, log=log, remeasure=remeasure
+        )
 
     def _stop_ids(self) -> set[int]:
         tok = self.tokenizer
@@ -365,6 +399,18 @@ def _load(path, default, **opts) -> LoadedModel:
         return load_model(Path(path), **opts)
     gguf = ensure_packaged_model(default, cache_root())
     return load_model(gguf, sha256=default.sha256, **opts)
+
+
+def _requantized(draft, kind, backend, device, threads, log) -> Path:
+    """The draft (default: the packaged one) re-quantized to ``kind`` (see :meth:`Engine.load`)."""
+    from smcspec.models.loading import resolve_backend
+    from smcspec.models.quantize import requantized_draft
+
+    src = Path(draft) if draft is not None else ensure_packaged_model(DEFAULT_DRAFT, cache_root())
+    if not src.exists():
+        raise ModelFileError(f"model path does not exist: {src}")
+    resolved = resolve_backend(backend, src, device) if src.is_file() else "torch"
+    return requantized_draft(src, kind, cache_root(), resolved, threads, log)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

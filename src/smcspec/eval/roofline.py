@@ -9,12 +9,8 @@ with ``c`` the draft/target cost ratio of single-token forwards.
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
-
 from smcspec.backends.base import DecoderModel
+from smcspec.tuning.measure import forward_seconds_by_tokens
 
 
 def forward_seconds(
@@ -22,23 +18,7 @@ def forward_seconds(
 ) -> float:
     """Median wall seconds of one decode forward of ``rows x tokens`` after a ``context``-token
     prompt (logits of the last position only when ``tokens <= 2``, as the decoders ask)."""
-    vocab = model.vocab_size
-    cache = model.new_cache(rows, tokens)
-    model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
-    x = torch.full((rows, tokens), 500 % vocab, device=model.device)
-    model.decode(x, cache)
-    cache.truncate(0)
-    times = []
-    for _ in range(reps):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.decode(x, cache, last_only=tokens <= 2)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        cache.truncate(0)
-    return statistics.median(times)
+    return forward_seconds_by_tokens(model, rows, [tokens], reps, context)[tokens]
 
 
 def smc_forward_costs(

@@ -1,0 +1,46 @@
+"""Settings from measured costs: which method, N and K decode fastest on this machine.
+
+The engine measures its two models' forward costs once (cached per machine, backend and
+model pair, :mod:`smcspec.tuning.cache`), predicts tokens/s of every ``ar``, ``sd`` (K) and
+``smc`` (N, K) setting with the roofline (:mod:`smcspec.tuning.predict`), and chooses::
+
+    from smcspec import Engine
+    engine = Engine.load()
+    tuning = engine.tune(min_particles=4)
+    print(tuning.auto.setting.name, tuning.auto.tokens_per_second)  # the fastest of all
+    cfg = tuning.config(method="smc")       # the fastest smc setting with N >= 4
+
+``--method auto`` on the command line uses ``tuning.auto``; ``smc`` without ``-N``/``-K``
+uses ``tuning.smc``; ``smcspec bench --predict`` prints the table
+(:func:`smcspec.tuning.report.format_table`).
+"""
+
+from smcspec.tuning.grid import TuningGrid, default_grid
+from smcspec.tuning.predict import (
+    ForwardCosts,
+    Prediction,
+    Setting,
+    alpha_from_counts,
+    choose,
+    predict,
+    predict_all,
+    sd_tokens_per_round,
+)
+from smcspec.tuning.report import format_table
+from smcspec.tuning.tuner import Tuning, tune
+
+__all__ = [
+    "ForwardCosts",
+    "Prediction",
+    "Setting",
+    "Tuning",
+    "TuningGrid",
+    "alpha_from_counts",
+    "choose",
+    "default_grid",
+    "format_table",
+    "predict",
+    "predict_all",
+    "sd_tokens_per_round",
+    "tune",
+]

@@ -1,0 +1,164 @@
+"""The measured-costs cache: ``$SMCSPEC_CACHE/costs/<key hash>.json``, one file per machine,
+backend, model pair and format version.
+
+The key names the machine (the CPU model from ``/proc/cpuinfo`` and its core count, or the
+CUDA device's name), the compute threads, the backend, device and dtype, the measurement's
+context length, and each model file by its resolved path, size and modification time (a
+directory: each of its ``config.json`` and ``*.safetensors`` files), so a re-quantized or
+replaced model is measured again. The key is stored in the file too and checked on reading;
+a missing, unreadable, corrupt or mismatching file reads as empty (everything is measured
+again and the file rewritten), never as an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smcspec.models.loading import cache_root
+from smcspec.tuning.predict import Shape
+
+if TYPE_CHECKING:
+    from smcspec.engine import Engine
+
+FORMAT_VERSION = 1
+"""Bumped when the file's content or the way it is measured changes."""
+
+
+@dataclass
+class CostRecord:
+    """What one cache file holds.
+
+    Attributes:
+        target, draft: median seconds per ``(rows, tokens)`` forward.
+        acceptance: per sampling key (:func:`sampling_key`), the sd run that measured alpha
+            (``{"alpha", "draft_tokens", "new_tokens", "accepted", "drafted", "rounds"}``).
+    """
+
+    target: dict[Shape, float] = field(default_factory=dict)
+    draft: dict[Shape, float] = field(default_factory=dict)
+    acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def machine_name(device: str | torch.device) -> str:
+    """The CUDA device's name, or ``"<CPU model> CPU, <n> cores"``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in info.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    return f"{cpu} CPU, {os.cpu_count()} cores"
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """A model's path, size and mtime (a directory: those of its config and weights)."""
+    p = Path(path).resolve()
+    files = [p] if p.is_file() else sorted([*p.glob("config.json"), *p.glob("*.safetensors")])
+    return {
+        "path": str(p),
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    }
+
+
+def _threads(model: object) -> int:
+    threads = getattr(model, "threads", None)
+    return int(threads) if threads else torch.get_num_threads()
+
+
+def _dtype(model: object) -> str:
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return "file"  # llamacpp computes with the file's own types
+    first = next(iter(params()), None)
+    return str(first.dtype).removeprefix("torch.") if first is not None else "file"
+
+
+def cost_key(engine: Engine, context: int) -> dict[str, Any]:
+    """The cache key of ``engine``'s pair on this machine (see the module notes)."""
+    model = engine.target.model
+    return {
+        "format": FORMAT_VERSION,
+        "machine": machine_name(model.device),
+        "threads": _threads(model),
+        "backend": engine.target.backend,
+        "device": str(model.device),
+        "dtype": _dtype(model),
+        "context": context,
+        "target": file_identity(engine.target.path),
+        "draft": file_identity(engine.draft.path) if engine.draft is not None else None,
+    }
+
+
+def cache_file(key: dict[str, Any], root: Path | None = None) -> Path:
+    """``<root>/costs/<first 16 hex digits of the key's SHA-256>.json`` (root: the cache)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return (root or cache_root()) / "costs" / f"{digest}.json"
+
+
+def sampling_key(temperature: float, draft_temperature: float, top_k: int, top_p: float,
+                 min_p: float) -> str:  # fmt: skip
+    """The key of an acceptance measurement: alpha depends on the temperatures and filters."""
+    return f"T={temperature},Td={draft_temperature},top_k={top_k},top_p={top_p},min_p={min_p}"
+
+
+def _shape_key(shape: Shape) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _parse_shapes(d: dict[str, Any]) -> dict[Shape, float]:
+    out = {}
+    for k, v in d.items():
+        rows, tokens = (int(x) for x in k.split("x"))
+        if not (isinstance(v, int | float) and v > 0):
+            raise ValueError(f"bad cost {v!r}")
+        out[(rows, tokens)] = float(v)
+    return out
+
+
+def read_costs(path: Path, key: dict[str, Any]) -> CostRecord:
+    """The record in ``path`` if it is readable, well formed and has ``key``; else empty."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return CostRecord()
+        acceptance = data.get("acceptance", {})
+        if not all(0 <= a["alpha"] <= 1 for a in acceptance.values()):
+            return CostRecord()
+        return CostRecord(
+            target=_parse_shapes(data["target"]),
+            draft=_parse_shapes(data["draft"]),
+            acceptance=dict(acceptance),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return CostRecord()
+
+
+def write_costs(path: Path, key: dict[str, Any], record: CostRecord) -> None:
+    """Write ``record`` atomically (a temporary file renamed over ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "key": key,
+        "target": {_shape_key(s): v for s, v in sorted(record.target.items())},
+        "draft": {_shape_key(s): v for s, v in sorted(record.draft.items())},
+        "acceptance": record.acceptance,
+    }
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,77 @@
+"""Which settings the tuner predicts, and how their forward costs are measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smcspec.tuning.predict import Setting, Shape
+
+CPU_MAX_FORWARD_TOKENS = 64
+"""On a CPU the largest target forward measured, N x (K+1) tokens (16 x 9 alone would take
+about 10 s to measure on the 2-core CPU of the committed benchmark, and there batched rows
+cost about what separate ones do, so large N cannot be fast)."""
+
+GPU_MAX_FORWARD_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class TuningGrid:
+    """The settings to predict and the measurement budget.
+
+    Attributes:
+        draft_tokens: K values of sd and smc.
+        particles: N values of smc (``min_particles`` and an explicit N are added).
+        max_forward_tokens: smc settings whose target forward has more than this many
+            tokens (N x (K+1)) are not measured, except at the smallest allowed N.
+        context: prompt tokens before the timed forwards (attention length).
+        reps: timed forwards per shape (the median is kept; one untimed warm-up first).
+        acceptance_tokens: new tokens of the sd run that measures alpha.
+        acceptance_draft_tokens: K of that run.
+    """
+
+    draft_tokens: tuple[int, ...] = (2, 4, 8)
+    particles: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_forward_tokens: int = CPU_MAX_FORWARD_TOKENS
+    context: int = 100
+    reps: int = 3
+    acceptance_tokens: int = 128
+    acceptance_draft_tokens: int = 4
+
+    def settings(
+        self,
+        min_particles: int,
+        particles: int | None = None,
+        draft_tokens: int | None = None,
+        with_draft: bool = True,
+    ) -> list[Setting]:
+        """``ar``, then ``sd`` per K, then ``smc`` per (N, K); an explicit ``particles`` or
+        ``draft_tokens`` replaces the grid's values. Without a draft: ``ar`` only."""
+        out = [Setting("ar")]
+        if not with_draft:
+            return out
+        ks = (draft_tokens,) if draft_tokens is not None else self.draft_tokens
+        floor = particles if particles is not None else min_particles
+        ns = (particles,) if particles is not None else (*self.particles, min_particles)
+        out += [Setting("sd", 1, k) for k in sorted(set(ks))]
+        out += [
+            Setting("smc", n, k)
+            for n in sorted(set(ns))
+            for k in sorted(set(ks))
+            if n * (k + 1) <= self.max_forward_tokens or n == floor
+        ]
+        return out
+
+
+def default_grid(device: str) -> TuningGrid:
+    """The default grid for ``device`` (``cpu`` or ``cuda[:i]``): a GPU measures every N up
+    to 16 at every K (its batched rows are where SMC-SD can win)."""
+    if str(device).startswith("cuda"):
+        return TuningGrid(max_forward_tokens=GPU_MAX_FORWARD_TOKENS)
+    return TuningGrid()
+
+
+def shapes(settings: list[Setting]) -> tuple[set[Shape], set[Shape]]:
+    """The target and draft forward shapes ``settings`` need."""
+    target = {s for st in settings for s in st.target_shapes()}
+    draft = {s for st in settings for s in st.draft_shapes()}
+    return target, draft

@@ -1,0 +1,140 @@
+"""Measuring what the predictions need: forward costs and sd's acceptance alpha.
+
+Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
+(:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
+``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it too). alpha comes
+from one short real sd run on a fixed prompt and seed
+(:func:`smcspec.tuning.predict.alpha_from_counts`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from smcspec.config import GenerationConfig
+from smcspec.errors import ConfigError
+from smcspec.tuning.predict import Shape, alpha_from_counts
+
+if TYPE_CHECKING:
+    from smcspec.backends.base import DecoderModel
+    from smcspec.engine import Engine
+    from smcspec.models.loading import LoadedModel
+
+ACCEPTANCE_PROMPT = (
+    "Write a Python function that returns the prime numbers below n, and explain how it works."
+)
+ACCEPTANCE_SEED = 0
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """alpha and the sd run it came from (counts of ``smcspec.decoding.sd``'s stats)."""
+
+    alpha: float
+    draft_tokens: int
+    new_tokens: int
+    accepted: int
+    drafted: int
+    rounds: int
+
+
+def forward_seconds_by_tokens(
+    model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
+) -> dict[int, float]:
+    """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
+    ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
+    then the median of ``reps`` timed ones, each rolled back before the next)."""
+    vocab = model.vocab_size
+    cache = model.new_cache(rows, max(tokens))
+    model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
+    out = {}
+    for t in tokens:
+        x = torch.full((rows, t), 500 % vocab, device=model.device)
+        model.decode(x, cache, last_only=t <= 2)
+        cache.truncate(0)
+        times = []
+        for _ in range(reps):
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.decode(x, cache, last_only=t <= 2)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            cache.truncate(0)
+        out[t] = statistics.median(times)
+    return out
+
+
+def measurement_context(model: LoadedModel, context: int, longest: int) -> int:
+    """``context`` prompt tokens, fewer if the model's context cannot also hold ``longest``
+    generated tokens. Raises ConfigError for a model too short to measure at all."""
+    ctx = min(context, model.context_length - longest - 1) if model.context_length else context
+    if ctx < 1:
+        raise ConfigError(
+            f"{model.name}'s context of {model.context_length} tokens is too short to measure "
+            f"a {longest}-token forward"
+        )
+    return ctx
+
+
+def measure_forwards(
+    model: LoadedModel, shapes: Iterable[Shape], reps: int, context: int
+) -> dict[Shape, float]:
+    """Median seconds of one decode forward of every ``(rows, tokens)`` shape of ``model``."""
+    by_rows: dict[int, set[int]] = {}
+    for rows, tokens in shapes:
+        by_rows.setdefault(rows, set()).add(tokens)
+    out: dict[Shape, float] = {}
+    for rows, tokens in sorted(by_rows.items()):
+        ctx = measurement_context(model, context, max(tokens))
+        timed = forward_seconds_by_tokens(model.model, rows, sorted(tokens), reps, ctx)
+        out.update({(rows, t): s for t, s in timed.items()})
+    return out
+
+
+def measure_acceptance(
+    engine: Engine, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
+) -> Acceptance:
+    """alpha of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored)
+    with ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``,
+    on :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
+
+    Raises:
+        ConfigError: the engine has no draft, or the model context is too short.
+    """
+    if engine.draft is None:
+        raise ConfigError("measuring sd's acceptance needs a draft model")
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    ids = engine.encode(ACCEPTANCE_PROMPT, chat=chat)
+    ctx = min(engine.target.context_length, engine.draft.context_length)
+    budget = min(new_tokens, ctx - len(ids) - draft_tokens - 2)
+    if budget < 2:
+        raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
+    cfg = replace(
+        sampling,
+        method="sd",
+        draft_tokens=draft_tokens,
+        max_new_tokens=budget,
+        seed=ACCEPTANCE_SEED,
+        ignore_eos=True,
+        constraint=None,
+        reward=None,
+        return_particles=False,
+        stop_token_ids=(),
+    )
+    s = engine.generate(ids, cfg).stats
+    return Acceptance(
+        alpha=alpha_from_counts(s["accepted"], s["drafted"], s["rounds"]),
+        draft_tokens=draft_tokens,
+        new_tokens=budget,
+        accepted=s["accepted"],
+        drafted=s["drafted"],
+        rounds=s["rounds"],
+    )

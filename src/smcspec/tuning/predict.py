@@ -1,0 +1,240 @@
+"""Predicted tokens/s of a decoding setting from measured forward costs, and the choice.
+
+Pure functions (no model, no clock): unit-testable with hand-written costs.
+
+A *round* of each method, in the forwards the decoders issue (``smcspec.decoding``):
+
+* ``ar``: one target forward of 1 token (1 row); 1 token a round.
+* ``sd`` (K): K draft forwards of 1 row, the first of them with 2 tokens when the previous
+  round accepted every draft (deferred feeding, ``smcspec.decoding.sd``) and 1 token
+  otherwise, then one target forward of K+1 tokens. Expected tokens a round with per-token
+  acceptance probability ``alpha`` (Leviathan et al. 2023, "Fast Inference from
+  Transformers via Speculative Decoding", eq. 1): ``(1 - alpha^(K+1)) / (1 - alpha)``; the
+  first draft forward has 2 tokens with probability ``alpha^K``.
+* ``smc`` (N, K): K draft forwards of N rows (the first with 2 tokens a row: the deferred
+  bonus), one target forward of N x (K+1) tokens; every particle advances K+1 tokens, so a
+  round yields K+1 tokens (Emara et al. 2026, "Faster LLM Inference via Sequential Monte
+  Carlo", arXiv:2604.15672, and the method notes ``shared/docs/smc-sd.md``, "Why it can be
+  faster": the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
+
+Predicted tokens/s = tokens a round / seconds of its forwards. Sampling, Python and prefill
+time are not counted, so measured tokens/s are lower (on the 2-core CPU of
+``docs/benchmarks/llamacpp-cpu``: ar 24 measured vs 30 predicted tokens/s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from smcspec.config import GenerationConfig
+from smcspec.errors import ConfigError
+
+Shape = tuple[int, int]
+"""``(rows, tokens)`` of one decode forward."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One decoding setting: ``ar``, ``sd`` with K draft tokens, or ``smc`` with N, K.
+
+    Attributes:
+        method: ``"ar"``, ``"sd"`` or ``"smc"``.
+        particles: N (smc; 1 otherwise).
+        draft_tokens: K (sd and smc; 0 for ar).
+    """
+
+    method: str
+    particles: int = 1
+    draft_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        """``ar``, ``sd-k4``, ``smc-n4-k4`` (the names of ``smcspec.eval.harness``)."""
+        if self.method == "ar":
+            return "ar"
+        if self.method == "sd":
+            return f"sd-k{self.draft_tokens}"
+        return f"smc-n{self.particles}-k{self.draft_tokens}"
+
+    def target_shapes(self) -> tuple[Shape, ...]:
+        """Target forwards of one round."""
+        if self.method == "ar":
+            return ((1, 1),)
+        return ((self.particles, self.draft_tokens + 1),)
+
+    def draft_shapes(self) -> tuple[Shape, ...]:
+        """Draft forwards a round may issue (ar: none)."""
+        if self.method == "ar":
+            return ()
+        return ((self.particles, 1), (self.particles, 2))
+
+    def apply(self, config: GenerationConfig) -> GenerationConfig:
+        """``config`` with this setting's method (and N, K where the method has them)."""
+        if self.method == "ar":
+            return replace(config, method="ar")
+        if self.method == "sd":
+            return replace(config, method="sd", draft_tokens=self.draft_tokens)
+        return replace(
+            config, method="smc", particles=self.particles, draft_tokens=self.draft_tokens
+        )
+
+
+@dataclass(frozen=True)
+class ForwardCosts:
+    """Measured costs a prediction needs.
+
+    Attributes:
+        target, draft: median wall seconds of one decode forward per ``(rows, tokens)``.
+        alpha: sd's per-token acceptance probability in [0, 1] (Leviathan et al.'s alpha,
+            not the fraction of drafted tokens accepted); None when not measured.
+    """
+
+    target: Mapping[Shape, float]
+    draft: Mapping[Shape, float]
+    alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The roofline prediction of one setting.
+
+    Attributes:
+        setting: the setting.
+        tokens_per_round: expected tokens a round.
+        round_seconds: expected seconds of a round's forwards.
+    """
+
+    setting: Setting
+    tokens_per_round: float
+    round_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_round / self.round_seconds
+
+
+def sd_tokens_per_round(alpha: float, k: int) -> float:
+    """Expected tokens of one sd round, ``(1 - alpha^(K+1)) / (1 - alpha)`` (K+1 at alpha 1).
+
+    Leviathan et al. 2023, eq. 1: accepted drafts plus the target's own token.
+    """
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def sd_accepted_per_round(alpha: float, k: float) -> float:
+    """Expected accepted drafts of one round of ``k`` drafts, ``alpha (1 - alpha^k) / (1 - alpha)``
+    (``sd_tokens_per_round - 1``; ``k`` may be a mean, not an integer)."""
+    if alpha >= 1.0:
+        return float(k)
+    return alpha * (1.0 - alpha**k) / (1.0 - alpha)
+
+
+def alpha_from_counts(accepted: int, drafted: int, rounds: int) -> float:
+    """Leviathan's per-token acceptance ``alpha`` from an sd run's counts.
+
+    ``accepted / drafted`` (the ``acceptance_rate`` stat) is *not* alpha: a round stops at the
+    first rejection, so the drafts after it are counted as drafted but never tried. alpha is
+    the root of ``sd_accepted_per_round(alpha, drafted / rounds) = accepted / rounds``
+    (bisection). Using the rate as alpha under-predicts sd at larger K: the committed CPU
+    benchmark's sd-k4 had rate 0.68 but alpha 0.86 (sd-k2: 0.80 and 0.86).
+
+    Raises:
+        ConfigError: no rounds, or counts that cannot come from a run.
+    """
+    if rounds < 1 or not 0 <= accepted <= drafted:
+        raise ConfigError(f"bad sd counts: accepted {accepted}, drafted {drafted}, rounds {rounds}")
+    k, mean = drafted / rounds, accepted / rounds
+    if accepted == 0:
+        return 0.0
+    if mean >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sd_accepted_per_round(mid, k) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def predict(setting: Setting, costs: ForwardCosts) -> Prediction:
+    """Tokens a round and seconds a round of ``setting`` (see the module notes).
+
+    Raises:
+        KeyError: a forward shape the setting needs is not in ``costs``.
+        ConfigError: an sd setting without a measured ``alpha``.
+    """
+    t, d = costs.target, costs.draft
+    n, k = setting.particles, setting.draft_tokens
+    if setting.method == "ar":
+        return Prediction(setting, 1.0, t[(1, 1)])
+    if setting.method == "sd":
+        if costs.alpha is None:
+            raise ConfigError("an sd prediction needs the measured acceptance alpha")
+        all_accepted = costs.alpha**k  # the next round's first draft forward has 2 tokens
+        first = all_accepted * d[(1, 2)] + (1 - all_accepted) * d[(1, 1)]
+        seconds = (k - 1) * d[(1, 1)] + first + t[(1, k + 1)]
+        return Prediction(setting, sd_tokens_per_round(costs.alpha, k), seconds)
+    if setting.method == "smc":
+        seconds = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
+        return Prediction(setting, float(k + 1), seconds)
+    raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
+
+
+def predict_all(settings: Iterable[Setting], costs: ForwardCosts) -> list[Prediction]:
+    """:func:`predict` of every setting, in order."""
+    return [predict(s, costs) for s in settings]
+
+
+def choose(
+    predictions: Sequence[Prediction],
+    method: str = "auto",
+    min_particles: int = 4,
+    particles: int | None = None,
+    draft_tokens: int | None = None,
+    tie: float = 0.05,
+) -> Prediction:
+    """The fastest predicted setting.
+
+    Args:
+        predictions: the candidates (:func:`predict_all`).
+        method: ``"auto"`` (any method) or ``"smc"`` (smc settings only).
+        min_particles: the fidelity floor: smc settings need ``N >= min_particles``.
+        particles: only smc settings with this N (the floor is then not applied: an
+            explicit N is used as given).
+        draft_tokens: only sd and smc settings with this K.
+        tie: when the fastest is smc, smc settings predicted within this fraction of it
+            count as ties (measurement noise) and the one with the most particles wins
+            (more particles, better fidelity, at no measurable cost; where N rows cost what
+            one row costs, as on a memory-bound GPU, this picks the largest N).
+    Raises:
+        ConfigError: an unknown method, or no prediction meets the restrictions.
+    """
+    if method not in ("auto", "smc"):
+        raise ConfigError(f"can only choose for method auto or smc, not {method!r}")
+
+    def eligible(p: Prediction) -> bool:
+        s = p.setting
+        if method == "smc" and s.method != "smc":
+            return False
+        if s.method == "smc":
+            if particles is not None and s.particles != particles:
+                return False
+            if particles is None and s.particles < min_particles:
+                return False
+        return draft_tokens is None or s.method == "ar" or s.draft_tokens == draft_tokens
+
+    candidates = [p for p in predictions if eligible(p)]
+    if not candidates:
+        raise ConfigError(
+            f"no predicted {method} setting with N >= {min_particles}"
+            + (f", N = {particles}" if particles is not None else "")
+            + (f", K = {draft_tokens}" if draft_tokens is not None else "")
+        )
+    best = max(candidates, key=lambda p: p.tokens_per_second)
+    if best.setting.method == "smc":
+        floor = (1 - tie) * best.tokens_per_second
+        near = [p for p in candidates if p.setting.method == "smc" and p.tokens_per_second >= floor]
+        best = max(near, key=lambda p: (p.setting.particles, p.tokens_per_second))
+    return best

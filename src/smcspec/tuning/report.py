@@ -1,0 +1,58 @@
+"""The predicted table of a :class:`~smcspec.tuning.tuner.Tuning`, as Markdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from smcspec.tuning.tuner import Tuning
+
+
+def _model_name(identity: dict | None) -> str:
+    return Path(identity["path"]).name if identity else "-"
+
+
+def format_table(tuning: Tuning) -> str:
+    """A Markdown paragraph (machine, models, alpha, cache) and one row per setting:
+    method, N, K, tokens a round, round milliseconds, predicted tokens/s, ratio to ar's,
+    and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
+    key, acc = tuning.key, tuning.acceptance
+    ar = next(p for p in tuning.predictions if p.setting.method == "ar")
+    alpha = (
+        f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
+        f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
+        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens)"
+        if acc
+        else "no draft: ar only"
+    )
+    measured = (
+        f"measured now in {tuning.measured_seconds:.1f} s"
+        if tuning.measured_seconds
+        else "read from the cache"
+    )
+    lines = [
+        f"Predicted tokens/s from measured forward costs: {key['machine']}, "
+        f"{key['threads']} threads, backend {key['backend']} ({key['dtype']}); target "
+        f"{_model_name(key['target'])}, draft {_model_name(key['draft'])}. {alpha}. Costs "
+        f"{measured}: {tuning.cache_path}. Forwards only (sampling, Python and prefill time "
+        "are not counted, so measured tokens/s are lower).",
+        "",
+        "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar | chosen |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for p in tuning.predictions:
+        s = p.setting
+        marks = []
+        if p == tuning.auto:
+            marks.append("auto")
+        if p == tuning.smc:
+            marks.append(f"smc (N >= {tuning.min_particles})")
+        if s.method == "smc" and s.particles < tuning.min_particles:
+            marks.append("below --min-particles")
+        n = str(s.particles) if s.method == "smc" else "-"
+        k = str(s.draft_tokens) if s.method != "ar" else "-"
+        lines.append(
+            f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
+            f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
+            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {', '.join(marks)} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,170 @@
+"""Measured costs (from the cache, or measured once) -> predictions -> the chosen settings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from smcspec.config import GenerationConfig, check_min_particles
+from smcspec.tuning.cache import (
+    CostRecord,
+    cache_file,
+    cost_key,
+    read_costs,
+    sampling_key,
+    write_costs,
+)
+from smcspec.tuning.grid import TuningGrid, default_grid, shapes
+from smcspec.tuning.measure import measure_acceptance, measure_forwards
+from smcspec.tuning.predict import ForwardCosts, Prediction, Setting, choose, predict_all
+
+if TYPE_CHECKING:
+    from smcspec.engine import Engine
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The predicted table and the choices of :func:`tune`.
+
+    Attributes:
+        predictions: every predicted setting (ar, sd per K, smc per N and K).
+        auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``.
+        smc: the fastest smc setting with N >= ``min_particles`` (``smc`` without N/K);
+            None without a draft model.
+        min_particles: the fidelity floor used.
+        costs: the measured costs the predictions come from.
+        acceptance: the sd run that measured alpha (None without a draft).
+        key: the cache key (machine, backend, models).
+        cache_path: the JSON file the costs are cached in.
+        measured_seconds: seconds spent measuring in this call (0 when all was cached).
+    """
+
+    predictions: tuple[Prediction, ...]
+    auto: Prediction
+    smc: Prediction | None
+    min_particles: int
+    costs: ForwardCosts
+    acceptance: dict[str, Any] | None
+    key: dict[str, Any]
+    cache_path: Path
+    measured_seconds: float
+
+    def pick(self, method: str) -> Prediction:
+        """``auto`` or ``smc``'s choice. Raises ConfigError for smc without a draft."""
+        if method == "auto":
+            return self.auto
+        if self.smc is None:
+            from smcspec.errors import ConfigError
+
+            raise ConfigError("smc needs a draft model; none is loaded")
+        return self.smc
+
+    def config(
+        self, base: GenerationConfig | None = None, method: str = "auto"
+    ) -> GenerationConfig:
+        """``base`` (default: GenerationConfig()) with ``method``'s chosen setting."""
+        return self.pick(method).setting.apply(base or GenerationConfig())
+
+
+def tune(
+    engine: Engine,
+    config: GenerationConfig | None = None,
+    min_particles: int = 4,
+    particles: int | None = None,
+    draft_tokens: int | None = None,
+    grid: TuningGrid | None = None,
+    log: Callable[[str], None] | None = None,
+    tie: float = 0.05,
+    remeasure: bool = False,
+) -> Tuning:
+    """Predict tokens/s of every ar, sd(K) and smc(N, K) setting of ``engine`` on this machine
+    and choose the fastest (see :mod:`smcspec.tuning.predict` for the formulas and
+    :func:`~smcspec.tuning.predict.choose` for ``tie``).
+
+    Costs are read from the cache file of this machine, backend and pair
+    (:mod:`smcspec.tuning.cache`); what is not there is measured now and added to it (the
+    forward costs once; alpha once per temperature and truncation setting of ``config``).
+
+    Args:
+        engine: the loaded pair (a draft-less engine predicts ar only).
+        config: its temperatures and truncation set the sd run measuring alpha.
+        min_particles: the smallest N smc may be given (the fidelity floor).
+        particles, draft_tokens: restrict the choice to this N / K (an explicit N is used
+            even below ``min_particles``).
+        grid: the settings and measurement budget (default: :func:`default_grid`).
+        log: called with one line before anything is measured (the CLI prints it).
+        remeasure: ignore the cached file: measure everything now and replace it (costs
+            measured while other work loaded the machine are wrong, and stay cached).
+    Raises:
+        ConfigError: bad ``min_particles``, or no setting meets the restrictions.
+    """
+    check_min_particles(min_particles)
+    cfg = (config or GenerationConfig()).validate()
+    device = str(engine.target.model.device)
+    grid = grid or default_grid(device)
+    with_draft = engine.draft is not None
+    settings = grid.settings(min_particles, particles, draft_tokens, with_draft)
+    key = cost_key(engine, grid.context)
+    path = cache_file(key)
+    record = CostRecord() if remeasure else read_costs(path, key)
+    acc_key = sampling_key(cfg.temperature, cfg.draft_temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    measured = _measure_missing(engine, cfg, grid, settings, record, acc_key, path, log)
+    if measured:
+        write_costs(path, key, record)
+    acceptance = record.acceptance.get(acc_key) if with_draft else None
+    costs = ForwardCosts(
+        target=record.target,
+        draft=record.draft,
+        alpha=acceptance["alpha"] if acceptance else None,
+    )
+    predictions = tuple(predict_all(settings, costs))
+    pick = dict(min_particles=min_particles, particles=particles, draft_tokens=draft_tokens)
+    return Tuning(
+        predictions=predictions,
+        auto=choose(predictions, "auto", tie=tie, **pick),
+        smc=choose(predictions, "smc", tie=tie, **pick) if with_draft else None,
+        min_particles=min_particles,
+        costs=costs,
+        acceptance=acceptance,
+        key=key,
+        cache_path=path,
+        measured_seconds=measured,
+    )
+
+
+def _measure_missing(
+    engine: Engine,
+    cfg: GenerationConfig,
+    grid: TuningGrid,
+    settings: list[Setting],
+    record: CostRecord,
+    acc_key: str,
+    path: Path,
+    log: Callable[[str], None] | None,
+) -> float:
+    """Measure into ``record`` what ``settings`` need and it lacks; seconds spent (0: none)."""
+    want_target, want_draft = shapes(settings)
+    missing_target = want_target - record.target.keys()
+    missing_draft = want_draft - record.draft.keys()
+    missing_acceptance = engine.draft is not None and acc_key not in record.acceptance
+    if not (missing_target or missing_draft or missing_acceptance):
+        return 0.0
+    if log is not None:
+        log(
+            "measuring this machine's forward costs of the model pair once (about a minute on "
+            f"a CPU); cached in {path} (delete it to measure again)"
+        )
+    t0 = time.perf_counter()
+    if missing_target:
+        record.target.update(
+            measure_forwards(engine.target, missing_target, grid.reps, grid.context)
+        )
+    if missing_draft:
+        record.draft.update(measure_forwards(engine.draft, missing_draft, grid.reps, grid.context))
+    if missing_acceptance:
+        acc = measure_acceptance(engine, cfg, grid.acceptance_draft_tokens, grid.acceptance_tokens)
+        record.acceptance[acc_key] = asdict(acc)
+    return max(time.perf_counter() - t0, 1e-9)

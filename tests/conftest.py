@@ -1,0 +1,32 @@
+"""Fixtures for every test module.
+
+Tests that are not marked ``slow`` (those use the real default pair from the user's cache)
+get ``$SMCSPEC_CACHE`` pointed at one temporary directory for the session, so nothing they
+do (tokenizers, measured costs, re-quantized drafts) is written to the user's cache; and the
+tuner (:mod:`smcspec.tuning`), which ``generate``/``serve``/``bench`` run for ``smc`` without
+-N/-K, measures a small grid on tiny models (a fraction of a second instead of seconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from smcspec.tuning import TuningGrid
+
+SMALL_GRID = TuningGrid(
+    draft_tokens=(2, 4), particles=(1, 4, 8), reps=1, context=8, acceptance_tokens=16
+)
+
+
+@pytest.fixture(scope="session")
+def test_cache_dir(tmp_path_factory):
+    """The session's ``$SMCSPEC_CACHE`` for tests that are not ``slow``."""
+    return tmp_path_factory.mktemp("smcspec-cache")
+
+
+@pytest.fixture(autouse=True)
+def _test_cache_and_small_tuning_grid(request, monkeypatch, test_cache_dir):
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    monkeypatch.setenv("SMCSPEC_CACHE", str(test_cache_dir))
+    monkeypatch.setattr("smcspec.tuning.tuner.default_grid", lambda device: SMALL_GRID)

@@ -1,0 +1,408 @@
+"""Settings from measured costs (``smcspec.tuning``): the roofline predictions and the choice on
+hand-written costs, the cost cache on a tiny GGUF pair, and the CLI (``--method auto``, smc
+without -N/-K, ``bench --predict``, ``--quantize-draft``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import SMALL_GRID
+from tiny_models import CHAT_TEMPLATE, make_tiny_gguf, make_tiny_hf_model
+
+from smcspec import ConfigError, Engine, GenerationConfig
+from smcspec.cli import main
+from smcspec.tuning import (
+    ForwardCosts,
+    Setting,
+    TuningGrid,
+    alpha_from_counts,
+    choose,
+    default_grid,
+    format_table,
+    predict,
+    predict_all,
+    sd_tokens_per_round,
+)
+from smcspec.tuning import tuner as tuner_module
+from smcspec.tuning.cache import cache_file, cost_key, read_costs
+from smcspec.tuning.predict import sd_accepted_per_round
+
+NS, KS = (1, 2, 4, 8, 16), (2, 4, 8)
+
+
+def hand_costs(t1: float, c: float, per_row: float, alpha: float = 0.8) -> ForwardCosts:
+    """Target forwards cost ``t1 * (1 + per_row * (rows * tokens - 1))``; the draft ``c`` times
+    that. per_row 1: every row costs a whole forward (a CPU with no idle compute); 0: rows are
+    free (memory-bound)."""
+
+    def cost(scale: float, rows: int, tokens: int) -> float:
+        return scale * t1 * (1 + per_row * (rows * tokens - 1))
+
+    shapes = [(n, t) for n in NS for t in (1, 2, 3, 5, 9)]
+    return ForwardCosts(
+        target={s: cost(1.0, *s) for s in shapes},
+        draft={s: cost(c, *s) for s in shapes},
+        alpha=alpha,
+    )
+
+
+def all_settings() -> list[Setting]:
+    return TuningGrid(max_forward_tokens=10_000).settings(min_particles=1)
+
+
+# ------------------------------------------------------------------ formulas
+def test_ar_sd_and_smc_predictions_follow_the_formulas():
+    t = {(1, 1): 0.030, (1, 5): 0.060, (4, 5): 0.090}
+    d = {(1, 1): 0.010, (1, 2): 0.012, (4, 1): 0.015, (4, 2): 0.020}
+    costs = ForwardCosts(target=t, draft=d, alpha=0.5)
+    ar = predict(Setting("ar"), costs)
+    assert ar.tokens_per_second == pytest.approx(1 / 0.030)
+    sd = predict(Setting("sd", 1, 4), costs)
+    assert sd.tokens_per_round == pytest.approx((1 - 0.5**5) / 0.5)  # Leviathan et al. eq. 1
+    # 3 one-token draft forwards, the first one with 2 tokens when all 4 were accepted (1/16)
+    assert sd.round_seconds == pytest.approx(3 * 0.010 + (0.012 / 16 + 0.010 * 15 / 16) + 0.060)
+    smc = predict(Setting("smc", 4, 4), costs)
+    assert smc.tokens_per_round == 5
+    assert smc.round_seconds == pytest.approx(3 * 0.015 + 0.020 + 0.090)
+    with pytest.raises(KeyError):
+        predict(Setting("smc", 8, 4), costs)  # not measured
+    with pytest.raises(ConfigError, match="alpha"):
+        predict(Setting("sd", 1, 4), ForwardCosts(t, d, alpha=None))
+
+
+def test_memory_bound_smc_meets_the_roofline():
+    """Rows and tokens free (per_row 0): SMC-SD's speed-up is (K+1) / (K c + 1) whatever N is
+    (K draft forwards a round: deferred feeding puts the bonus into the first one)."""
+    costs = hand_costs(0.02, c=0.1, per_row=0.0)
+    ar = predict(Setting("ar"), costs).tokens_per_second
+    for n in NS:
+        speedup = predict(Setting("smc", n, 8), costs).tokens_per_second / ar
+        assert speedup == pytest.approx(9 / (8 * 0.1 + 1))
+
+
+def test_sd_tokens_per_round_limits():
+    assert sd_tokens_per_round(0.0, 4) == 1.0
+    assert sd_tokens_per_round(1.0, 4) == 5.0
+    assert sd_tokens_per_round(0.5, 1) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("alpha, k", [(0.86, 2), (0.86, 4), (0.3, 8), (0.99, 4)])
+def test_alpha_from_counts_inverts_the_expected_accepted_drafts(alpha, k):
+    rounds = 1000
+    accepted = round(sd_accepted_per_round(alpha, k) * rounds)
+    assert alpha_from_counts(accepted, k * rounds, rounds) == pytest.approx(alpha, abs=2e-3)
+
+
+def test_alpha_is_not_the_acceptance_rate():
+    """The committed CPU benchmark's sd-k4 counts (4 prompts pooled): accepted/drafted 0.70,
+    but alpha 0.86, the same as sd-k2's (rate 0.80). The rate as alpha under-predicted sd-k4."""
+    assert 373 / 531 == pytest.approx(0.70, abs=0.01)
+    assert alpha_from_counts(373, 531, 135) == pytest.approx(0.86, abs=0.01)
+    assert alpha_from_counts(312, 390, 196) == pytest.approx(0.86, abs=0.01)
+    assert alpha_from_counts(0, 40, 10) == 0.0
+    assert alpha_from_counts(40, 40, 10) == 1.0
+    for bad in ((5, 4, 1), (1, 4, 0), (-1, 4, 1)):
+        with pytest.raises(ConfigError):
+            alpha_from_counts(*bad)
+
+
+# ------------------------------------------------------------------ the choice
+def test_cpu_without_idle_compute_picks_ar_and_the_fewest_particles_allowed():
+    """Every row costs a forward (per_row 1) and the draft costs 0.65 of the target (the
+    committed CPU benchmark's c): auto is ar; smc is at the floor N = min_particles."""
+    preds = predict_all(all_settings(), hand_costs(0.033, c=0.65, per_row=1.0))
+    assert choose(preds, "auto").setting == Setting("ar")
+    pick = choose(preds, "smc", min_particles=4)
+    assert pick.setting.particles == 4
+    assert choose(preds, "smc", min_particles=1).setting.particles == 1  # faster, below 4
+    assert choose(preds, "smc", min_particles=8).setting.particles == 8
+
+
+def test_memory_bound_gpu_picks_smc_with_the_most_particles():
+    """Rows free and a cheap draft (c 0.1): auto is smc; every N predicts the same speed, so
+    the tie rule takes the largest N; the largest K wins (alpha does not limit SMC-SD)."""
+    preds = predict_all(all_settings(), hand_costs(0.02, c=0.1, per_row=0.0, alpha=0.6))
+    auto = choose(preds, "auto")
+    assert auto.setting == Setting("smc", 16, 8)
+    assert choose(preds, "smc", draft_tokens=4).setting == Setting("smc", 16, 4)
+    assert choose(preds, "auto", particles=2).setting == Setting("smc", 2, 8)  # explicit N
+
+
+def test_ties_go_to_more_particles_only_within_the_tolerance():
+    costs = hand_costs(0.02, c=0.1, per_row=0.001)  # each extra token costs 0.1 %
+    preds = predict_all(all_settings(), costs)
+    by_n = {n: choose(preds, "smc", particles=n).tokens_per_second for n in NS}
+    assert by_n[8] > 0.95 * by_n[4] > by_n[16]  # 8 within 5 % of the fastest, 16 not
+    assert choose(preds, "smc", tie=0.0).setting.particles == 4  # strictly the fastest
+    assert choose(preds, "smc", tie=0.05).setting.particles == 8
+
+
+def test_choose_errors_are_clear():
+    preds = predict_all([Setting("ar")], hand_costs(0.03, 0.5, 1.0))
+    with pytest.raises(ConfigError, match="no predicted smc setting with N >= 4"):
+        choose(preds, "smc")
+    with pytest.raises(ConfigError, match="auto or smc"):
+        choose(preds, "sd")
+    assert choose(preds, "auto").setting.method == "ar"
+
+
+# ------------------------------------------------------------------ the grid
+def test_grid_caps_large_forwards_but_keeps_the_floor():
+    grid = TuningGrid()  # CPU: at most 64 target tokens a forward
+    names = {s.name for s in grid.settings(min_particles=4)}
+    assert {"ar", "sd-k2", "sd-k4", "sd-k8", "smc-n1-k2", "smc-n8-k4", "smc-n16-k2"} <= names
+    assert not {"smc-n8-k8", "smc-n16-k4", "smc-n16-k8"} & names
+    big = {s.name for s in grid.settings(min_particles=32)}
+    assert {"smc-n32-k2", "smc-n32-k4", "smc-n32-k8"} <= big  # the floor is always measured
+    assert [s.name for s in grid.settings(4, particles=3, draft_tokens=5)] == [
+        "ar",
+        "sd-k5",
+        "smc-n3-k5",
+    ]
+    assert [s.name for s in grid.settings(4, with_draft=False)] == ["ar"]
+    gpu, cpu = default_grid("cuda:0"), default_grid("cpu")
+    assert gpu.max_forward_tokens >= 16 * 9 > cpu.max_forward_tokens
+
+
+# ------------------------------------------------------------------ measuring and the cache
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tuning")
+    return [
+        make_tiny_gguf(root, "qwen2", 96, seed=s, chat_template=CHAT_TEMPLATE)[0] for s in (0, 1)
+    ]
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_pair, test_cache_dir):
+    from smcspec.backends.llamacpp import LlamaCppSettings
+    from smcspec.models import load_model
+
+    with pytest.MonkeyPatch.context() as mp:  # tokenizers into the test cache
+        mp.setenv("SMCSPEC_CACHE", str(test_cache_dir))
+        settings = LlamaCppSettings(threads=1)
+        return Engine(*[load_model(p, backend="llamacpp", llamacpp=settings) for p in gguf_pair])
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
+    notes: list[str] = []
+    first = engine.tune(min_particles=4, log=notes.append)
+    assert len(notes) == 1 and "measuring" in notes[0] and str(first.cache_path) in notes[0]
+    assert first.cache_path.parent == own_cache / "costs" and first.measured_seconds > 0
+    assert first.smc.setting.method == "smc" and first.smc.setting.particles >= 4
+    assert first.auto.tokens_per_second >= first.smc.tokens_per_second
+    assert 0.0 <= first.costs.alpha <= 1.0
+    names = {p.setting.name for p in first.predictions}
+    assert {"ar", "sd-k2", "sd-k4", "smc-n4-k2", "smc-n8-k4"} <= names  # the test grid
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(tuner_module, "measure_forwards", refuse)
+    monkeypatch.setattr(tuner_module, "measure_acceptance", refuse)
+    again = engine.tune(min_particles=4, log=notes.append)
+    assert len(notes) == 1 and again.measured_seconds == 0
+    assert again.predictions == first.predictions and again.auto == first.auto
+    assert engine.tune(min_particles=8).smc.setting.particles >= 8  # same costs, other floor
+
+
+def test_remeasure_replaces_the_cached_costs(engine, own_cache):
+    first = engine.tune()
+    notes: list[str] = []
+    again = engine.tune(remeasure=True, log=notes.append)
+    assert again.measured_seconds > 0 and len(notes) == 1
+    assert again.cache_path == first.cache_path
+    assert read_costs(first.cache_path, first.key).target == again.costs.target
+
+
+def test_other_sampling_measures_only_alpha_again(engine, own_cache, monkeypatch):
+    engine.tune()
+    calls = []
+    real = tuner_module.measure_acceptance
+
+    def count(*args, **kwargs):
+        calls.append(args[1].temperature)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner_module, "measure_forwards", lambda *a: pytest.fail("re-measured"))
+    monkeypatch.setattr(tuner_module, "measure_acceptance", count)
+    engine.tune(GenerationConfig(temperature=1.0))
+    engine.tune(GenerationConfig(temperature=1.0))
+    assert calls == [1.0]
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"\xff\xfe", b"[]", b'{"key": 1}', b"", "wrong shape"]
+)
+def test_a_corrupt_cache_file_is_measured_again(engine, own_cache, content):
+    path = cache_file(cost_key(engine, SMALL_GRID.context))
+    path.parent.mkdir(parents=True)
+    if content == "wrong shape":
+        engine.tune()
+        data = json.loads(path.read_text())
+        data["target"]["1x1"] = -1.0
+        content = json.dumps(data).encode()
+    path.write_bytes(content)
+    tuning = engine.tune()
+    assert tuning.cache_path == path and tuning.measured_seconds > 0
+    assert read_costs(path, tuning.key).target  # rewritten, readable
+
+
+def test_the_key_names_machine_backend_and_model_files(engine, own_cache):
+    key = cost_key(engine, 100)
+    assert key["backend"] == "llamacpp" and key["threads"] == 1 and key["format"] >= 1
+    assert key["target"]["path"].endswith("tiny-qwen2-s0.gguf")
+    assert key["draft"]["files"][0][1] == engine.draft.path.stat().st_size
+    assert "CPU" in key["machine"]
+    assert cache_file(key) != cache_file({**key, "threads": 2})
+
+
+def test_a_draftless_engine_predicts_ar_only(engine, own_cache):
+    tuning = Engine(engine.target).tune()
+    assert [p.setting.name for p in tuning.predictions] == ["ar"] and tuning.smc is None
+    assert tuning.config(GenerationConfig(), "auto").method == "ar"
+    with pytest.raises(ConfigError, match="draft"):
+        tuning.pick("smc")
+
+
+def test_table_marks_the_choices(engine, own_cache):
+    table = format_table(engine.tune(min_particles=4))
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ")]
+    assert rows[0].startswith("| method | N | K |")
+    assert sum("auto" in r for r in rows[1:]) == 1
+    assert sum("smc (N >= 4)" in r for r in rows[1:]) == 1
+    assert any("below --min-particles" in r for r in rows if r.startswith("| smc | 1 |"))
+    assert "alpha" in table and "measured now" in table
+
+
+# ------------------------------------------------------------------ command line
+def _args(gguf_pair, *extra: str) -> list[str]:
+    target, draft = (str(p) for p in gguf_pair)
+    return ["generate", "ab cd", "--target", target, "--draft", draft, "--threads", "1",
+            "-m", "6", "--seed", "1", *extra]  # fmt: skip
+
+
+def test_generate_method_auto_says_what_it_chose(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "--method", "auto", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    tuned = out["tuned"]
+    assert tuned["chosen_by"] == "auto" and tuned["predicted_tokens_per_second"] > 0
+    assert out["method"] == re.match(r"(ar|sd|smc)", tuned["setting"]).group(1)
+    if out["method"] == "smc":
+        assert tuned["setting"] == f"smc-n{out['particles']}-k{out['draft_tokens']}"
+        assert out["particles"] >= 4
+
+
+def test_generate_smc_without_n_k_is_tuned_with_the_floor(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "--min-particles", "8")) == 0
+    line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    m = re.match(r"\[smc\] .*N=(\d+) K=(\d+), .*; smc-n\1-k\2 chosen by smc without -N/-K", line)
+    assert m and int(m.group(1)) >= 8, line
+    assert re.search(r"predicted [\d.]+ tokens/s$", line)
+
+
+def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):
+    assert main(_args(gguf_pair, "-N", "2", "--json")) == 0  # below the floor: as given
+    out = json.loads(capsys.readouterr().out)
+    assert out["particles"] == 2 and out["tuned"]["setting"].startswith("smc-n2-")
+    assert main(_args(gguf_pair, "-N", "3", "-K", "2", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["particles"], out["draft_tokens"]) == (3, 2) and "tuned" not in out
+
+
+def test_serve_chooses_once_at_startup(gguf_pair, capsys, monkeypatch):
+    import smcspec.server
+
+    served = []
+    monkeypatch.setattr(
+        smcspec.server, "serve", lambda engine, host, port, cfg, settings: served.append(cfg)
+    )
+    target, draft = (str(p) for p in gguf_pair)
+    argv = ["serve", "--target", target, "--draft", draft, "--threads", "1", "--method", "auto"]
+    main(argv)  # returns what serve returns
+    (cfg,) = served
+    err = capsys.readouterr().err
+    m = re.search(r"smcspec: default setting (\S+) chosen by --method auto", err)
+    assert m and cfg.method == m.group(1).split("-")[0]
+
+
+@pytest.mark.parametrize("value", ["0", "100000"])
+def test_bad_min_particles_is_a_one_line_error(gguf_pair, capsys, value):
+    assert main(_args(gguf_pair, "--min-particles", value)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: min_particles must be in [1, ") and err.count("\n") == 1
+
+
+def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, capsys):
+    target, draft = (str(p) for p in gguf_pair)
+    out = tmp_path / "bench"
+    code = main(["bench", "--predict", "--target", target, "--draft", draft, "--threads", "1",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0 and not out.exists()
+    text = capsys.readouterr().out
+    assert "Predicted tokens/s from measured forward costs" in text
+    assert re.search(r"^\| ar \| - \| - \| 1\.00 \| [\d.]+ \| [\d.]+ \| 1\.00x \|", text, re.M)
+    assert re.search(r"^\| smc \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
+    assert main(["bench", "--predict", "--remeasure", "--target", target, "--draft", draft,
+                 "--threads", "1"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert "measured now" in captured.out and "smcspec: measuring" in captured.err
+
+
+def test_bench_runs_auto_as_the_chosen_setting(gguf_pair, tmp_path, capsys, monkeypatch):
+    from smcspec.eval import bench
+
+    target, draft = (str(p) for p in gguf_pair)
+    monkeypatch.setattr(bench, "roofline_rows", lambda *a: [])  # not what this test checks
+    monkeypatch.setattr(
+        "smcspec.eval.sharegpt.load_sharegpt_prompts", lambda *a, **k: ["ab cd", "ef gh"]
+    )
+    out = tmp_path / "bench"
+    code = main(["bench", "--methods", "ar,auto,smc", "--target", target, "--draft", draft,
+                 "--threads", "1", "-m", "4", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    methods = {json.loads(ln)["method"] for ln in (out / "runs.jsonl").read_text().splitlines()}
+    auto = next(m for m in methods if m.startswith("auto-"))
+    smc = next(m for m in methods if m.startswith("smc-"))
+    assert methods == {"ar", auto, smc} and int(re.match(r"smc-n(\d+)", smc).group(1)) >= 4
+    assert "Settings chosen from measured costs" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --quantize-draft
+def test_quantize_draft_is_made_once_and_used(gguf_pair, test_cache_dir, capsys):
+    argv = _args(gguf_pair, "--quantize-draft", "Q8_0", "--method", "sd", "-K", "2", "--json")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "re-quantizing the draft tiny-qwen2-s1.gguf to Q8_0 once" in captured.err
+    made = list((test_cache_dir / "quantized").glob("tiny-qwen2-s1-*-Q8_0.gguf"))
+    assert len(made) == 1 and made[0].stat().st_size < gguf_pair[1].stat().st_size  # F32 -> Q8_0
+    assert json.loads(captured.out)["method"] == "sd"
+    assert main(argv) == 0
+    assert "re-quantizing" not in capsys.readouterr().err  # cached
+    engine = Engine.load(*gguf_pair, quantize_draft="Q8_0", threads=1)
+    assert engine.draft.path == made[0]
+    assert cost_key(engine, 100)["draft"]["path"] == str(made[0])  # the cost key follows it
+
+
+def test_quantize_draft_errors(gguf_pair, tmp_path, capsys):
+    hf = str(make_tiny_hf_model(tmp_path, "qwen2", seed=1))
+    capsys.readouterr()
+    for extra, message in (
+        (["--draft", hf], "needs a GGUF draft file"),
+        (["--backend", "torch"], "the torch backend dequantizes GGUF weights"),
+    ):
+        argv = _args(gguf_pair, "--quantize-draft", "Q4_0", "--method", "sd", *extra)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --quantize-draft") and message in err, err
+    with pytest.raises(SystemExit) as exc:
+        main(_args(gguf_pair, "--quantize-draft", "Q5_9"))
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
