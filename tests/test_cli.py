@@ -8,14 +8,9 @@ import re
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from smcspec.cli import (
-    _config,
-    _gsm8k_data,
-    build_parser,
-    main,
-    parse_args,
-    resolve_max_new_tokens,
-)
+from smcspec.cli import build_parser, main, parse_args
+from smcspec.cli.evaluate import gsm8k_data
+from smcspec.cli.options import config_from_args, resolve_max_new_tokens
 from smcspec.eval.gsm8k import packaged_test_path
 
 
@@ -55,9 +50,9 @@ def test_bad_options_exit_with_a_clear_error(capsys, args, message):
 
 def test_truncation_options_reach_the_config():
     args = parse_args(["generate", "hi", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"])
-    cfg = _config(args)
+    cfg = config_from_args(args)
     assert (cfg.top_k, cfg.top_p, cfg.min_p) == (40, 0.9, 0.05)
-    default = _config(parse_args(["generate", "hi"]))
+    default = config_from_args(parse_args(["generate", "hi"]))
     assert (default.top_k, default.top_p, default.min_p) == (0, 1.0, 0.0)  # all off
 
 
@@ -275,11 +270,11 @@ def test_eval_gsm8k_report_states_the_budget_used(tmp_path, capsys, m, expected)
 
 
 def test_eval_gsm8k_reads_the_packaged_test_split_unless_data_is_given(tmp_path, capsys):
-    assert _gsm8k_data(build_parser().parse_args(["eval", "gsm8k"])) == packaged_test_path()
+    assert gsm8k_data(build_parser().parse_args(["eval", "gsm8k"])) == packaged_test_path()
     mine = tmp_path / "g.jsonl"
     mine.write_text('{"question": "q", "answer": "#### 1"}\n')
     args = build_parser().parse_args(["eval", "gsm8k", "--data", str(mine)])
-    assert _gsm8k_data(args) == mine
+    assert gsm8k_data(args) == mine
     code = main(["eval", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--rescore"])
     assert code == 2
     err = capsys.readouterr().err

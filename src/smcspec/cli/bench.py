@@ -1,0 +1,119 @@
+"""``smcspec bench``: tokens/s and time to first token on ShareGPT prompts, or (``--predict``)
+the predicted table from measured forward costs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from smcspec.cli.common import load_engine, provenance, tune_for
+from smcspec.cli.options import config_from_args
+from smcspec.config import GenerationConfig
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the throughput bench and write its reports, or print the predicted table
+    (``--predict``); returns 0.
+
+    Raises:
+        SmcspecError: bad options (before the models load) or model files.
+    """
+    from smcspec.eval import bench
+    from smcspec.eval.sharegpt import load_sharegpt_prompts
+
+    base = config_from_args(args, ignore_eos=not args.stop_at_eos)
+    specs = _bench_specs(args, base)  # option errors before the models load
+    needs_draft = args.predict or any(s.config.method != "ar" for s in specs)
+    engine = load_engine(args, with_draft=needs_draft or "auto" in _bench_methods(args))
+    if args.predict:
+        from smcspec.tuning import format_table
+
+        print(format_table(tune_for(engine, args, base)), end="")
+        return 0
+    prompts = load_sharegpt_prompts(
+        args.prompts,
+        engine.tokenizer,
+        seed=args.prompt_seed,
+        min_tokens=args.min_prompt_tokens,
+        max_tokens=args.max_prompt_tokens,
+        path=args.sharegpt,
+    )
+    tuning = tune_for(engine, args, base) if _bench_tunes(args) else None
+    specs = _bench_specs(args, base, tuning)
+    records = bench.run_bench(engine, prompts, specs, seed=args.seed or 0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    rows = bench.summarize_bench(records)
+    roof = (
+        [] if args.no_roofline or engine.draft is None else bench.roofline_rows(engine, specs, rows)
+    )
+    tuned = (
+        ""
+        if tuning is None
+        else f" Settings chosen from measured costs (--min-particles {args.min_particles}): "
+        f"auto = {tuning.auto.setting.name}"
+        + (f", smc = {tuning.smc.setting.name}" if tuning.smc else "")
+        + "."
+    )
+    note = (
+        f"{provenance(args)}. Target {engine.target.path.name}, draft "
+        f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
+        f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
+        f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
+        f"{_bench_eos_note(args.stop_at_eos)}; T_t {base.temperature}, T_d "
+        f"{base.draft_temperature}; one request at a time, methods alternated.{tuned}\n\n"
+        f"Command: `smcspec {shlex.join(args.argv)}`"
+    )
+    report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
+    print(report.read_text())
+    return 0
+
+
+def _bench_methods(args: argparse.Namespace) -> list[str]:
+    return [m.strip() for m in args.methods.split(",") if m.strip()]
+
+
+def _bench_tunes(args: argparse.Namespace) -> bool:
+    """Whether bench needs the tuner: ``auto`` listed, or ``smc`` without -N/-K/--grid."""
+    methods = _bench_methods(args)
+    unset = args.particles is None or args.draft_tokens is None
+    return "auto" in methods or ("smc" in methods and unset and args.grid is None)
+
+
+def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) -> list:
+    """The bench's methods: ``auto`` as ``auto-<chosen setting>``, ``smc`` without
+    -N/-K/--grid as the chosen smc setting (both skipped/defaulted while ``tuning`` is None,
+    to check the options before the models load), the others by
+    :func:`smcspec.eval.harness.method_specs`.
+
+    Raises:
+        ConfigError: an unknown method or a bad grid.
+    """
+    from smcspec.eval.harness import MethodSpec, method_specs
+
+    specs = []
+    tunes = _bench_tunes(args)
+    for name in _bench_methods(args):
+        if name == "auto":
+            if tuning is not None:
+                pick = tuning.auto
+                specs.append(MethodSpec(f"auto-{pick.setting.name}", pick.setting.apply(base)))
+        elif name == "smc" and tunes and args.grid is None and tuning is not None:
+            specs.append(MethodSpec(tuning.smc.setting.name, tuning.smc.setting.apply(base)))
+        else:
+            specs += method_specs(name, base, args.grid)
+    for s in specs:
+        s.config.validate()
+    return specs
+
+
+def _bench_eos_note(stop_at_eos: bool) -> str:
+    """How the bench report's token budget reads: with EOS ignored every request runs to the
+    budget, so a count of capped requests would say nothing."""
+    if stop_at_eos:
+        return " (stop at EOS; capped: requests that reached the budget without an end token)"
+    return " (EOS ignored: every request decodes exactly that many, all hit the cap)"

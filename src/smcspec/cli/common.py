@@ -1,0 +1,91 @@
+"""What the subcommands share once parsed: loading the pair, progress lines on stderr,
+settings chosen from measured costs, and the provenance line of reports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from smcspec.config import GenerationConfig
+
+
+def load_engine(args: argparse.Namespace, with_draft: bool = True):
+    """Engine.load with the model options of ``args``; imported lazily so that
+    `smcspec --help` and option errors are fast."""
+    from smcspec.engine import Engine
+
+    return Engine.load(
+        args.target,
+        args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        with_draft=with_draft,
+        backend=args.backend,
+        threads=args.threads,
+        quantize_draft=args.quantize_draft,
+        log=note,
+    )
+
+
+def note(line: str) -> None:
+    """One line of progress on stderr (slow one-time work: measuring, quantizing)."""
+    print(f"smcspec: {line}", file=sys.stderr, flush=True)
+
+
+def wants_tuning(args: argparse.Namespace) -> bool:
+    """Whether the setting is chosen from measured costs: ``--method auto``, or ``smc``
+    without ``-N`` or ``-K`` (the one given is kept)."""
+    if args.method == "auto":
+        return True
+    return args.method == "smc" and (args.particles is None or args.draft_tokens is None)
+
+
+def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
+    """Measured costs (cached) -> predictions -> the chosen setting, for ``args``."""
+    return engine.tune(
+        cfg,
+        min_particles=args.min_particles,
+        particles=args.particles,
+        draft_tokens=args.draft_tokens,
+        log=note,
+        remeasure=getattr(args, "remeasure", False),
+    )
+
+
+def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
+    """``(cfg with the chosen setting, the Prediction)``, or ``(cfg, None)`` when ``args``
+    names the setting itself (:func:`wants_tuning`)."""
+    if not wants_tuning(args):
+        return cfg, None
+    pick = tune_for(engine, args, cfg).pick(args.method)
+    return pick.setting.apply(cfg).validate(), pick
+
+
+def tuned_note(pick, method: str) -> str:
+    how = "--method auto" if method == "auto" else "smc without -N/-K"
+    return (
+        f"{pick.setting.name} chosen by {how} from measured costs, predicted "
+        f"{pick.tokens_per_second:.2f} tokens/s"
+    )
+
+
+def provenance(args: argparse.Namespace) -> str:
+    """Date, machine (CPU model and threads, or the GPU's name), torch version and dtype."""
+    import platform
+    from datetime import date
+
+    import torch
+
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        machine = torch.cuda.get_device_name(torch.device(args.device))
+    else:
+        cpu = platform.processor() or platform.machine()
+        info = Path("/proc/cpuinfo")
+        if info.is_file():
+            names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
+                     if ln.startswith("model name")]  # fmt: skip
+            cpu = names[0] if names else cpu
+        machine = f"{cpu} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{date.today().isoformat()}; {machine}; torch {torch.__version__}; {args.dtype}"

@@ -1,0 +1,64 @@
+"""``smcspec generate PROMPT``: one completion, streamed, with its statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from smcspec.cli.common import load_engine, tuned_config, tuned_note
+from smcspec.cli.options import config_from_args, constraint_from_args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decode ``args.prompt`` once (streamed, or one JSON object with ``--json``); returns 0.
+
+    Raises:
+        SmcspecError: bad options, prompt or constraint, model files, numerical failure.
+    """
+    cfg = config_from_args(
+        args, return_particles=args.particles_out, constraint=constraint_from_args(args)
+    )
+    engine = load_engine(args, with_draft=args.method != "ar")
+    engine.encode(args.prompt, chat=not args.no_chat)  # a bad prompt fails before tuning
+    cfg, pick = tuned_config(engine, args, cfg)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = engine.generate(
+        args.prompt, cfg, chat=not args.no_chat, on_text=None if args.json else stream
+    )
+    if args.json:
+        out = result.to_dict()
+        if pick is not None:
+            out["tuned"] = {
+                "setting": pick.setting.name,
+                "chosen_by": args.method,
+                "min_particles": args.min_particles,
+                "predicted_tokens_per_second": round(pick.tokens_per_second, 3),
+            }
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    s = result.stats
+    line = (
+        f"[{result.method}] {result.new_tokens} tokens in {result.seconds:.2f} s "
+        f"({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_tokens} tokens"
+    )
+    if result.method == "smc":
+        line += (
+            f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
+            f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, min ESS {s['min_ess']:.2f}"
+        )
+        if "log_normalizer" in s:  # a constraint or reward was set
+            line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
+    elif result.method == "sd":
+        line += (
+            f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
+            f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
+        )
+    if pick is not None:
+        line += f"; {tuned_note(pick, args.method)}"
+    print(f"\n{line}")
+    return 0

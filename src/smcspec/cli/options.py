@@ -1,0 +1,200 @@
+"""The options shared by the subcommands, their defaults, and the GenerationConfig and
+constraint they describe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from smcspec.config import METHODS, GenerationConfig, check_min_particles
+from smcspec.errors import ConfigError
+from smcspec.models.loading import BACKENDS
+from smcspec.models.quantize import quantize_types
+from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+from smcspec.sampling.resampling import RESAMPLERS
+
+DEFAULT_PARTICLES = GenerationConfig.particles
+
+
+DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""New tokens per answer of ``generate``, ``serve`` and ``bench`` unless ``-m`` is given."""
+
+
+EVAL_MAX_NEW_TOKENS = {"gsm8k": 512, "humaneval": 1024}
+"""Per-task new-token budgets of ``eval`` unless ``-m`` is given (at 128, GSM8K answers were
+cut before their ``#### N`` line). GSM8K: 512, as in the SMC-SD reference engine's GSM8K script.
+HumanEval: OpenAI's ``human-eval`` harness and the Codex paper fix no budget (Codex sampled
+until a stop sequence such as ``"\\ndef"``); OpenAI's ``simple-evals``, which like us asks a
+chat model for the whole function, samples with ``max_tokens=1024`` by default. The whole
+reference function (prompt plus canonical solution) is up to 557 tokens with the default
+pair's Qwen2.5 tokenizer (HumanEval/129; median 167), so 512 could cut a correct answer.
+"""
+
+
+EVAL_M_HELP = (
+    "max new tokens per answer (default: gsm8k 512, as in the SMC-SD reference GSM8K script; "
+    "humaneval 1024, as in OpenAI's simple-evals, since human-eval and the Codex paper set no "
+    "budget and the longest reference function is 557 tokens; fidelity does not use it)"
+)
+
+
+BENCH_M_HELP = (
+    f"new tokens per request (default: {DEFAULT_MAX_NEW_TOKENS}); EOS is ignored unless "
+    "--stop-at-eos, so every request decodes exactly this many"
+)
+
+
+def resolve_max_new_tokens(args: argparse.Namespace) -> int:
+    """The new-token budget of a parsed command: ``-m`` if given (even an invalid value, so
+    that validation reports it), else :data:`EVAL_MAX_NEW_TOKENS` for ``eval`` tasks, else
+    :data:`DEFAULT_MAX_NEW_TOKENS`."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if args.command == "eval":
+        return EVAL_MAX_NEW_TOKENS.get(args.task, DEFAULT_MAX_NEW_TOKENS)
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentParser:
+    """Model and decoding options shared by the subcommands; ``max_new_tokens_help`` is the
+    subcommand's help for ``-m`` (its default is resolved after parsing, see
+    :func:`resolve_max_new_tokens`)."""
+    m_help = max_new_tokens_help or f"max new tokens (default: {DEFAULT_MAX_NEW_TOKENS})"
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
+    g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=list(BACKENDS),
+        help="auto (default): llama.cpp for GGUF files on the CPU, torch otherwise",
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="llamacpp threads (default: physical cores)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="torch backend weights and compute (llamacpp uses the file's types)",
+    )
+    g.add_argument(
+        "--quantize-draft",
+        metavar="TYPE",
+        default=None,
+        choices=quantize_types(),
+        help="run the GGUF draft re-quantized to this llama.cpp type, made once and cached "
+        f"({', '.join(quantize_types())}; llamacpp backend)",
+    )
+    d = p.add_argument_group("decoding")
+    d.add_argument(
+        "--method",
+        choices=(*METHODS, "auto"),
+        default="smc",
+        help="decoder (default: smc); auto: the fastest of ar, sd and smc predicted from "
+        "this machine's measured forward costs (measured once, cached)",
+    )
+    d.add_argument(
+        "--particles",
+        "-N",
+        type=int,
+        default=None,
+        help="SMC particles N (default: smc and auto choose N >= --min-particles from measured "
+        f"costs; eval: {DEFAULT_PARTICLES})",
+    )
+    d.add_argument(
+        "--draft-tokens",
+        "-K",
+        type=int,
+        default=None,
+        help="draft tokens K per round (default: smc and auto choose it from measured costs; "
+        f"sd and eval: {DEFAULT_DRAFT_TOKENS})",
+    )
+    d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
+    d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
+    d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
+    d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
+    d.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)"
+    )
+    d.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)",
+    )
+    d.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens with p >= min_p * max p, in [0, 1] (0: off)",
+    )
+    d.add_argument(
+        "--ess-threshold",
+        type=float,
+        default=0.5,
+        help="kappa: resample when ESS < kappa*N (0 disables)",
+    )
+    d.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
+    d.add_argument("--seed", type=int, default=None)
+    return p
+
+
+def tuning_options() -> argparse.ArgumentParser:
+    """``--min-particles``, for the commands that choose settings from measured costs."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--min-particles",
+        type=int,
+        default=4,
+        help="the fewest particles smc and auto may choose: the fidelity floor (default 4)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
+    """The GenerationConfig of ``args``, validated before any model loads. An unset N or K is
+    the default one (4) here; ``auto`` validates as ``smc``. For ``auto``, and ``smc`` without
+    -N/-K, :func:`tuned_config` later replaces them with the chosen setting."""
+    if getattr(args, "min_particles", None) is not None:
+        check_min_particles(args.min_particles)
+    return GenerationConfig(
+        method="smc" if args.method == "auto" else args.method,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        draft_temperature=args.draft_temperature,
+        particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
+        draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
+        alpha=args.alpha,
+        ess_threshold=args.ess_threshold,
+        resampler=args.resampler,
+        seed=args.seed,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        **extra,
+    ).validate()  # fail on bad options before spending time loading models
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The constraint of ``--json-schema`` / ``--regex`` / ``--grammar`` (None without one).
+
+    Raises :class:`ConfigError` for an unreadable file; the pattern, schema or grammar itself
+    is checked when it is compiled against the tokenizer (also a ConfigError, exit 2).
+    """
+    if args.regex is not None:
+        return Regex(args.regex)
+    for path, kind in ((args.json_schema, "JSON schema"), (args.grammar, "grammar")):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {kind} file {path}: {exc}") from exc
+        return JsonSchema(text) if kind == "JSON schema" else Grammar(text)
+    return None

@@ -1,0 +1,151 @@
+"""The ``smcspec`` argument parser: one subparser per command."""
+
+from __future__ import annotations
+
+import argparse
+
+from smcspec.cli.options import (
+    BENCH_M_HELP,
+    EVAL_M_HELP,
+    model_options,
+    resolve_max_new_tokens,
+    tuning_options,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="smcspec", description="LLM inference with SMC speculative decoding."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = [model_options(), tuning_options()]
+    g = sub.add_parser("generate", parents=common, help="generate a completion for one prompt")
+    g.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
+    g.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
+    g.add_argument(
+        "--particles-out",
+        action="store_true",
+        help="also report every particle and its weight (smc, with --json)",
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", help="output must be JSON valid under it")
+    c.add_argument("--regex", metavar="PATTERN", help="output must match this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
+    s = sub.add_parser(
+        "serve",
+        parents=common,
+        help="OpenAI-compatible HTTP server (decoding options are defaults)",
+    )
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients use (default: the target file's name)",
+    )
+    s.add_argument("--max-running", type=int, default=16, help="requests decoded together")
+    s.add_argument(
+        "--max-waiting", type=int, default=64, help="queued requests beyond this get HTTP 429"
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="request bodies over this get HTTP 413 before they are read (default 4 MiB)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $SMCSPEC_API_KEY; without a key, bind only to loopback)",
+    )
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with an API key, leave /metrics open for Prometheus scrapers",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 5)",
+    )
+    e = sub.add_parser(
+        "eval", parents=[model_options(EVAL_M_HELP)], help="task accuracy of several methods"
+    )
+    e.add_argument("task", choices=["gsm8k", "humaneval", "fidelity"])
+    e.add_argument("--methods", default="ar,smc", help="comma list of ar, sd, smc")
+    e.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=2,4,8'")
+    e.add_argument(
+        "--data", default=None, help="GSM8K JSONL (default: the test split shipped in the package)"
+    )
+    e.add_argument("--limit", type=int, default=None, help="seeded random subset size")
+    e.add_argument("--subset-seed", type=int, default=0)
+    e.add_argument("--out", default="eval-out", help="directory for results.jsonl and reports")
+    e.add_argument("--rescore", action="store_true", help="score stored outputs again only")
+    e.add_argument(
+        "--nll", action="store_true", help="also score each output's per-token NLL under the target"
+    )
+    e.add_argument(
+        "--speed-from",
+        default=None,
+        help="runs.jsonl of a `smcspec bench` run: its median tokens/s per method on the plot",
+    )
+    e.add_argument("--runs", type=int, default=2000, help="fidelity: seeded runs per setting")
+    e.add_argument("--fidelity-n", default="1,2,4,8,16", help="fidelity: particle counts")
+    e.add_argument("--fidelity-k", default="1,2,4", help="fidelity: draft token counts")
+    e.add_argument(
+        "--potential-k",
+        type=int,
+        default=2,
+        help="fidelity: K of the constrained and reward SMC-SD runs (default 2)",
+    )
+    e.add_argument(
+        "--no-potentials",
+        action="store_true",
+        help="fidelity: skip the constraint and reward sections (masked AR, SMC-SD with them)",
+    )
+    b = sub.add_parser(
+        "bench",
+        parents=[model_options(BENCH_M_HELP), tuning_options()],
+        help="tokens/s and time to first token on ShareGPT prompts",
+    )
+    b.add_argument(
+        "--methods",
+        default="ar,sd,smc",
+        help="comma list of ar, sd, smc, auto (auto, and smc without -N/-K/--grid: the "
+        "setting chosen from measured costs)",
+    )
+    b.add_argument(
+        "--predict",
+        action="store_true",
+        help="print the predicted tokens/s of every ar, sd and smc setting from this "
+        "machine's measured forward costs, and the chosen ones; run nothing else",
+    )
+    b.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure the forward costs again, replacing the cached ones (measure on an "
+        "otherwise idle machine)",
+    )
+    b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
+    b.add_argument("--prompts", type=int, default=8, help="number of ShareGPT prompts")
+    b.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt sample")
+    b.add_argument("--min-prompt-tokens", type=int, default=16)
+    b.add_argument("--max-prompt-tokens", type=int, default=256)
+    b.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the package's)")
+    b.add_argument(
+        "--stop-at-eos", action="store_true", help="stop at EOS (default: always max tokens)"
+    )
+    b.add_argument("--no-roofline", action="store_true", help="skip the forward-cost roofline")
+    b.add_argument("--out", default="bench-out", help="directory for runs.jsonl and reports")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line, with the per-command defaults resolved (``-m``)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv)
+    args.max_new_tokens = resolve_max_new_tokens(args)
+    return args
