@@ -57,6 +57,32 @@ def test_regex_masks_eos_only_when_accepting(tok):
     assert all(x.is_accepting() for x in copies) and copies[0] is not copies[1]
 
 
+def test_json_whitespace_is_bounded_unless_the_schema_says_otherwise():
+    """Masked decoding can fall into endless runs of spaces where JSON allows whitespace; the
+    default bounds each run to 20 characters (as llama.cpp's JSON grammars), and a schema's
+    own ``x-guidance`` options are used as given."""
+    tok = make_tokenizer(V, extra='{}":, 0123456789')
+    space = _ids(tok, " ")[0]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    def spaces_after_key(spec: JsonSchema) -> int:
+        s = spec.compile(tok, V, [EOS]).start()
+        s.consume(_ids(tok, '{"n":'))
+        run = 0
+        while run < 50 and bool(s.allowed()[space]):
+            s.consume([space])
+            run += 1
+        return run
+
+    assert spaces_after_key(JsonSchema(schema)) == 20
+    assert spaces_after_key(JsonSchema(json.dumps(schema))) == 20
+    compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert spaces_after_key(JsonSchema(compact)) == 0
+    pretty = JsonSchema(schema).compile(tok, V, [EOS]).start()
+    pretty.consume(_ids(tok, '{  "n":  12 }'))  # whitespace runs up to the bound are fine
+    assert pretty.is_accepting()
+
+
 @pytest.mark.parametrize(
     "spec",
     [

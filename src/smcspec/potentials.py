@@ -120,9 +120,21 @@ class Regex(Constraint):
         return _grammar_from("regex", self.pattern)
 
 
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,20}"
+"""Whitespace allowed between JSON tokens unless a schema's ``x-guidance`` says otherwise: at
+most 20 characters at a time, as llama.cpp's JSON-schema grammars bound it (``space ::= | " "
+| "\n" [ \t]{0,20}``). Unbounded whitespace lets locally-masked decoding fall into runs of
+spaces that never end (seen with masked AR and SD on the default pair)."""
+
+
 @dataclass(frozen=True)
 class JsonSchema(Constraint):
-    """Output must be JSON valid under ``schema`` (a dict, or its JSON text)."""
+    """Output must be JSON valid under ``schema`` (a dict, or its JSON text).
+
+    Whitespace between tokens is bounded by :data:`JSON_WHITESPACE` unless the schema has an
+    ``x-guidance`` object (llguidance's JSON options, e.g. ``{"whitespace_flexible": false}``
+    for compact JSON), which is then used as given.
+    """
 
     schema: dict | str
 
@@ -136,8 +148,10 @@ class JsonSchema(Constraint):
             raise ConfigError(f"json schema must be a dict or a string, got {self.schema!r}")
 
     def grammar(self) -> str:
-        text = self.schema if isinstance(self.schema, str) else json.dumps(self.schema)
-        return _grammar_from("json_schema", text)
+        schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+        return _grammar_from("json_schema", json.dumps(schema))
 
 
 @dataclass(frozen=True)
