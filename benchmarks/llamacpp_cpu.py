@@ -6,6 +6,7 @@ the same GGUF files and the same thread count:
   ar, sd, smc    smcspec's decoders on the llamacpp backend (``--grid`` expands sd/smc)
   *-qdraft       the same with the draft re-quantized once (``--quantize-draft TYPE``)
   torch-*        smcspec's torch backend in bfloat16 (``--torch N,K``: SMC-SD at that setting)
+                 or float32 (``--torch-fp32 N,K``; 4,4 was the default before this backend)
 
 Every system gets the same chat-templated prompt (ShareGPT first turns and GSM8K questions)
 and decodes ``--max-new-tokens`` tokens with EOS suppressed, so every run does the same
@@ -101,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sd-k", default="2,4", help="sd draft lengths")
     p.add_argument("--quantize-draft", default=None, help="e.g. Q4_0: also run with it")
     p.add_argument("--torch", default=None, help="N,K: also SMC-SD on the torch backend, bf16")
+    p.add_argument(
+        "--torch-fp32",
+        default=None,
+        help="N,K: also SMC-SD on the torch backend in float32 (4,4: the default before the "
+        "llamacpp backend)",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-llamacpp")
@@ -129,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs:
             if s.name in ("sd-k4", "smc-n4-k4"):
                 runners[f"{s.name}-qdraft-{args.quantize_draft}"] = (qengine, s.config)
-    if args.torch:
-        n, k = (int(v) for v in args.torch.split(","))
-        tengine = Engine.load(backend="torch", dtype="bfloat16")
-        cfg = replace(base, method="smc", particles=n, draft_tokens=k)
-        runners[f"torch-bf16-smc-n{n}-k{k}"] = (tengine, cfg)
+    for setting, dtype, tag in (
+        (args.torch, "bfloat16", "bf16"),
+        (args.torch_fp32, "float32", "fp32"),
+    ):
+        if setting:
+            n, k = (int(v) for v in setting.split(","))
+            tengine = Engine.load(backend="torch", dtype=dtype)
+            cfg = replace(base, method="smc", particles=n, draft_tokens=k)
+            runners[f"torch-{tag}-smc-n{n}-k{k}"] = (tengine, cfg)
     systems.update(runners)
     target_gguf = ensure_packaged_model(DEFAULT_TARGET, cache_root())
     anchor = _anchor(target_gguf, threads, set(engine.stop_ids))

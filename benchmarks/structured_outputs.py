@@ -221,56 +221,83 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="decode nothing: rebuild summary.md from the runs files in --out (items every "
+        "method finished), e.g. after a run was stopped",
+    )
+    p.add_argument("--note", default="", help="a sentence added to the summary's header")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    engine = Engine.load(threads=args.threads)
-    backend = engine.target.backend
+    if args.summarize_only:
+        backend = "as in the note"
+        json_recs = _complete(args.out / "json_runs.jsonl", "task")
+        gsm_recs = _complete(args.out / "gsm8k_runs.jsonl", "item")
+    else:
+        engine = Engine.load(threads=args.threads)
+        backend = engine.target.backend
+        json_recs = run_json(engine, args, args.out) if args.json_tasks else []
+        gsm_recs = run_gsm8k(engine, args, args.out) if args.gsm8k else []
     lines = [
         "# Structured outputs on the real pair",
         "",
         f"{date.today().isoformat()}; {platform.processor() or platform.machine()} "
         f"({torch.get_num_threads()} torch threads), backend {backend}; default pair "
         f"(Qwen2.5-Coder-1.5B-Instruct Q4_K_M target, 0.5B draft); T {args.temperature}; "
-        f"SMC-SD N={args.n} K={args.k}; methods rotated item by item, seed = item index.",
+        f"SMC-SD N={args.n} K={args.k}; methods rotated item by item, seed = item index. "
+        + args.note,
         "",
         "Command: `python benchmarks/structured_outputs.py "
         + " ".join(argv if argv is not None else sys.argv[1:])
         + "`",
         "",
     ]
-    if args.json_tasks:
-        recs = run_json(engine, args, args.out)
+    smc = f"smc-n{args.n}-k{args.k}"
+    if json_recs:
         lines += [
-            f"## JSON extraction ({len({r['task'] for r in recs})} tasks, "
+            f"## JSON extraction ({len({r['task'] for r in json_recs})} tasks, "
             f"max {args.max_new_tokens} new tokens)",
             "",
             HEADER.format(key="schema-valid"),
-            *summarize(recs, "valid"),
+            *summarize(json_recs, "valid"),
             "",
-            paired_log_likelihood(recs, f"smc-n{args.n}-k{args.k}", "ar", "task"),
+            paired_log_likelihood(json_recs, smc, "ar", "task"),
             "",
-            paired_log_likelihood(recs, f"smc-n{args.n}-k{args.k}", f"sd-k{args.k}", "task"),
+            paired_log_likelihood(json_recs, smc, f"sd-k{args.k}", "task"),
             "",
         ]
-    if args.gsm8k:
-        recs = run_gsm8k(engine, args, args.out)
+    if gsm_recs:
         lines += [
-            f"## GSM8K, answer constrained to end with `#### <number>` ({args.gsm8k} problems, "
+            "## GSM8K, answer constrained to end with `#### <number>` "
+            f"({len({r['item'] for r in gsm_recs})} problems, "
             f"max {args.gsm8k_max_new_tokens} new tokens)",
             "",
             f"Constraint: `Regex({GSM8K_ANSWER!r})`; free-ar: unconstrained AR, same seeds.",
             "",
             HEADER.format(key="correct"),
-            *summarize(recs, "correct"),
+            *summarize(gsm_recs, "correct"),
             "",
-            paired_log_likelihood(recs, f"smc-n{args.n}-k{args.k}", "ar", "item"),
+            paired_log_likelihood(gsm_recs, smc, "ar", "item"),
             "",
         ]
-    lines.append(f"Total wall time: {time.perf_counter() - t0:.0f} s.")
+    if not args.summarize_only:
+        lines.append(f"Total wall time: {time.perf_counter() - t0:.0f} s.")
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _complete(path: Path, item_key: str) -> list[dict[str, Any]]:
+    """The records of ``path`` (JSONL; none if missing) for items every method finished."""
+    if not path.is_file():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    methods = {r["method"] for r in recs}
+    done = {i for i in {r[item_key] for r in recs}
+            if {r["method"] for r in recs if r[item_key] == i} == methods}  # fmt: skip
+    return [r for r in recs if r[item_key] in done]
 
 
 if __name__ == "__main__":
