@@ -94,16 +94,57 @@ CASES = [
     ("unknown-route", "POST", "/v1/nope", completion(), 404, None),
     ("unknown-get", "GET", "/nope", {}, 404, None),
     # chat messages
-    ("role-wizard", "POST", CC, chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
-     "messages.0.role"),  # fmt: skip
-    ("role-tool", "POST", CC, chat(messages=[{"role": "tool", "content": "hi"}]), 400,
-     "messages.0.role"),  # fmt: skip
-    ("role-developer", "POST", CC, chat(messages=[{"role": "developer", "content": "hi"},
-     *USER]), 200, None),  # fmt: skip
-    ("content-text-parts", "POST", CC, chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}]), 200, None),  # fmt: skip
-    ("content-image-part", "POST", CC, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None),  # fmt: skip
+    (
+        "role-wizard",
+        "POST",
+        CC,
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages.0.role",
+    ),  # fmt: skip
+    (
+        "role-tool",
+        "POST",
+        CC,
+        chat(messages=[{"role": "tool", "content": "hi"}]),
+        400,
+        "messages.0.role",
+    ),  # fmt: skip
+    (
+        "role-developer",
+        "POST",
+        CC,
+        chat(messages=[{"role": "developer", "content": "hi"}, *USER]),
+        200,
+        None,
+    ),  # fmt: skip
+    (
+        "content-text-parts",
+        "POST",
+        CC,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}],
+                }
+            ]
+        ),
+        200,
+        None,
+    ),  # fmt: skip
+    (
+        "content-image-part",
+        "POST",
+        CC,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        400,
+        None,
+    ),  # fmt: skip
     ("content-null", "POST", CC, chat(messages=[{"role": "user", "content": None}]), 400, None),
     ("content-missing", "POST", CC, chat(messages=[{"role": "user"}]), 400, None),
     ("messages-empty", "POST", CC, chat(messages=[]), 400, "messages"),
@@ -122,8 +163,14 @@ CASES = [
     ("presence-penalty", "POST", C, completion(presence_penalty=0.5), 400, "presence_penalty"),
     ("frequency-penalty-zero", "POST", C, completion(frequency_penalty=0), 200, None),
     ("logit-bias", "POST", C, completion(logit_bias={"1": 5}), 400, "logit_bias"),
-    ("tools", "POST", CC, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "tools"),  # fmt: skip
+    (
+        "tools",
+        "POST",
+        CC,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+    ),  # fmt: skip
     ("echo", "POST", C, completion(echo=True), 400, "echo"),
     ("best-of", "POST", C, completion(best_of=3), 400, "best_of"),
     ("suffix", "POST", C, completion(suffix="x"), 400, "suffix"),
@@ -153,11 +200,23 @@ CASES = [
     ("prompt-missing", "POST", C, {"json": {"model": MODEL}}, 400, "prompt"),
     ("prompt-empty", "POST", C, completion(prompt=""), 400, "prompt"),
     # unusual but valid
-    ("authorization-without-key", "POST", C, {**completion(), "headers": {
-        "Authorization": "Bearer whatever"}}, 200, None),  # fmt: skip
+    (
+        "authorization-without-key",
+        "POST",
+        C,
+        {**completion(), "headers": {"Authorization": "Bearer whatever"}},
+        200,
+        None,
+    ),  # fmt: skip
     ("max-tokens-1-n-3", "POST", C, completion(max_tokens=1, n=3), 200, None),
-    ("usage-without-stream", "POST", C, completion(stream_options={"include_usage": True}), 200,
-     None),  # fmt: skip
+    (
+        "usage-without-stream",
+        "POST",
+        C,
+        completion(stream_options={"include_usage": True}),
+        200,
+        None,
+    ),  # fmt: skip
 ]
 
 

@@ -66,7 +66,6 @@ def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     pass
 
 
-
 def physical_cores() -> int:
     """CPU cores this process may run on, counting hyper-threads of one core once."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
