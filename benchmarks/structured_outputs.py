@@ -190,15 +190,18 @@ def summarize(records: list[dict[str, Any]], key: str) -> list[str]:
 
 
 def paired_log_likelihood(records: list[dict[str, Any]], a: str, b: str, item_key: str) -> str:
-    """How often ``a``'s output is more likely under the target than ``b``'s on one item."""
+    """How often ``a``'s output is more likely under the target than ``b``'s on one item
+    (the same text counts as a tie), and the median difference where the texts differ."""
     by = {(r[item_key], r["method"]): r for r in records}
-    items = {r[item_key] for r in records}
+    items = sorted({r[item_key] for r in records})
     pairs = [(by[(i, a)], by[(i, b)]) for i in items if (i, a) in by and (i, b) in by]
-    wins = sum(x["log_likelihood"] > y["log_likelihood"] for x, y in pairs)
-    diff = _median([x["log_likelihood"] - y["log_likelihood"] for x, y in pairs])
+    differ = [(x, y) for x, y in pairs if x["text"] != y["text"]]
+    wins = sum(x["log_likelihood"] > y["log_likelihood"] for x, y in differ)
+    diff = _median([x["log_likelihood"] - y["log_likelihood"] for x, y in differ])
     return (
-        f"{a} vs {b}: higher target log-likelihood on {wins}/{len(pairs)} items, "
-        f"median difference {diff:+.2f} nats"
+        f"{a} vs {b}: higher target log-likelihood on {wins}, lower on {len(differ) - wins} "
+        f"of {len(pairs)} items ({len(pairs) - len(differ)} with the same text); median "
+        f"difference where the texts differ {diff:+.2f} nats"
     )
 
 
