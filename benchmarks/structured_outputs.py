@@ -42,26 +42,17 @@ import jsonschema_rs
 import torch
 
 from smcspec import Engine, GenerationConfig, JsonSchema, Regex
+from smcspec.eval.fidelity import target_nll
 from smcspec.eval.gsm8k import build_messages, extract_answer, is_correct, load_gsm8k
 
 TASKS = Path(__file__).parent / "data" / "json_extraction.jsonl"
 GSM8K_ANSWER = r"[\s\S]*#### -?[0-9]+(\.[0-9]+)?"
 
 
-@torch.inference_mode()
 def target_log_likelihood(engine: Engine, prompt_ids: list[int], output: list[int]) -> float:
-    """``log p_T(output | prompt)`` in nats at temperature 1 (one prefill, one forward)."""
-    if not output:
-        return 0.0
-    model = engine.target.model
-    cache = model.new_cache(1, len(output) + 1)
-    first = model.prefill(torch.tensor(prompt_ids), cache)[: engine.vocab]
-    logits = first[None]
-    if len(output) > 1:
-        rest = model.decode(torch.tensor([output[:-1]]), cache)[0, :, : engine.vocab]
-        logits = torch.cat((logits, rest))
-    lp = torch.log_softmax(logits.double(), -1)[torch.arange(len(output)), torch.tensor(output)]
-    return float(lp.sum())
+    """``log p_T(output | prompt)`` in nats at temperature 1 (:func:`target_nll` is its mean
+    negative per token)."""
+    return -target_nll(engine.target.model, prompt_ids, output) * len(output) if output else 0.0
 
 
 def json_validity(text: str, schema: dict[str, Any]) -> bool:
