@@ -8,8 +8,8 @@ import math
 import numpy as np
 import torch
 
+from smcspec.backends.torch.transformer import Transformer
 from smcspec.eval.fidelity import sequence_log_probs, tiny_transformer
-from smcspec.models.transformer import Transformer
 
 __all__ = [
     "chisquare_p",

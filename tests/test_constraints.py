@@ -19,8 +19,8 @@ from smcspec import (
     Regex,
     Reward,
 )
+from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
-from smcspec.models.loading import load_hf_dir
 from smcspec.potentials import reorder
 
 V = 96

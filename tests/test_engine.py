@@ -14,7 +14,7 @@ from smcspec import (
     ModelFileError,
     NumericalError,
 )
-from smcspec.models import load_hf_dir
+from smcspec.backends.torch import load_hf_dir
 
 METHODS = ("ar", "sd", "smc")
 

@@ -9,10 +9,10 @@ from tiny_models import make_tiny_chat_pair
 from transformers import AutoTokenizer
 
 from smcspec import ConfigError, Engine, GenerationConfig
+from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
 from smcspec.eval import bench, harness
 from smcspec.eval.sharegpt import load_sharegpt_prompts, read_json_list
-from smcspec.models import load_hf_dir
 
 
 def test_read_json_list_stops_before_a_truncated_item():

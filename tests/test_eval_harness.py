@@ -8,11 +8,11 @@ import pytest
 from tiny_models import make_tiny_chat_pair
 
 from smcspec import ConfigError, Engine, GenerationConfig
+from smcspec.backends.torch import load_hf_dir
 from smcspec.eval import harness
 from smcspec.eval.fidelity import fidelity_grid, tiny_transformer, write_fidelity_report
 from smcspec.eval.gsm8k import Gsm8kItem
 from smcspec.eval.results import ResultFile
-from smcspec.models import load_hf_dir
 
 
 def test_method_specs_and_grid():

@@ -7,7 +7,7 @@ import torch
 from tiny_models import make_tiny_hf_model
 
 from smcspec import Engine, GenerationConfig
-from smcspec.models import load_hf_dir
+from smcspec.backends.torch import load_hf_dir
 
 pytestmark = [
     pytest.mark.gpu,

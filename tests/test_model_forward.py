@@ -11,8 +11,9 @@ import pytest
 import torch
 from tiny_models import FAMILY_DEFAULTS, make_tiny_hf_model
 
+from smcspec.backends.torch import load_hf_dir
 from smcspec.errors import ContextLengthError, ModelFileError
-from smcspec.models import load_hf_dir, load_model
+from smcspec.models import load_model
 
 ATOL = 1e-4  # float32, absolute
 RTOL = 1e-5

@@ -14,7 +14,7 @@ from live_server import Server
 from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
 
 from smcspec import Engine, GenerationConfig
-from smcspec.models import load_hf_dir
+from smcspec.backends.torch import load_hf_dir
 from smcspec.server import create_app
 
 MODEL = "tiny"

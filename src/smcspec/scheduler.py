@@ -2,7 +2,7 @@
 
 One worker thread owns the models. Every step it admits waiting requests (their prefill is
 their first step), collects the pending forward of every running request, and runs them as
-**one batched forward per model** (:meth:`Transformer.decode_batch`): the draft forwards of
+**one batched forward per model** (:meth:`DecoderModel.decode_batch`): the draft forwards of
 all requests together, then the target forwards together. A request therefore joins the
 running batch at the next step after it arrives, and its particles share every weight read
 with the other requests' particles. Each request keeps its own random generator, so its

@@ -1,6 +1,7 @@
-"""Backends: who computes a forward. ``torch`` (the reference Llama-family transformer in
-:mod:`smcspec.models`, CPUs and GPUs) and ``llamacpp`` (:mod:`.llamacpp`, GGUF files through
-llama.cpp's quantized kernels). Both offer :class:`~smcspec.backends.base.DecoderModel`."""
+"""Backends: who computes a forward. ``torch`` (:mod:`.torch`, the reference Llama-family
+transformer, CPUs and GPUs) and ``llamacpp`` (:mod:`.llamacpp`, GGUF files through
+llama.cpp's quantized kernels). Both offer :class:`~smcspec.backends.base.DecoderModel`;
+:func:`smcspec.models.load_model` picks one for a model file."""
 
 from smcspec.backends.base import DecoderModel, KVCache
 

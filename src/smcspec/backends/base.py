@@ -3,7 +3,7 @@
 The decoders (:mod:`smcspec.decoding`) are programs that yield prefills and forwards of a
 :class:`DecoderModel` and edit its :class:`KVCache`; the scheduler batches the forwards of
 many requests with :meth:`DecoderModel.decode_batch`. Two backends implement it: ``torch``
-(:class:`smcspec.models.transformer.Transformer`, the reference implementation, GPUs) and
+(:class:`smcspec.backends.torch.Transformer`, the reference implementation, GPUs) and
 ``llamacpp`` (:class:`smcspec.backends.llamacpp.LlamaCppModel`, GGUF files through
 llama.cpp's quantized kernels).
 """

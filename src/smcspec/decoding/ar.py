@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from smcspec.backends.base import DecoderModel
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.models.transformer import Transformer
 from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.truncation import truncate_log_probs
 
 
 def ar_program(
-    target: Transformer,
+    target: DecoderModel,
     prompt: list[int],
     cfg: GenerationConfig,
     stop_ids: frozenset[int],

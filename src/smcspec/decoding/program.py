@@ -4,7 +4,7 @@ A decoder is written once as a generator that yields :class:`Prefill` and :class
 requests and receives their logits. :func:`run_program` executes one program alone (the
 CLI and ``Engine.generate``); a scheduler can instead gather the pending forwards of many
 programs and execute them as one batched forward per model
-(:meth:`~smcspec.models.transformer.Transformer.decode_batch`).
+(:meth:`~smcspec.backends.base.DecoderModel.decode_batch`).
 """
 
 from __future__ import annotations
@@ -14,27 +14,26 @@ from dataclasses import dataclass
 
 import torch
 
+from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.decoding.common import DecodeOutput
-from smcspec.models.kv_cache import ParticleKVCache
-from smcspec.models.transformer import Transformer
 
 
 @dataclass
 class Prefill:
     """Run ``prompt`` (int64 ``[P]``) into ``cache``; answered with logits ``[V]``."""
 
-    model: Transformer
+    model: DecoderModel
     prompt: torch.Tensor
-    cache: ParticleKVCache
+    cache: KVCache
 
 
 @dataclass
 class Forward:
     """Append ``tokens`` (int64 ``[R, T]``) to ``cache``; answered with logits ``[R, T|1, V]``."""
 
-    model: Transformer
+    model: DecoderModel
     tokens: torch.Tensor
-    cache: ParticleKVCache
+    cache: KVCache
     last_only: bool = False
 
 

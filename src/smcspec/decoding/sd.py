@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from smcspec.backends.base import DecoderModel
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -36,7 +37,6 @@ from smcspec.decoding.common import (
     cut_at_stop,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.models.transformer import Transformer
 from smcspec.potentials import (
     ConstraintState,
     DeadEndError,
@@ -50,8 +50,8 @@ from smcspec.sampling.truncation import truncate_log_probs
 
 
 def sd_program(
-    target: Transformer,
-    draft: Transformer,
+    target: DecoderModel,
+    draft: DecoderModel,
     prompt: list[int],
     cfg: GenerationConfig,
     stop_ids: frozenset[int],

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smcspec.backends.base import KVCache
+from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -42,7 +42,6 @@ from smcspec.decoding.common import (
     cache_capacity,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.models.transformer import Transformer
 from smcspec.potentials import (
     ConstraintClock,
     ConstraintState,
@@ -206,8 +205,8 @@ class _Block:
 
 
 def smc_program(
-    target: Transformer,
-    draft: Transformer,
+    target: DecoderModel,
+    draft: DecoderModel,
     prompt: list[int],
     cfg: GenerationConfig,
     stop_ids: frozenset[int],
@@ -340,7 +339,7 @@ def _initial_particles(
     return ps, clock
 
 
-def _draft_block(st: _Setting, ps: _Particles, draft: Transformer, dcache: KVCache) -> Program:
+def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCache) -> Program:
     """Step 3a: K draft forwards (deferred bonus: the first feeds 1-2 tokens per particle),
     each token from ``q_T`` (``q'`` ∝ ``q_T m`` with a constraint). Returns a :class:`_Block`."""
     n, k, dev = st.n, st.k, st.dev
@@ -374,7 +373,9 @@ def _draft_block(st: _Setting, ps: _Particles, draft: Transformer, dcache: KVCac
     return _Block(drafted, draft_lp, dead_pos, open_)
 
 
-def _score_block(st: _Setting, ps: _Particles, b: _Block, target: Transformer, tcache) -> Program:
+def _score_block(
+    st: _Setting, ps: _Particles, b: _Block, target: DecoderModel, tcache: KVCache
+) -> Program:
     """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
     ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
     with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``)."""

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.transformer import Transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.eval.stats import empirical, kl_divergence, total_variation
-from smcspec.models.config import ModelConfig
-from smcspec.models.transformer import Transformer
 from smcspec.potentials import DeadEndError, Reward, TokenConstraint
 
 

@@ -1,15 +1,6 @@
-"""Model layer: the transformer, its particle KV cache, and loading."""
+"""Model files: the default pair from PyPI packages, GGUF reading and conversion, draft
+re-quantization, and loading a file on the backend that runs it (:mod:`smcspec.backends`)."""
 
-from smcspec.models.config import ModelConfig
-from smcspec.models.kv_cache import ParticleKVCache
-from smcspec.models.loading import LoadedModel, load_hf_dir, load_model
-from smcspec.models.transformer import Transformer
+from smcspec.models.loading import LoadedModel, load_model
 
-__all__ = [
-    "LoadedModel",
-    "ModelConfig",
-    "ParticleKVCache",
-    "Transformer",
-    "load_hf_dir",
-    "load_model",
-]
+__all__ = ["LoadedModel", "load_model"]

@@ -1,32 +1,28 @@
-"""Load a model from a Hugging Face directory or a GGUF file.
+"""Load a model from a Hugging Face directory or a GGUF file, on the backend that runs it.
 
-A GGUF file is converted once into a Hugging Face-style directory in the cache
-(``config.json``, ``model.safetensors`` with dequantized float32 weights, tokenizer files
-with the chat template); every later start loads that directory. Weight reading uses
-``safetensors`` and ``gguf``; tokenizers come from ``transformers``.
+The ``llamacpp`` backend runs a GGUF file as it is (:mod:`smcspec.backends.llamacpp`). For
+the ``torch`` backend a GGUF file is converted once into a Hugging Face-style directory in
+the cache (:mod:`smcspec.models.gguf_convert`: ``config.json``, ``model.safetensors`` with
+dequantized float32 weights, tokenizer files with the chat template), and every later start
+loads that directory (:mod:`smcspec.backends.torch.weights`). Tokenizers come from
+``transformers`` on both backends, so both see the same token ids.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from smcspec.errors import ModelFileError
-from smcspec.models.config import ModelConfig
-from smcspec.models.transformer import Transformer, rope_inv_freq
 
 if TYPE_CHECKING:
     from smcspec.backends.base import DecoderModel
     from smcspec.backends.llamacpp import LlamaCppSettings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+    from smcspec.backends.torch.config import ModelConfig
 
 BACKENDS = ("auto", "torch", "llamacpp")
 
@@ -53,17 +49,6 @@ class LoadedModel:
         if self.config is not None:
             self.vocab_size = self.vocab_size or self.config.vocab_size
             self.context_length = self.context_length or self.config.max_position_embeddings
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"float32"|"bfloat16"|"float16"`` -> torch dtype. Raises :class:`ConfigError`."""
-    from smcspec.errors import ConfigError
-
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def cache_root() -> Path:
@@ -121,6 +106,8 @@ def load_model(
     name = p.stem if p.is_file() else p.name
     if resolve_backend(backend, p, device) == "llamacpp":
         return _load_llamacpp(p, sha256, llamacpp)
+    from smcspec.backends.torch.weights import load_hf_dir
+
     if p.is_file():
         from smcspec.models.gguf_convert import converted_dir
 
@@ -152,115 +139,3 @@ def _load_llamacpp(path: Path, sha256: str | None, settings) -> LoadedModel:
         vocab_size=model.n_vocab,
         context_length=model.context_length,
     )
-
-
-def load_hf_dir(
-    directory: str | os.PathLike,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-) -> LoadedModel:
-    """Load a Hugging Face model directory (safetensors weights). See :func:`load_model`."""
-    from transformers import AutoTokenizer
-
-    directory = Path(directory)
-
-    dt = resolve_dtype(dtype)
-    cfg_file = directory / "config.json"
-    if not cfg_file.is_file():
-        raise ModelFileError(f"{directory} has no config.json")
-    try:
-        cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{cfg_file} is not valid JSON: {exc}") from exc
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{directory} has no *.safetensors weight files")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    model = model.to(dt)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 buffer, not cast to dtype
-    load_weights(model, files)
-    model.eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(directory))
-    except Exception as exc:  # transformers raises many types for a bad tokenizer dir
-        raise ModelFileError(f"cannot load the tokenizer in {directory}: {exc}") from exc
-    return LoadedModel(model=model, tokenizer=tok, path=directory, config=cfg, name=directory.name)
-
-
-def _hf_names(i: int) -> dict[str, str]:
-    pre = f"model.layers.{i}."
-    return {
-        "q": pre + "self_attn.q_proj",
-        "k": pre + "self_attn.k_proj",
-        "v": pre + "self_attn.v_proj",
-        "o": pre + "self_attn.o_proj.weight",
-        "gate": pre + "mlp.gate_proj.weight",
-        "up": pre + "mlp.up_proj.weight",
-        "down": pre + "mlp.down_proj.weight",
-        "attn_norm": pre + "input_layernorm.weight",
-        "mlp_norm": pre + "post_attention_layernorm.weight",
-    }
-
-
-def load_weights(model: Transformer, files: list[Path]) -> None:
-    """Copy Hugging Face-named tensors from safetensors ``files`` into ``model``.
-
-    q/k/v and gate/up are fused on the fly; one tensor is in memory at a time beside the
-    model. Raises :class:`ModelFileError` for a missing tensor or a shape mismatch.
-    """
-    handles = {}
-    index: dict[str, object] = {}
-    try:
-        for f in files:
-            h = safe_open(str(f), framework="pt", device="cpu")
-            handles[f] = h
-            for k in h.keys():
-                index[k] = h
-    except Exception as exc:
-        raise ModelFileError(f"cannot read safetensors file: {exc}") from exc
-
-    used: set[str] = set()
-
-    def get(name: str) -> torch.Tensor:
-        used.add(name)
-        if name not in index:
-            raise ModelFileError(f"weight {name!r} missing from {', '.join(map(str, files))}")
-        return index[name].get_tensor(name)
-
-    def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if dst.shape != src.shape:
-            raise ModelFileError(f"weight {name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(src)
-
-    cfg = model.cfg
-    put(model.embed.weight, get("model.embed_tokens.weight"), "embed_tokens")
-    put(model.norm.weight, get("model.norm.weight"), "norm")
-    if not cfg.tie_word_embeddings:
-        name = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
-        put(model.lm_head.weight, get(name), name)
-    for i, blk in enumerate(model.layers):
-        n = _hf_names(i)
-        qkv_w = torch.cat([get(n[x] + ".weight") for x in "qkv"])
-        put(blk.qkv.weight, qkv_w, f"layer {i} qkv")
-        if cfg.qkv_bias:
-            put(blk.qkv.bias, torch.cat([get(n[x] + ".bias") for x in "qkv"]), f"layer {i} bias")
-        put(blk.o.weight, get(n["o"]), n["o"])
-        if cfg.o_bias:
-            bias = n["o"].replace(".weight", ".bias")
-            put(blk.o.bias, get(bias), bias)
-        put(blk.gate_up.weight, torch.cat([get(n["gate"]), get(n["up"])]), f"layer {i} gate_up")
-        put(blk.down.weight, get(n["down"]), n["down"])
-        put(blk.attn_norm.weight, get(n["attn_norm"]), n["attn_norm"])
-        put(blk.mlp_norm.weight, get(n["mlp_norm"]), n["mlp_norm"])
-    ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
-    unused = sorted(k for k in index if k not in used and not k.endswith(ignorable))
-    if unused:
-        raise ModelFileError(
-            f"{len(unused)} weights in the checkpoint are not used by this architecture "
-            f"(e.g. {unused[0]!r}); refusing to load a model it would compute wrongly"
-        )

@@ -3,7 +3,7 @@
 Shapes: ``R`` rows (particles), ``T`` new tokens per row, ``P`` prompt length, ``S`` filled
 suffix length, ``H``/``Hkv`` query/key-value heads, ``D`` head dim, ``V`` vocabulary.
 
-Two forwards, both over a :class:`~smcspec.models.kv_cache.ParticleKVCache`:
+Two forwards, both over a :class:`~smcspec.backends.torch.kv_cache.ParticleKVCache`:
 
 * :meth:`Transformer.prefill`: the prompt ``[1, P]`` -> shared prefix KV.
 * :meth:`Transformer.decode`: ``[R, T]`` new tokens per row at positions ``P + S + t``;
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smcspec.models.config import ModelConfig
-from smcspec.models.kv_cache import ParticleKVCache
+from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.kv_cache import ParticleKVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
