@@ -60,6 +60,29 @@ def test_altered_cached_file_is_rebuilt_from_the_packages(tmp_path, gguf_paths):
     assert ensure_packaged_model(DEFAULT_DRAFT, tmp_path) == dest  # rebuilt and verified
 
 
+def test_a_verified_file_is_not_hashed_again_until_it_changes(tmp_path, gguf_paths, monkeypatch):
+    import smcspec.models.default_pair as default_pair
+
+    dest = tmp_path / "models" / f"{DEFAULT_DRAFT.name}.gguf"
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(gguf_paths[DEFAULT_DRAFT.name], dest)
+    assert ensure_packaged_model(DEFAULT_DRAFT, tmp_path) == dest  # hashed, stamped
+    assert dest.with_name(dest.name + ".verified").is_file()
+    hashed = []
+    real_sha256 = default_pair.sha256_file
+    monkeypatch.setattr(default_pair, "sha256_file", lambda p: hashed.append(p) or real_sha256(p))
+    assert ensure_packaged_model(DEFAULT_DRAFT, tmp_path) == dest
+    assert hashed == []  # the stamp matched
+    with open(dest, "r+b") as f:  # the file changes after its stamp: verified again, rebuilt
+        f.seek(DEFAULT_DRAFT.size // 2)
+        b = f.read(1)
+        f.seek(DEFAULT_DRAFT.size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert ensure_packaged_model(DEFAULT_DRAFT, tmp_path) == dest
+    assert len(hashed) == 2  # the altered file, then the rebuilt one
+    assert default_pair._verified_before(DEFAULT_DRAFT, dest)
+
+
 def test_missing_packages_are_named(tmp_path):
     ghost = replace(DEFAULT_DRAFT, name="ghost", dist_prefix="smcspec-no-such-model-part")
     with pytest.raises(ModelFileError, match="(?s)smcspec-no-such-model-part1==0.9.0.*pip install"):
