@@ -158,3 +158,39 @@ def test_exhaustion_is_a_context_length_error_and_ids_come_back(files):
     again = model.new_cache(4, 8)  # the collected cache's ids and cells are free again
     model.prefill(PROMPT, again)
     model.decode(torch.ones(4, 8, dtype=torch.long), again)
+
+
+def test_a_llamacpp_pair_checks_its_vocabulary_through_llama_cpp(files, tmp_path, monkeypatch):
+    """Engine.load loads a llamacpp draft without a tokenizer; the pair's shared vocabulary
+    is then compared through llama.cpp's token texts, and a mismatch is still refused."""
+    from smcspec import Engine
+    from smcspec.errors import ModelFileError
+
+    monkeypatch.setenv("SMCSPEC_CACHE", str(tmp_path / "cache"))
+    settings = LlamaCppSettings(threads=1, kv_cells=4096)
+    target = load_model(files["f32"][0], backend="llamacpp", llamacpp=settings)
+    draft = load_model(files["q8_0"][0], backend="llamacpp", llamacpp=settings, tokenizer=False)
+    assert draft.tokenizer is None
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # the target's only
+    texts = draft.model.token_texts()
+    assert len(texts) == V
+    assert [t.decode() for t in texts] == target.tokenizer.convert_ids_to_tokens(list(range(V)))
+    engine = Engine(target, draft)
+    assert engine.generate("ab", _smc_cfg(), chat=False).new_tokens == 6
+
+    other_path, _ = make_tiny_gguf(tmp_path, "qwen2", 80, seed=5)  # other ids from 79 on
+    other = load_model(other_path, backend="llamacpp", llamacpp=settings, tokenizer=False)
+    with pytest.raises(ModelFileError, match="vocabularies differ"):
+        Engine(target, other)
+    with pytest.raises(ConfigError, match="only be paired with a llamacpp model"):
+        Engine(load_model(files["f32"][0], backend="torch"), draft)
+    with pytest.raises(ConfigError, match="target must be loaded with its tokenizer"):
+        Engine(draft)
+
+
+def _smc_cfg():
+    from smcspec import GenerationConfig
+
+    return GenerationConfig(
+        method="smc", particles=2, draft_tokens=2, max_new_tokens=6, seed=0, ignore_eos=True
+    )

@@ -307,5 +307,7 @@ def make_tiny_gguf_chat_engine(tmp_path: Path, **overrides):
         make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, chat_template=CHAT_TEMPLATE, **overrides)[0]
         for s in (0, 1)
     ]
-    models = [load_model(p, backend="llamacpp", llamacpp=settings) for p in paths]
-    return Engine(*models)
+    target = load_model(paths[0], backend="llamacpp", llamacpp=settings)
+    # as Engine.load does: the draft without a tokenizer, the vocabulary checked in llama.cpp
+    draft = load_model(paths[1], backend="llamacpp", llamacpp=settings, tokenizer=False)
+    return Engine(target, draft)

@@ -104,10 +104,13 @@ class Engine:
     """A target model, an optional draft sharing its vocabulary, and their tokenizer.
 
     Raises:
-        ModelFileError: the draft's vocabulary differs from the target's.
+        ModelFileError: the draft's vocabulary differs from the target's. ConfigError: a
+        target without a tokenizer.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+        if target.tokenizer is None:
+            raise ConfigError("the target must be loaded with its tokenizer (tokenizer=True)")
         self.target, self.draft = target, draft
         self.tokenizer = target.tokenizer
         self.vocab = target.vocab_size
@@ -159,6 +162,8 @@ class Engine:
         if with_draft and quantize_draft is not None:
             draft = _requantized(draft, quantize_draft, backend, device, threads, log)
         tgt = _load(target, DEFAULT_TARGET, **opts)
+        # the target's tokenizer serves the pair; a llamacpp pair checks its vocabulary there
+        opts["tokenizer"] = tgt.backend != "llamacpp"
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
 
@@ -416,15 +421,28 @@ def _requantized(draft, kind, backend, device, threads, log) -> Path:
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a pair whose tokenizers map tokens to different ids.
 
+    The ids below both models' vocabulary sizes are compared: through the ``transformers``
+    tokenizers, or, when either model was loaded without one (a llamacpp draft), through the
+    token texts llama.cpp holds for both (both must then run on llamacpp).
+
     Raises:
         ModelFileError: naming the number of differing entries and an example.
+        ConfigError: a model without a tokenizer beside one that is not run by llamacpp.
     """
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     n = min(target.vocab_size, draft.vocab_size)
-    t_in = {k: v for k, v in tv.items() if v < n}
-    d_in = {k: v for k, v in dv.items() if v < n}
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        t_in = {(k, v) for k, v in tv.items() if v < n}
+        d_in = {(k, v) for k, v in dv.items() if v < n}
+    elif all(hasattr(m.model, "token_texts") for m in (target, draft)):
+        t_in = {(t, i) for i, t in enumerate(target.model.token_texts(n))}
+        d_in = {(t, i) for i, t in enumerate(draft.model.token_texts(n))}
+    else:
+        raise ConfigError(
+            "a model loaded without a tokenizer can only be paired with a llamacpp model"
+        )
     if t_in != d_in:
-        diff = set(t_in.items()) ^ set(d_in.items())
+        diff = t_in ^ d_in
         example = sorted(diff, key=lambda kv: kv[1])[0]
         raise ModelFileError(
             f"draft and target vocabularies differ ({len(diff)} differing entries, e.g. "

@@ -215,6 +215,13 @@ class LlamaCppModel:
         weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
 
     # ------------------------------------------------------------------ sequences
+    def token_texts(self, n: int | None = None) -> list[bytes]:
+        """The text llama.cpp holds for token ids ``0 .. n-1`` (default: the vocabulary),
+        as stored in the GGUF file (byte-level BPE tokens in their ``Ġ`` form)."""
+        vocab = self._lib.llama_model_get_vocab(self._model)
+        get = self._lib.llama_vocab_get_text
+        return [get(vocab, i) or b"" for i in range(self.n_vocab if n is None else n)]
+
     def _take_ids(self, n: int) -> list[int]:
         self._reclaim()
         if len(self._free_ids) < n:

@@ -32,12 +32,15 @@ class LoadedModel:
     """A model ready to decode, with its tokenizer and where it came from.
 
     ``model`` is the backend's model (:class:`~smcspec.backends.base.DecoderModel`);
-    ``config`` is the architecture (torch backend only); ``vocab_size`` and
-    ``context_length`` are what the engine needs from either backend.
+    ``tokenizer`` is a ``transformers`` tokenizer, or None for a llamacpp model loaded with
+    ``tokenizer=False`` (a draft: only the target's tokenizer is used, and the pair's shared
+    vocabulary is checked through llama.cpp); ``config`` is the architecture (torch backend
+    only); ``vocab_size`` and ``context_length`` are what the engine needs from either
+    backend.
     """
 
     model: DecoderModel
-    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    tokenizer: object | None  # transformers.PreTrainedTokenizerBase
     path: Path
     config: ModelConfig | None
     name: str = ""  # the GGUF file's stem or the directory's name
@@ -84,6 +87,7 @@ def load_model(
     sha256: str | None = None,
     backend: str = "auto",
     llamacpp: LlamaCppSettings | None = None,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory on a backend.
 
@@ -96,6 +100,9 @@ def load_model(
         sha256: for a GGUF file, its known SHA-256 (skips hashing it again for the cache key).
         backend: ``auto`` (see :func:`resolve_backend`), ``torch`` or ``llamacpp``.
         llamacpp: settings of the llamacpp backend (threads, KV cells, sequences).
+        tokenizer: False skips the tokenizer of a model run by llamacpp (writing its files
+            from the GGUF metadata takes about 11 s once, loading it about 1 s a start); the
+            torch backend always loads one.
     Raises:
         ModelFileError: missing, truncated or unsupported files. ConfigError: a backend
         that cannot run this file here.
@@ -105,7 +112,7 @@ def load_model(
         raise ModelFileError(f"model path does not exist: {p}")
     name = p.stem if p.is_file() else p.name
     if resolve_backend(backend, p, device) == "llamacpp":
-        return _load_llamacpp(p, sha256, llamacpp)
+        return _load_llamacpp(p, sha256, llamacpp, tokenizer)
     from smcspec.backends.torch.weights import load_hf_dir
 
     if p.is_file():
@@ -117,17 +124,10 @@ def load_model(
     return loaded
 
 
-def _load_llamacpp(path: Path, sha256: str | None, settings) -> LoadedModel:
-    from transformers import AutoTokenizer
-
+def _load_llamacpp(path: Path, sha256: str | None, settings, with_tokenizer: bool) -> LoadedModel:
     from smcspec.backends.llamacpp import LlamaCppModel
-    from smcspec.models.gguf_convert import tokenizer_dir
 
-    tok_dir = tokenizer_dir(path, cache_root(), sha256=sha256)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    except Exception as exc:
-        raise ModelFileError(f"cannot load the tokenizer of {path}: {exc}") from exc
+    tok = _gguf_tokenizer(path, sha256) if with_tokenizer else None
     model = LlamaCppModel(path, settings)
     return LoadedModel(
         model=model,
@@ -139,3 +139,15 @@ def _load_llamacpp(path: Path, sha256: str | None, settings) -> LoadedModel:
         vocab_size=model.n_vocab,
         context_length=model.context_length,
     )
+
+
+def _gguf_tokenizer(path: Path, sha256: str | None):
+    from transformers import AutoTokenizer
+
+    from smcspec.models.gguf_convert import tokenizer_dir
+
+    tok_dir = tokenizer_dir(path, cache_root(), sha256=sha256)
+    try:
+        return AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as exc:
+        raise ModelFileError(f"cannot load the tokenizer of {path}: {exc}") from exc
