@@ -5,7 +5,8 @@ the ``torch`` backend a GGUF file is converted once into a Hugging Face-style di
 the cache (:mod:`smcspec.models.gguf_convert`: ``config.json``, ``model.safetensors`` with
 dequantized float32 weights, tokenizer files with the chat template), and every later start
 loads that directory (:mod:`smcspec.backends.torch.weights`). Tokenizers come from
-``transformers`` on both backends, so both see the same token ids.
+``transformers`` on both backends, so both see the same token ids; the draft of a llamacpp
+pair is loaded without one (``tokenizer=False``: the target's serves the pair).
 """
 
 from __future__ import annotations
