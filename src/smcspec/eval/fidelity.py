@@ -440,7 +440,8 @@ def _smc_rows(
     want = probabilities(exact)
     rows = []
     for n in particles:
-        counts, log_zs = sample_outputs(*models, prompt, replace(cfg, particles=n).validate(), runs)
+        cfg_n = replace(cfg, particles=n).validate()
+        counts, log_zs = sample_outputs(*models, prompt, cfg_n, runs, seed0)
         mean_log_z, ratio = _mean_log_and_ratio(log_zs, exact_log_z)
         tv = total_variation(want, empirical(counts))
         noise = expected_noise_tv(want, runs)
