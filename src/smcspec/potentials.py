@@ -254,6 +254,14 @@ class ConstraintClock:
 
     seconds: float = 0.0
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its wall time added to :attr:`seconds` (also when it raises)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
 
 class TimedState(ConstraintState):
     """A :class:`ConstraintState` that adds the wall time of every call to ``clock``; its
@@ -263,36 +271,26 @@ class TimedState(ConstraintState):
     def __init__(self, inner: ConstraintState, clock: ConstraintClock) -> None:
         self.inner, self.clock = inner, clock
 
-    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.clock.seconds += time.perf_counter() - t0
-
     def allowed(self) -> torch.Tensor:
-        return self._timed(self.inner.allowed)
+        return self.clock.call(self.inner.allowed)
 
     def consume(self, tokens: Sequence[int]) -> None:
-        self._timed(self.inner.consume, tokens)
+        self.clock.call(self.inner.consume, tokens)
 
     def rollback(self, n: int) -> None:
-        self._timed(self.inner.rollback, n)
+        self.clock.call(self.inner.rollback, n)
 
     def copy(self) -> ConstraintState:
-        return TimedState(self._timed(self.inner.copy), self.clock)
+        return TimedState(self.clock.call(self.inner.copy), self.clock)
 
     def is_accepting(self) -> bool:
-        return self._timed(self.inner.is_accepting)
+        return self.clock.call(self.inner.is_accepting)
 
 
 def timed_start(constraint: TokenConstraint) -> tuple[TimedState, ConstraintClock]:
     """``constraint.start()`` wrapped in a :class:`TimedState` with a fresh clock."""
     clock = ConstraintClock()
-    t0 = time.perf_counter()
-    state = constraint.start()
-    clock.seconds += time.perf_counter() - t0
-    return TimedState(state, clock), clock
+    return TimedState(clock.call(constraint.start), clock), clock
 
 
 # ------------------------------------------------------------------------------ helpers
