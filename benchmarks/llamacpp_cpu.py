@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from smcspec.models import load_model
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import cache_root
 from smcspec.tuning import ForwardCosts, Setting, alpha_from_counts, predict
+from smcspec.tuning.cache import cpu_model
 
 
 def _anchor(target_gguf: Path, threads: int, stop_ids: set[int]):
@@ -197,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {statistics.median(tps):.2f} | {min(tps):.2f}-{max(tps):.2f} | "
             f"{statistics.median(tps) / anchor_tps:.2f}x | {vs_ar} | {pred} |"
         )
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.machine(),
-    )  # fmt: skip
+    cpu = cpu_model()
     costs = {
         "target 1x1": forward_seconds(engine.target.model, 1, 1),
         "draft 1x1": forward_seconds(engine.draft.model, 1, 1),

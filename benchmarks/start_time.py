@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from smcspec.tuning.cache import cpu_model
+
 PROMPT = "Write a Python function that checks whether a number is prime."
 
 # system name -> the options after `smcspec generate PROMPT --json`
@@ -39,16 +40,6 @@ SYSTEMS = {
     "llamacpp": [],  # today's defaults: llamacpp backend, N and K chosen from measured costs
     "torch-fp32": ["--backend", "torch", "-N", "4", "-K", "4"],  # the default before it
 }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _dir_bytes(path: Path) -> int:
@@ -101,7 +92,7 @@ def main() -> None:
     lines = [
         "# First-start and later-start times of `smcspec generate`",
         "",
-        f"{date.today().isoformat()}; {_cpu_name()}, "
+        f"{date.today().isoformat()}; {cpu_model()}, "
         f"{os.cpu_count()} CPUs; default pair, prompt {PROMPT!r}, "
         f"{args.max_new_tokens} new tokens, each system with its own empty SMCSPEC_CACHE.",
         "",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from smcspec.config import GenerationConfig
 
@@ -73,7 +72,6 @@ def tuned_note(pick, method: str) -> str:
 
 def provenance(args: argparse.Namespace) -> str:
     """Date, machine (CPU model and threads, or the GPU's name), torch version and dtype."""
-    import platform
     from datetime import date
 
     import torch
@@ -81,11 +79,8 @@ def provenance(args: argparse.Namespace) -> str:
     if args.device.startswith("cuda") and torch.cuda.is_available():
         machine = torch.cuda.get_device_name(torch.device(args.device))
     else:
-        cpu = platform.processor() or platform.machine()
-        info = Path("/proc/cpuinfo")
-        if info.is_file():
-            names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
-                     if ln.startswith("model name")]  # fmt: skip
-            cpu = names[0] if names else cpu
-        machine = f"{cpu} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        from smcspec.tuning.cache import cpu_model
+
+        cores = f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        machine = f"{cpu_model()} CPU, {cores}"
     return f"{date.today().isoformat()}; {machine}; torch {torch.__version__}; {args.dtype}"

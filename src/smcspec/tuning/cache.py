@@ -47,21 +47,23 @@ class CostRecord:
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (e.g. ``"AMD EPYC"``), else what
+    :mod:`platform` knows (the processor, or the machine type)."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for ln in info.read_text().splitlines():
+            if ln.startswith("model name"):
+                return ln.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def machine_name(device: str | torch.device) -> str:
     """The CUDA device's name, or ``"<CPU model> CPU, <n> cores"``."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    cpu = platform.processor() or platform.machine()
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in info.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
-    return f"{cpu} CPU, {os.cpu_count()} cores"
+    return f"{cpu_model()} CPU, {os.cpu_count()} cores"
 
 
 def file_identity(path: Path) -> dict[str, Any]:
