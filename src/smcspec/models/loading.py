@@ -128,7 +128,7 @@ def load_model(
 def _load_llamacpp(path: Path, sha256: str | None, settings, with_tokenizer: bool) -> LoadedModel:
     from smcspec.backends.llamacpp import LlamaCppModel
 
-    tok = _gguf_tokenizer(path, sha256) if with_tokenizer else None
+    tok = gguf_tokenizer(path, sha256) if with_tokenizer else None
     model = LlamaCppModel(path, settings)
     return LoadedModel(
         model=model,
@@ -142,7 +142,13 @@ def _load_llamacpp(path: Path, sha256: str | None, settings, with_tokenizer: boo
     )
 
 
-def _gguf_tokenizer(path: Path, sha256: str | None):
+def gguf_tokenizer(path: Path, sha256: str | None = None):
+    """The ``transformers`` tokenizer of a GGUF file: its files are written once from the
+    GGUF metadata into ``$SMCSPEC_CACHE/tokenizers/`` and loaded from there.
+
+    Raises:
+        ModelFileError: the file's tokenizer cannot be read or loaded.
+    """
     from transformers import AutoTokenizer
 
     from smcspec.models.gguf_convert import tokenizer_dir
