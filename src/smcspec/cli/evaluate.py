@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "fidelity":
         return run_fidelity(args)
     specs = harness.method_specs(args.methods, base, args.grid)
+    if args.first is not None and (args.first < 1 or args.limit is not None):
+        raise ConfigError("--first must be >= 1 and cannot be combined with --limit")
     if args.task == "gsm8k":
         from smcspec.eval.gsm8k import load_gsm8k
 
@@ -34,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         from smcspec.eval.humaneval import load_humaneval
 
         items = load_humaneval(args.limit, args.subset_seed)
+    if args.first is not None:
+        items = items[: args.first]
     out = Path(args.out)
     results = ResultFile(out / "results.jsonl")
     if args.rescore:
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     rows = harness.summarize(records)
     answered = len({r["item"] for r in records})
     note = (
-        f"{answered} of {len(items)} items answered (subset seed {args.subset_seed}), "
+        f"{answered} of {len(items)} items answered "
+        f"({f'the first {args.first}' if args.first else f'subset seed {args.subset_seed}'}), "
         f"methods {args.methods}"
         f"{', grid ' + args.grid if args.grid else ''}; "
         f"{harness.budget_note(records, base.max_new_tokens)}, "

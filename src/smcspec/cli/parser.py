@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", default=None, help="GSM8K JSONL (default: the test split shipped in the package)"
     )
     e.add_argument("--limit", type=int, default=None, help="seeded random subset size")
+    e.add_argument(
+        "--first",
+        type=int,
+        default=None,
+        help="the first N items in file order (a run extended later keeps its earlier items)",
+    )
     e.add_argument("--subset-seed", type=int, default=0)
     e.add_argument("--out", default="eval-out", help="directory for results.jsonl and reports")
     e.add_argument("--rescore", action="store_true", help="score stored outputs again only")
