@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
     [
         (["--particles", "0"], "particles N must be in"),
         (["--draft-tokens", "0"], "draft_tokens K must be in"),
-        (["--temperature", "0"], "temperature must be a finite number > 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--draft-temperature", "-1"], "draft_temperature must be"),
         (["--ess-threshold", "1.5"], "ess_threshold kappa must be in"),
         (["--max-new-tokens", "0"], "max_new_tokens must be"),

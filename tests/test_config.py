@@ -9,6 +9,7 @@ import pytest
 
 from smcspec.config import MAX_DRAFT_TOKENS, MAX_PARTICLES, METHODS, GenerationConfig
 from smcspec.errors import ConfigError, SmcspecError
+from smcspec.potentials import Reward
 from smcspec.sampling.resampling import RESAMPLERS
 
 
@@ -70,8 +71,6 @@ def test_valid_values_pass(kwargs):
         {"particles": 4.0},
         {"draft_tokens": 0},
         {"draft_tokens": MAX_DRAFT_TOKENS + 1},
-        {"temperature": 0.0},
-        {"temperature": 0},
         {"temperature": -0.7},
         {"temperature": math.nan},
         {"temperature": math.inf},
@@ -88,6 +87,7 @@ def test_valid_values_pass(kwargs):
         {"ess_threshold": math.nan},
         {"resampler": "bogus"},
         {"resampler": "Systematic"},
+        {"temperature": 0, "method": "smc", "reward": Reward(lambda texts: [0.0] * len(texts))},
         {"method": "beam"},
         {"method": ""},
         {"max_new_tokens": 0},

@@ -183,7 +183,7 @@ def test_disconnect_frees_the_rows(server):
         ({"model": MODEL, "prompt": "ab", "max_tokens": 0}, None),
         ({"model": MODEL, "prompt": "ab", "smc": {"particles": 0}}, None),
         ({"model": MODEL, "prompt": "ab", "smc": {"draft_tokens": 1000}}, None),
-        ({"model": MODEL, "prompt": "ab", "temperature": 0}, None),
+        ({"model": MODEL, "prompt": "ab", "temperature": -0.5}, None),
         ({"model": MODEL, "prompt": "ab", "smc": {"resampler": "bogus"}}, None),
         ({"model": MODEL, "prompt": list(range(1, 90)) * 50, "max_tokens": 10}, None),
         ({"model": MODEL, "prompt": ""}, "prompt"),
@@ -271,8 +271,8 @@ def test_health_is_503_when_not_serving(engine):
 def test_a_failing_request_does_not_stop_the_worker(server, engine, monkeypatch):
     real = engine.program
 
-    def broken(job, on_tokens=None):
-        program = real(job, on_tokens)
+    def broken(job, on_tokens=None, reservation=None):
+        program = real(job, on_tokens, reservation)
         yield next(program)  # the prefill runs, then the decoder "crashes"
         raise RuntimeError("boom")
 

@@ -337,8 +337,8 @@ def _slowed(engine, monkeypatch, seconds: float) -> None:
     of many rounds is still decoding when its client gives up."""
     real = engine.program
 
-    def slow(job, on_tokens=None):
-        program = real(job, on_tokens)
+    def slow(job, on_tokens=None, reservation=None):
+        program = real(job, on_tokens, reservation)
         try:
             step = next(program)
             while True:

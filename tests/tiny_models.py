@@ -291,9 +291,10 @@ def make_tiny_gguf(
     return path, model
 
 
-def make_tiny_gguf_chat_engine(tmp_path: Path, **overrides):
+def make_tiny_gguf_chat_engine(tmp_path: Path, llamacpp=None, **overrides):
     """An Engine over a tiny qwen2 GGUF target (seed 0) and draft (seed 1) with
-    :data:`CHAT_TEMPLATE`, run by the llamacpp backend (tokenizers cached under ``tmp_path``).
+    :data:`CHAT_TEMPLATE`, run by the llamacpp backend (tokenizers cached under ``tmp_path``);
+    ``llamacpp``: its :class:`LlamaCppSettings` (default: 1 thread, 131072 KV cells).
     """
     import os
 
@@ -302,7 +303,7 @@ def make_tiny_gguf_chat_engine(tmp_path: Path, **overrides):
     from smcspec.models import load_model
 
     os.environ.setdefault("SMCSPEC_CACHE", str(Path(tmp_path) / "cache"))
-    settings = LlamaCppSettings(threads=1, kv_cells=131072)
+    settings = llamacpp or LlamaCppSettings(threads=1, kv_cells=131072)
     paths = [
         make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, chat_template=CHAT_TEMPLATE, **overrides)[0]
         for s in (0, 1)

@@ -22,8 +22,13 @@ class GenerationConfig:
         method: ``"smc"`` (SMC speculative decoding), ``"sd"`` (exact speculative
             decoding) or ``"ar"`` (autoregressive sampling from the target).
         max_new_tokens: generated-token budget (>= 1).
-        temperature: target temperature ``T_t`` (> 0).
-        draft_temperature: draft temperature ``T_d`` (> 0; smc and sd).
+        temperature: target temperature ``T_t`` (>= 0). ``0`` is greedy decoding: ``ar``
+            takes the target's most likely token, ``sd`` runs greedy speculative decoding
+            (a drafted token is accepted iff it is the target's most likely one; the output
+            equals ``ar``'s), and ``smc`` runs as greedy ``sd`` (SMC-SD's importance
+            weights are undefined for a point-mass target; its stats say ``greedy``).
+        draft_temperature: draft temperature ``T_d`` (> 0; smc and sd; greedy decoding
+            drafts the draft's most likely tokens whatever it is).
         particles: N, particles per request (smc).
         draft_tokens: K, draft tokens per round (smc and sd).
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
@@ -69,6 +74,11 @@ class GenerationConfig:
     constraint: Constraint | TokenConstraint | None = None
     reward: Reward | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: greedy decoding (see ``temperature``)."""
+        return self.temperature == 0
+
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
         for name in ("max_new_tokens", "particles", "draft_tokens", "top_k"):
@@ -84,13 +94,11 @@ class GenerationConfig:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
-        for name in ("temperature", "draft_temperature"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise ConfigError(
-                    f"{name} must be a finite number > 0 for sampling methods, got {v} "
-                    "(greedy decoding is not supported)"
-                )
+        t, t_d = self.temperature, self.draft_temperature
+        if not (math.isfinite(t) and t >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0: greedy), got {t}")
+        if not (math.isfinite(t_d) and t_d > 0):
+            raise ConfigError(f"draft_temperature must be a finite number > 0, got {t_d}")
         if not isinstance(self.particles, int) or not 1 <= self.particles <= MAX_PARTICLES:
             raise ConfigError(f"particles N must be in [1, {MAX_PARTICLES}], got {self.particles}")
         if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
@@ -128,6 +136,8 @@ class GenerationConfig:
                 raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
             if self.method != "smc":
                 raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
+            if self.greedy:
+                raise ConfigError("a reward needs sampling (temperature > 0), not greedy decoding")
         return self
 
 

@@ -19,9 +19,14 @@ from typing import Any
 
 import torch
 
+from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
+from smcspec.chat import encode_chat, encode_raw
 from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, ar_program, run_program, sd_program, smc_program
+from smcspec.decoding.ar import ar_caches
 from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.sd import sd_caches
+from smcspec.decoding.smc import smc_caches
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
@@ -200,8 +205,13 @@ class Engine:
         ids |= {vocab[t] for t in _EOG_TOKENS if t in vocab}
         return {i for i in ids if i < self.vocab}
 
-    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``prompt``: chat-templated (a string is one user message) or raw.
+
+        Message contents are tokenized as text: special-token text inside a message (e.g. a
+        forged ``<|im_start|>system``) does not become control tokens
+        (:func:`smcspec.chat.encode_chat`). A raw prompt's special-token text is parsed,
+        unless ``parse_special`` is False.
 
         Raises:
             ConfigError: empty prompt, or ``chat`` with a tokenizer that has no template.
@@ -214,16 +224,11 @@ class Engine:
                 raise ConfigError("this model has no chat template; use --no-chat")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             _check_messages(messages)
-            try:
-                enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            except Exception as exc:  # the template refused the messages (jinja raise)
-                raise ConfigError(f"the chat template cannot render these messages: {exc}") from exc
-            ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
-            return list(ids)
+            return encode_chat(tok, messages)
         if not isinstance(prompt, str):
             raise ConfigError("a raw (--no-chat) prompt must be a string")
         _check_text(prompt, "the prompt")
-        return tok(prompt, add_special_tokens=True)["input_ids"]
+        return encode_raw(tok, prompt, parse_special)
 
     def generate(
         self,
@@ -245,16 +250,84 @@ class Engine:
         """
         job = self.prepare(prompt, config, chat)
         streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
-        t0 = time.perf_counter()
-        out = run_program(self.program(job, streamer))
-        if self.target.model.device.type == "cuda":
-            torch.cuda.synchronize()  # inside the timed region
-        return self.finish(job, out, time.perf_counter() - t0)
+        reason = self.never_fits(job)
+        if reason is not None:
+            raise ContextLengthError(reason)
+        reservation = self.try_reserve(job)
+        if reservation is None:
+            raise ContextLengthError(
+                "the models' KV pools are held by other requests on this engine; try again"
+            )
+        try:
+            t0 = time.perf_counter()
+            out = run_program(self.program(job, streamer, reservation))
+            if self.target.model.device.type == "cuda":
+                torch.cuda.synchronize()  # inside the timed region
+            seconds = time.perf_counter() - t0
+        finally:
+            reservation.release()
+        return self.finish(job, out, seconds)
+
+    # ------------------------------------------------------------------ pools
+    def pools(self) -> dict[str, ResourcePool]:
+        """Each loaded model's pool by role (``target``, ``draft``)."""
+        out = {"target": self.target.model.pool}
+        if self.draft is not None:
+            out["draft"] = self.draft.model.pool
+        return out
+
+    def cache_needs(self, job: Job) -> list[CacheNeed]:
+        """The KV caches ``job``'s decoder opens (see :meth:`program`)."""
+        cfg, n = job.config, len(job.ids)
+        if cfg.method == "ar":
+            return ar_caches(cfg, n)
+        if cfg.method == "sd" or cfg.greedy:  # greedy smc runs as greedy sd
+            return sd_caches(cfg, n)
+        return smc_caches(cfg, n)
+
+    def pool_needs(self, job: Job) -> dict[str, dict[str, int]]:
+        """What ``job`` can ever take from each model's pool: role -> resource -> amount."""
+        models = {"target": self.target.model}
+        if self.draft is not None:
+            models["draft"] = self.draft.model
+        needs: dict[str, dict[str, int]] = {}
+        for c in self.cache_needs(job):
+            amounts = models[c.role].cache_need(c.rows, c.capacity, c.prompt_len)
+            total = needs.setdefault(c.role, {})
+            for k, v in amounts.items():
+                total[k] = total.get(k, 0) + v
+        return needs
+
+    def never_fits(self, job: Job) -> str | None:
+        """Why ``job`` can never run on these models' pools (even alone), or None."""
+        pools = self.pools()
+        for role, amounts in self.pool_needs(job).items():
+            reason = pools[role].never_fits(amounts)
+            if reason is not None:
+                return f"the request can never fit: the {role} {reason}"
+        return None
+
+    def try_reserve(self, job: Job) -> Reservation | None:
+        """Reserve everything ``job`` can ever use on both models, all-or-nothing; None when
+        it does not fit now. The caller releases it (:meth:`Reservation.release`)."""
+        pools, leases = self.pools(), {}
+        for role, amounts in self.pool_needs(job).items():
+            lease = pools[role].try_reserve(amounts)
+            if lease is None:
+                Reservation(leases).release()
+                return None
+            leases[role] = lease
+        return Reservation(leases)
 
     def prepare(
-        self, prompt: Prompt | list[int], config: GenerationConfig | None = None, chat: bool = True
+        self,
+        prompt: Prompt | list[int],
+        config: GenerationConfig | None = None,
+        chat: bool = True,
+        parse_special: bool = True,
     ) -> Job:
-        """Validate ``config``, tokenize ``prompt`` and check the context; fixes the seed.
+        """Validate ``config``, tokenize ``prompt`` (see :meth:`encode`) and check the
+        context; fixes the seed.
 
         Raises:
             ConfigError, ContextLengthError (see :meth:`generate`).
@@ -262,7 +335,7 @@ class Engine:
         cfg = (config or GenerationConfig()).validate()
         if cfg.method != "ar" and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
-        ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat)
+        ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat, parse_special)
         if not ids:
             raise ConfigError("the prompt is empty")
         if any(not 0 <= i < self.vocab for i in ids):
@@ -290,8 +363,14 @@ class Engine:
             )
         return out
 
-    def program(self, job: Job, on_tokens: Callable[[list[int]], None] | None = None) -> Program:
-        """The decoder program of ``job`` (see :mod:`smcspec.decoding.program`)."""
+    def program(
+        self,
+        job: Job,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        reservation: Reservation | None = None,
+    ) -> Program:
+        """The decoder program of ``job`` (see :mod:`smcspec.decoding.program`), its caches
+        drawn on ``reservation`` (:meth:`try_reserve`); greedy ``smc`` runs as greedy ``sd``."""
         cfg = job.config
         gen = torch.Generator(device=self.target.model.device).manual_seed(cfg.seed)
         common = dict(
@@ -301,11 +380,12 @@ class Engine:
             vocab=self.vocab,
             generator=gen,
             on_tokens=on_tokens,
+            reservation=reservation,
         )
         tgt = self.target.model
         if cfg.method == "ar":
             return ar_program(tgt, **common)
-        if cfg.method == "sd":
+        if cfg.method == "sd" or cfg.greedy:
             return sd_program(tgt, self.draft.model, **common)
         return smc_program(tgt, self.draft.model, **common)
 
@@ -324,7 +404,11 @@ class Engine:
                 for p in out.particles
             ]
         stats = {**out.stats, "seed": cfg.seed}
-        if cfg.method == "smc":
+        if cfg.greedy:
+            stats["greedy"] = True
+        if cfg.method == "smc" and cfg.greedy:
+            stats.update(ran_as="sd", draft_tokens=cfg.draft_tokens)
+        elif cfg.method == "smc":
             stats.update(particles=cfg.particles, draft_tokens=cfg.draft_tokens)
         elif cfg.method == "sd":
             stats.update(draft_tokens=cfg.draft_tokens)

@@ -63,10 +63,32 @@ class ServerMetrics:
         self.max_batch = Gauge(
             "smcspec_max_batch_requests", "Most requests that have shared one step", registry=r
         )
+        labels = ["model", "resource"]
+        self.pool_capacity = Gauge(
+            "smcspec_pool_capacity", "Size of each model's shared pool", labels, registry=r
+        )
+        self.pool_free = Gauge(
+            "smcspec_pool_free", "Free in each model's shared pool", labels, registry=r
+        )
+        self.pool_reserved = Gauge(
+            "smcspec_pool_reserved", "Reserved by admitted requests", labels, registry=r
+        )
+        self.pool_leases = Gauge(
+            "smcspec_pool_leases", "Requests holding a lease on each model", ["model"], registry=r
+        )
 
     def bind_scheduler(self, scheduler) -> None:
+        """Gauges read from ``scheduler`` and its engine's pools at every scrape."""
         self.running.set_function(lambda: scheduler.num_running)
         self.waiting.set_function(lambda: scheduler.num_waiting)
+        for role, pool in scheduler.engine.pools().items():
+            self.pool_leases.labels(role).set_function(lambda p=pool: p.leases)
+            for res, size in pool.capacity.items():
+                self.pool_capacity.labels(role, res).set(size)
+                self.pool_free.labels(role, res).set_function(lambda p=pool, k=res: p.free()[k])
+                self.pool_reserved.labels(role, res).set_function(
+                    lambda p=pool, k=res, n=size: n - p.free()[k]
+                )
 
     def observe_step(self, stats) -> None:
         if stats.requests:

@@ -8,8 +8,18 @@ running batch at the next step after it arrives, and its particles share every w
 with the other requests' particles. Each request keeps its own random generator, so its
 output does not depend on what else is in the batch (beyond floating-point noise).
 
+**Pools.** A request is admitted only when everything it can ever take from the models'
+shared pools (llama.cpp sequence ids and KV cells, the torch backend's KV bytes; see
+:mod:`smcspec.backends.pool`) can be reserved for it (:meth:`Engine.try_reserve`); until then
+it waits in the queue (first come, first served). Whatever ends it (its last token, an
+error, a cancel, a disconnect, shutdown), :meth:`BatchScheduler._finish` releases its
+reservation in a ``finally``, before its result is delivered. A request that could never fit
+is refused by :meth:`BatchScheduler.submit`. A pool that cannot admit the first waiting
+request while nothing runs, or that stays in use while nothing runs, for ``leak_grace_s``,
+is a leak (a bug): the worker stops as below, so that ``/health`` turns 503.
+
 A request cancelled by its client (disconnect) is dropped at the next step: its program is
-closed and its KV caches are released.
+closed and its reservation released; one cancelled while it waits is dropped from the queue.
 
 Nothing a request does can stop the worker: building its program (seeding), its prefill
 and forwards, its token and done callbacks (detokenization) and its result all run inside
@@ -30,9 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from smcspec.backends.pool import Reservation
 from smcspec.decoding.program import Forward, Prefill, Program, execute
 from smcspec.engine import Engine, GenerationResult, Job
-from smcspec.errors import SmcspecError
+from smcspec.errors import ContextLengthError, SmcspecError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,10 @@ class QueueFullError(SmcspecError):
 
 class SchedulerStoppedError(SmcspecError):
     """The scheduler is not running (not started, stopping, or its worker died): HTTP 503."""
+
+
+class PoolLeakError(SmcspecError):
+    """A model's pool stayed in use, or could not admit a request, while nothing ran."""
 
 
 @dataclass
@@ -63,6 +78,7 @@ class Request:
     program: Program | None = None
     pending: Prefill | Forward | None = None
     tokens: int = 0
+    reservation: Reservation | None = None
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step."""
@@ -87,6 +103,9 @@ class BatchScheduler:
         max_waiting: submissions beyond this many queued requests raise QueueFullError.
         on_step: optional observer called after every step with :class:`StepStats`.
         on_fatal: called (on the worker thread) with the exception if the worker dies.
+        leak_grace_s: how long a pool may stay in use, or refuse the first waiting request,
+            while nothing runs before it is declared leaked (another thread's direct use of
+            the same engine may hold it that long).
     """
 
     def __init__(
@@ -96,9 +115,12 @@ class BatchScheduler:
         max_waiting: int = 64,
         on_step: Callable[[StepStats], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        leak_grace_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.max_running, self.max_waiting = max_running, max_waiting
+        self.leak_grace_s = leak_grace_s
+        self._idle_since: float | None = None  # nothing running, yet a pool in use or blocked
         self.on_step, self.on_fatal = on_step, on_fatal
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
@@ -141,9 +163,13 @@ class BatchScheduler:
         """Queue ``request``.
 
         Raises:
+            ContextLengthError: the request could never fit the models' pools.
             QueueFullError: ``max_waiting`` requests are already queued.
             SchedulerStoppedError: the worker is not running.
         """
+        reason = self.engine.never_fits(request.job)
+        if reason is not None:
+            raise ContextLengthError(reason)
         with self._cv:
             if not self.alive:
                 reason = f": the worker died ({self.error!r})" if self.error else ""
@@ -161,11 +187,16 @@ class BatchScheduler:
             while True:
                 with self._cv:
                     while not self._stop and not self._waiting and not self._running:
-                        self._cv.wait()
+                        self._check_idle_pools(blocked=False)
+                        self._cv.wait(timeout=1.0)
                     if self._stop:
                         break
-                    while self._waiting and len(self._running) < self.max_running:
-                        self._admit(self._waiting.popleft())
+                    self._admit_waiting()
+                    if not self._running:  # the first waiting request does not fit yet
+                        self._check_idle_pools(blocked=bool(self._waiting))
+                        self._cv.wait(timeout=0.05)
+                        continue
+                    self._idle_since = None
                 self.step()
         except BaseException as exc:  # a bug in the worker: fail everything, stay visible
             log.exception("the scheduler's worker died")
@@ -186,9 +217,41 @@ class BatchScheduler:
             for req in left:
                 self._finish(req, RuntimeError("the server is shutting down"))
 
-    def _admit(self, req: Request) -> None:
-        if req.cancelled.is_set():
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests in order while they fit (called holding the lock)."""
+        while self._waiting and len(self._running) < self.max_running:
+            head = self._waiting[0]
+            if head.cancelled.is_set():
+                self._waiting.popleft()
+                self._finish(head, RuntimeError("cancelled"))
+                continue
+            reservation = self.engine.try_reserve(head.job)
+            if reservation is None:
+                return
+            self._waiting.popleft()
+            head.reservation = reservation
+            self._admit(head)
+
+    def _check_idle_pools(self, blocked: bool) -> None:
+        """With nothing running, every pool must be free (``blocked``: the first waiting
+        request does not fit). Raises :class:`PoolLeakError` once that has been false for
+        ``leak_grace_s``."""
+        in_use = [role for role, pool in self.engine.pools().items() if pool.in_use]
+        if not blocked and not in_use:
+            self._idle_since = None
             return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self.leak_grace_s:
+            free = {role: pool.free() for role, pool in self.engine.pools().items()}
+            raise PoolLeakError(
+                f"nothing is running, yet the pools of {', '.join(in_use) or 'the models'} "
+                f"are in use (free: {free}) and the first waiting request does "
+                f"{'not ' if blocked else ''}fit: a leak"
+            )
+
+    def _admit(self, req: Request) -> None:
         req.started = time.perf_counter()
 
         def on_tokens(ids: list[int], req: Request = req) -> None:
@@ -199,7 +262,7 @@ class BatchScheduler:
                 req.on_tokens(ids)
 
         try:
-            req.program = self.engine.program(req.job, on_tokens)
+            req.program = self.engine.program(req.job, on_tokens, req.reservation)
         except Exception as exc:  # e.g. a generator that refuses the seed
             log.exception("request failed before its first step")
             self._finish(req, exc)
@@ -227,11 +290,19 @@ class BatchScheduler:
             self._finish(req, exc)
 
     def _finish(self, req: Request, outcome) -> None:
+        """End ``req``: close its program, release its reservation, then tell its owner."""
         try:
             if req.program is not None:
                 req.program.close()
         except Exception:  # a program that fails while closing is done all the same
             log.exception("closing a request's program failed")
+        finally:
+            reservation, req.reservation = req.reservation, None
+            if reservation is not None:
+                try:
+                    reservation.release()
+                except Exception:  # a backend that cannot clear: visible as a leak later
+                    log.exception("releasing a request's reservation failed")
         try:
             req.on_done(outcome)
         except Exception:  # a broken callback must not stop the worker

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from smcspec.backends.pool import Lease, ResourcePool
+
 
 class KVCache(Protocol):
     """The KV state of one request's particle rows (all rows advance together).
@@ -32,6 +34,9 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None:
         """Roll every row back to ``length`` generated tokens: speculative rollback."""
 
+    def close(self) -> None:
+        """Give back what the cache reserved itself (a cache made without a lease)."""
+
 
 class DecoderModel(Protocol):
     """A language model the decoders can drive.
@@ -43,9 +48,16 @@ class DecoderModel(Protocol):
 
     device: torch.device
     vocab_size: int  # logits per position
+    pool: ResourcePool  # what requests reserve on admission (smcspec.backends.pool)
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        """A cache for ``rows`` particles of up to ``capacity`` generated tokens each."""
+    def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
+        """The most a cache of ``rows`` x ``capacity`` generated tokens after a
+        ``prompt_len``-token prompt can take from :attr:`pool`."""
+
+    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> KVCache:
+        """A cache for ``rows`` particles of up to ``capacity`` generated tokens each, drawing
+        on ``lease`` (reserved with :meth:`cache_need`); without one it reserves what it needs
+        itself and :meth:`KVCache.close` gives it back."""
 
     def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``."""

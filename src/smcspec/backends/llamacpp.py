@@ -3,8 +3,10 @@
 llama.cpp's C API comes from ``llama-cpp-python`` (its low-level ``llama_cpp`` module).
 One model is one llama.cpp context with a **unified KV cache** shared by every request:
 
-* a request's particles are **sequence ids** taken from the context's pool
-  (:class:`SequenceCache`) and given back when the cache is garbage-collected;
+* the context's sequence ids and KV cells are a :class:`~smcspec.backends.pool.ResourcePool`
+  (``sequences``, ``kv_cells``): a request reserves what it can ever use when it is
+  admitted and releases it explicitly (the released ids are cleared at once); a cache
+  made without a lease reserves its own and gives it back in :meth:`SequenceCache.close`;
 * the prompt is decoded once into the first row's sequence and shared with the others by
   ``llama_memory_seq_cp`` (a KV cell can belong to several sequences: no data is copied);
 * resampling (:meth:`SequenceCache.reorder`) and speculative rollback
@@ -24,12 +26,14 @@ import ctypes
 import os
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
@@ -101,27 +105,90 @@ class LlamaCppSettings:
     kv_type: str = "f16"
 
 
+SPARE = -1  # the spare sequence of a copy plan
+
+
+def copy_plan(ancestors: list[int]) -> list[tuple[int, int]]:
+    """Sequence copies that make row ``i`` a copy of row ``ancestors[i]`` for every ``i``,
+    with one spare sequence (:data:`SPARE`) at most in use at any time.
+
+    Returns ``(dst, src)`` pairs to run in order (``seq_rm(dst)`` then ``seq_cp(src, dst)``);
+    ``dst == SPARE`` parks a row that is about to be overwritten while others still read it.
+    Rows that nobody reads are overwritten first (peeling the trees of the ancestor graph);
+    what is left are disjoint cycles, each broken by parking one row in the spare, which is
+    free again once that cycle is done.
+    """
+    src = {i: a for i, a in enumerate(ancestors) if a != i}
+    readers = Counter(src.values())
+    ready = sorted((i for i in src if readers[i] == 0), reverse=True)
+    ops: list[tuple[int, int]] = []
+    while src:
+        if not ready:  # only cycles remain: park one of their rows in the spare
+            if readers[SPARE]:
+                raise AssertionError("the spare is still read")  # cannot happen (see above)
+            j = min(src)
+            ops.append((SPARE, j))
+            for i in src:
+                if src[i] == j:
+                    src[i] = SPARE
+            readers[SPARE], readers[j] = readers[j], 0
+            ready.append(j)
+            continue
+        i = ready.pop()
+        s = src.pop(i)
+        ops.append((i, s))
+        readers[s] -= 1
+        if s != SPARE and readers[s] == 0 and s in src:
+            ready.append(s)
+    return ops
+
+
 class SequenceCache:
-    """The KV state of one request's ``rows`` particles: one llama.cpp sequence id each.
+    """The KV state of one request's ``rows`` particles: one llama.cpp sequence id each,
+    plus a spare id for resampling when ``rows > 1``.
 
     ``length`` generated tokens are stored per row, at positions
-    ``prompt_len .. prompt_len + length - 1`` (all rows advance together).
+    ``prompt_len .. prompt_len + length - 1`` (all rows advance together). The ids come
+    from ``lease`` (a request's reservation, released by its owner) or, without one, from
+    a lease of the cache's own that :meth:`close` releases.
     """
 
-    def __init__(self, model: LlamaCppModel, ids: list[int], capacity: int) -> None:
-        self.model, self.ids, self.capacity = model, ids, capacity
+    def __init__(self, model: LlamaCppModel, lease: Lease, rows: int, capacity: int, owned: bool):
+        taken = lease.items.setdefault("taken", 0)
+        need = rows + (1 if rows > 1 else 0)
+        ids = lease.items["ids"][taken : taken + need]
+        if len(ids) < need:
+            raise ContextLengthError(
+                f"the request reserved {len(lease.items['ids'])} llama.cpp sequences and "
+                f"needs {taken + need}"
+            )
+        lease.items["taken"] = taken + need
+        self.model, self.lease, self.capacity, self._owned = model, lease, capacity, owned
+        self.ids, self.spare = ids[:rows], (ids[rows] if rows > 1 else None)
         self.prompt_len = 0
         self.length = 0
-        weakref.finalize(self, model._released.extend, list(ids))
+        if owned:  # a direct user's cache: close() gives it back, collection as a last resort
+            weakref.finalize(self, lease.release)
 
     @property
     def rows(self) -> int:
         return len(self.ids)
 
+    def close(self) -> None:
+        """Release the cache's own lease (a cache made without one); otherwise nothing: the
+        request's reservation is released by its owner."""
+        if self._owned:
+            self.lease.release()
+
+    def _check_open(self) -> None:
+        if self.lease.released:
+            raise ContextLengthError("this KV cache's sequences were released")
+
     def truncate(self, length: int) -> None:
         """Roll every row back to ``length`` generated tokens (speculative rollback)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length} (filled {self.length})")
+        self._check_open()
         with self.model._lock:
             mem = self.model._memory
             for s in self.ids:
@@ -131,30 +198,23 @@ class SequenceCache:
     def reorder(self, ancestors: torch.Tensor) -> None:
         """Make row ``i`` a copy of row ``ancestors[i]`` (resampling), by sequence operations.
 
-        ``seq_cp`` adds the destination to the source's cells (a union), so a destination is
-        cleared first, and a source that is itself overwritten is first parked in a spare
-        sequence id. Raises ContextLengthError when no spare id is free.
+        ``seq_cp`` adds the destination to the source's cells (a union, no KV is copied), so
+        a destination is cleared first; the order and the one spare come from
+        :func:`copy_plan`.
         """
         anc = [int(a) for a in ancestors.tolist()]
-        targets = [i for i, a in enumerate(anc) if a != i]
-        if not targets or self.length == 0:  # rows hold the same prompt: nothing to do
-            return
-        model, lib = self.model, self.model._lib
-        with model._lock:
-            mem = model._memory
-            parked: dict[int, int] = {}
+        if self.length == 0 or all(a == i for i, a in enumerate(anc)):
+            return  # rows hold the same prompt: nothing to do
+        self._check_open()
+        lib, mem = self.model._lib, self.model._memory
+        seq = {i: s for i, s in enumerate(self.ids)} | {SPARE: self.spare}
+        with self.model._lock:
             try:
-                for j in sorted({anc[i] for i in targets} & set(targets)):
-                    parked[j] = model._take_ids(1)[0]
-                    lib.llama_memory_seq_cp(mem, self.ids[j], parked[j], -1, -1)
-                for i in targets:
-                    lib.llama_memory_seq_rm(mem, self.ids[i], -1, -1)
-                    src = parked.get(anc[i], self.ids[anc[i]])
-                    lib.llama_memory_seq_cp(mem, src, self.ids[i], -1, -1)
+                for dst, src in copy_plan(anc):
+                    lib.llama_memory_seq_rm(mem, seq[dst], -1, -1)
+                    lib.llama_memory_seq_cp(mem, seq[src], seq[dst], -1, -1)
             finally:
-                for spare in parked.values():
-                    lib.llama_memory_seq_rm(mem, spare, -1, -1)
-                    model._free_ids.append(spare)
+                lib.llama_memory_seq_rm(mem, self.spare, -1, -1)
 
 
 class LlamaCppModel:
@@ -211,7 +271,12 @@ class LlamaCppModel:
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._lock = threading.RLock()
         self._free_ids = list(range(settings.max_sequences - 1, -1, -1))
-        self._released: list[int] = []  # ids of collected caches, cleared before reuse
+        self.pool = ResourcePool(
+            self.path.name,
+            {"sequences": settings.max_sequences, "kv_cells": settings.kv_cells},
+            on_take=self._take_ids,
+            on_release=self._give_back_ids,
+        )
         weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
 
     # ------------------------------------------------------------------ sequences
@@ -222,26 +287,48 @@ class LlamaCppModel:
         get = self._lib.llama_vocab_get_text
         return [get(vocab, i) or b"" for i in range(self.n_vocab if n is None else n)]
 
-    def _take_ids(self, n: int) -> list[int]:
-        self._reclaim()
-        if len(self._free_ids) < n:
-            raise ContextLengthError(
-                f"out of llama.cpp sequence ids: {n} needed, {len(self._free_ids)} free of "
-                f"{self.settings.max_sequences} (fewer particles or concurrent requests, or "
-                "a larger max_sequences)"
-            )
-        return [self._free_ids.pop() for _ in range(n)]
+    def _take_ids(self, lease: Lease) -> None:
+        lease.items["ids"] = [self._free_ids.pop() for _ in range(lease.amounts["sequences"])]
 
-    def _reclaim(self) -> None:
-        while self._released:
-            s = self._released.pop()
-            self._lib.llama_memory_seq_rm(self._memory, s, -1, -1)
-            self._free_ids.append(s)
-
-    def new_cache(self, rows: int, capacity: int) -> SequenceCache:
-        """A cache of ``rows`` particles holding up to ``capacity`` generated tokens each."""
+    def _give_back_ids(self, lease: Lease) -> None:
         with self._lock:
-            return SequenceCache(self, self._take_ids(rows), capacity)
+            for s in lease.items.get("ids", []):
+                self._lib.llama_memory_seq_rm(self._memory, s, -1, -1)
+                self._free_ids.append(s)
+
+    def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
+        """What a cache of ``rows`` particles, ``capacity`` generated tokens each, after a
+        ``prompt_len``-token prompt can ever take from :attr:`pool`: a sequence id per row
+        (and a spare for resampling) and, at most, the prompt's cells once plus every row's
+        own generated cells."""
+        return {
+            "sequences": rows + (1 if rows > 1 else 0),
+            "kv_cells": prompt_len + rows * capacity,
+        }
+
+    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> SequenceCache:
+        """A cache of ``rows`` particles holding up to ``capacity`` generated tokens each.
+
+        With ``lease`` (from :attr:`pool`, reserved with :meth:`cache_need`) the ids come
+        from it; without, the cache reserves its own (prompt cells not counted) and must be
+        closed (:meth:`SequenceCache.close`).
+
+        Raises:
+            ContextLengthError: without a lease, the pool cannot hold the cache now.
+        """
+        if lease is not None:
+            return SequenceCache(self, lease, rows, capacity, owned=False)
+        need = self.cache_need(rows, capacity, 0)
+        own = self.pool.try_reserve(need)
+        if own is None:
+            free = self.pool.free()
+            raise ContextLengthError(
+                f"out of llama.cpp sequence ids or KV cells: {need['sequences']} sequences and "
+                f"{need['kv_cells']} cells needed, {free['sequences']} and {free['kv_cells']} "
+                f"free of {self.settings.max_sequences} and {self.settings.kv_cells} (fewer "
+                "particles or concurrent requests, or larger max_sequences/kv_cells)"
+            )
+        return SequenceCache(self, own, rows, capacity, owned=True)
 
     # ------------------------------------------------------------------ forwards
     def prefill(self, prompt: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
@@ -250,6 +337,7 @@ class LlamaCppModel:
         Returns float32 ``[V]`` logits after the last prompt token (a copy).
         """
         tokens = [int(t) for t in prompt.tolist()]
+        cache._check_open()
         first = cache.ids[0]
         with self._lock:
             rows = [(t, p, first, p == len(tokens) - 1) for p, t in enumerate(tokens)]
@@ -278,6 +366,7 @@ class LlamaCppModel:
         shapes = []
         for tokens, cache, last_only in items:
             r, t = tokens.shape
+            cache._check_open()
             if cache.length + t > cache.capacity:
                 raise ContextLengthError(
                     f"KV cache full: {cache.length} + {t} > capacity {cache.capacity}"
@@ -302,7 +391,6 @@ class LlamaCppModel:
         """``llama_decode`` over ``(token, position, sequence, wants_logits)`` rows, in chunks
         of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk)."""
         lib, batch = self._lib, self._batch
-        self._reclaim()
         n_out = sum(r[3] for r in rows)
         chunks = [rows[i : i + self.n_batch] for i in range(0, len(rows), self.n_batch)]
         out = None if len(chunks) == 1 else torch.empty(n_out, self.n_vocab)

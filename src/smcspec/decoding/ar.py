@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import torch
 
-from smcspec.backends.base import DecoderModel
+from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed, Reservation
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor
+from smcspec.decoding.common import (
+    DecodeOutput,
+    TokenCallback,
+    as_prompt_tensor,
+    close_caches,
+    open_caches,
+)
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs, timed_start
-from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
+from smcspec.sampling.distributions import (
+    point_mass_log_probs,
+    sample_categorical,
+    step_log_probs,
+)
 from smcspec.sampling.truncation import truncate_log_probs
+
+
+def ar_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
+    """The KV cache :func:`ar_program` opens: one target row (the last token's KV is never
+    needed, but the budget's last forward writes one more position)."""
+    return [CacheNeed("target", 1, cfg.max_new_tokens + 1, prompt_len)]
 
 
 def ar_program(
@@ -21,8 +38,12 @@ def ar_program(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
+    reservation: Reservation | None = None,
 ) -> Program:
     """Sample up to ``cfg.max_new_tokens`` tokens from ``softmax(logits / T_t)``, one per forward.
+
+    ``cfg.temperature == 0`` decodes greedily: each token is the target's most likely one
+    (after truncation and the constraint's mask; the first on ties).
 
     With ``cfg.top_k`` / ``top_p`` / ``min_p`` set, each token is drawn from the truncated,
     renormalised distribution ``p~`` (:func:`~smcspec.sampling.truncation.truncate_log_probs`).
@@ -40,17 +61,39 @@ def ar_program(
     Returns:
         :class:`DecodeOutput` with stats ``{"forwards": ...}`` and, with a constraint,
         ``constraint_seconds`` (wall seconds spent computing masks and advancing matchers).
+
+    ``reservation``: the request's leases (the KV cache is opened on them); without one the
+    cache reserves its own, given back when the program ends or is closed.
     """
+    caches = open_caches(ar_caches(cfg, len(prompt)), {"target": target}, reservation)
+    try:
+        args = (target, caches[0], prompt, cfg, stop_ids, vocab, generator, on_tokens)
+        return (yield from _ar_steps(*args))
+    finally:
+        close_caches(caches)
+
+
+def _ar_steps(
+    target: DecoderModel,
+    cache: KVCache,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None,
+) -> Program:
     constraint = compiled_constraint(cfg.constraint)
     state, clock = timed_start(constraint) if constraint is not None else (None, None)
-    cache = target.new_cache(1, cfg.max_new_tokens + 1)
     logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
     out: list[int] = []
     while True:
-        lp = tempered_log_probs(logits, cfg.temperature)
+        lp = step_log_probs(logits, cfg.temperature)
         lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
         if state is not None:
             lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
+        if cfg.temperature == 0:
+            lp = point_mass_log_probs(lp)
         tok = int(sample_categorical(lp.exp(), generator))
         out.append(tok)
         if on_tokens:

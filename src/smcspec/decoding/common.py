@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed, Reservation
+
 TokenCallback = Callable[[list[int]], None]
 """Called with token ids as soon as they are final (they will be in the output)."""
 
@@ -56,3 +59,26 @@ def cache_capacity(max_new_tokens: int, draft_tokens: int) -> int:
 
 def as_prompt_tensor(prompt: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(prompt, dtype=torch.long, device=device).view(-1)
+
+
+def open_caches(
+    needs: list[CacheNeed], models: dict[str, DecoderModel], reservation: Reservation | None
+) -> list[KVCache]:
+    """The caches ``needs`` lists, in order, drawing on ``reservation`` (a request admitted
+    by the scheduler, or :meth:`Engine.generate`); without one each cache reserves its own
+    (closed by :func:`close_caches`)."""
+    caches: list[KVCache] = []
+    try:
+        for need in needs:
+            lease = reservation.lease(need.role) if reservation is not None else None
+            caches.append(models[need.role].new_cache(need.rows, need.capacity, lease=lease))
+    except BaseException:
+        close_caches(caches)
+        raise
+    return caches
+
+
+def close_caches(caches: list[KVCache]) -> None:
+    """Give back what each cache reserved itself (nothing for caches made on a lease)."""
+    for cache in caches:
+        cache.close()

@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import torch
 
-from smcspec.backends.base import DecoderModel
+from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed, Reservation
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
+    close_caches,
     cut_at_stop,
+    open_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
@@ -44,9 +47,19 @@ from smcspec.potentials import (
     mask_log_probs,
     timed_start,
 )
-from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
+from smcspec.sampling.distributions import (
+    point_mass_log_probs,
+    sample_categorical,
+    step_log_probs,
+)
 from smcspec.sampling.speculative import speculative_verify
 from smcspec.sampling.truncation import truncate_log_probs
+
+
+def sd_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
+    """The KV caches :func:`sd_program` opens: one row on the target and one on the draft."""
+    cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
+    return [CacheNeed("target", 1, cap, prompt_len), CacheNeed("draft", 1, cap, prompt_len)]
 
 
 def sd_program(
@@ -58,8 +71,15 @@ def sd_program(
     vocab: int,
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
+    reservation: Reservation | None = None,
 ) -> Program:
     """Speculative sampling with ``cfg.draft_tokens`` draft tokens per round.
+
+    ``cfg.temperature == 0`` is greedy speculative decoding: the target and the draft are
+    point masses at their most likely tokens (after truncation and masks), so a drafted
+    token is accepted iff it is the target's most likely token, the token after the block
+    is the target's most likely one, and the output equals greedy ``ar``'s.
+    ``reservation``: as in :func:`~smcspec.decoding.ar.ar_program`.
 
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
@@ -69,18 +89,40 @@ def sd_program(
         (1 + accepted / rounds, as vLLM defines it); with a constraint also
         ``constraint_seconds`` (wall seconds in masks and matchers).
     """
+    models = {"target": target, "draft": draft}
+    caches = open_caches(sd_caches(cfg, len(prompt)), models, reservation)
+    try:
+        args = (target, draft, *caches, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+        return (yield from _sd_rounds(*args))
+    finally:
+        close_caches(caches)
+
+
+def _sd_rounds(
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None,
+) -> Program:
     dev = target.device
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    greedy = cfg.temperature == 0
     constraint = compiled_constraint(cfg.constraint)
     state, clock = timed_start(constraint) if constraint is not None else (None, None)
-    cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
-    tcache, dcache = target.new_cache(1, cap), draft.new_cache(1, cap)
     p = as_prompt_tensor(prompt, dev)
     first_logits = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
-    first = truncate_log_probs(tempered_log_probs(first_logits, cfg.temperature), *trunc)
+    first = truncate_log_probs(step_log_probs(first_logits, cfg.temperature), *trunc)
     if state is not None:
         first = _masked_target(first, _allowed(state, vocab, dev))
+    if greedy:
+        first = point_mass_log_probs(first)
     tok = int(sample_categorical(first.exp(), generator))
     out = [tok]
     if on_tokens:
@@ -104,10 +146,11 @@ def sd_program(
             x = torch.tensor([pending_d], device=dev)
             for _ in range(k):
                 logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
-                q = truncate_log_probs(tempered_log_probs(logits, cfg.draft_temperature), *trunc)
+                t_d = 0 if greedy else cfg.draft_temperature
+                q = truncate_log_probs(step_log_probs(logits, t_d), *trunc)
                 if state is not None:
                     q = _masked_draft(q, masks[-1])
-                q = q.exp()
+                q = (point_mass_log_probs(q) if greedy else q).exp()
                 d = int(sample_categorical(q, generator))
                 d_tokens.append(d)
                 d_probs.append(q)
@@ -124,12 +167,14 @@ def sd_program(
         t_len0 = tcache.length
         block = torch.tensor([[pending_t, *d_tokens]], device=dev)
         t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-        t_lp = truncate_log_probs(tempered_log_probs(t_logits, cfg.temperature), *trunc)
+        t_lp = truncate_log_probs(step_log_probs(t_logits, cfg.temperature), *trunc)
         if state is not None:
             dead = not bool(masks[-1].any())  # fatal only if every drafted token is accepted
             if dead:
                 masks[-1] = torch.ones_like(masks[-1])
             t_lp = torch.stack([_masked_target(t_lp[j], masks[j]) for j in range(k + 1)])
+        if greedy:
+            t_lp = point_mass_log_probs(t_lp)
         t_probs = t_lp.exp()
         if k > 0:
             n, nxt = speculative_verify(

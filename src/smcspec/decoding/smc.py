@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed, Reservation
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -40,6 +41,8 @@ from smcspec.decoding.common import (
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
+    close_caches,
+    open_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
@@ -204,6 +207,14 @@ class _Block:
     bonus_norm: torch.Tensor | None = None  # float64 [N]: the bonus log-weight (or None)
 
 
+def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
+    """The KV caches :func:`smc_program` opens: N rows on the target and N on the draft,
+    room for the budget plus the last round's overshoot."""
+    cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
+    n = cfg.particles
+    return [CacheNeed("target", n, cap, prompt_len), CacheNeed("draft", n, cap, prompt_len)]
+
+
 def smc_program(
     target: DecoderModel,
     draft: DecoderModel,
@@ -214,6 +225,7 @@ def smc_program(
     generator: torch.Generator,
     on_tokens: TokenCallback | None = None,
     truncate_draft: bool = False,
+    reservation: Reservation | None = None,
 ) -> Program:
     """Run SMC-SD for one request.
 
@@ -225,6 +237,7 @@ def smc_program(
         truncate_draft: draft from the truncated ``q~`` (same filters as the target)
             instead of ``q_T``. Not consistent for ``p~`` when the draft's kept set misses
             tokens the target keeps; kept for comparison (``docs/sampling.md``).
+        reservation: the request's leases, as in :func:`~smcspec.decoding.ar.ar_program`.
     Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
 
     With ``cfg.constraint`` (a compiled :class:`~smcspec.potentials.TokenConstraint`) or
@@ -250,7 +263,34 @@ def smc_program(
         also hold ``log_normalizer`` (including x0's masked mass) and ``dead_particles``, and
         with a constraint ``constraint_seconds`` (wall seconds in masks, matchers and their
         copies on resampling).
+
+    ``cfg.temperature`` must be > 0: a greedy (point-mass) target has no importance weights;
+    :class:`~smcspec.engine.Engine` runs greedy requests of ``smc`` as greedy ``sd``.
     """
+    if cfg.temperature <= 0:
+        raise ValueError("SMC-SD needs temperature > 0 (greedy requests run as greedy sd)")
+    models = {"target": target, "draft": draft}
+    caches = open_caches(smc_caches(cfg, len(prompt)), models, reservation)
+    try:
+        args = (target, draft, *caches, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+        return (yield from _smc_rounds(*args, truncate_draft))
+    finally:
+        close_caches(caches)
+
+
+def _smc_rounds(
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None,
+    truncate_draft: bool,
+) -> Program:
     dev = target.device
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)  # all off: truncate_log_probs returns its input
     st = _Setting(
@@ -273,7 +313,6 @@ def smc_program(
         resampler=cfg.resampler,
     )
     cap = cache_capacity(cfg.max_new_tokens, st.k)
-    tcache, dcache = target.new_cache(st.n, cap), draft.new_cache(st.n, cap)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
     p = as_prompt_tensor(prompt, dev)
     first = (yield Prefill(target, p, tcache))[:vocab]

@@ -539,10 +539,13 @@ def target_nll(model: Transformer, prompt: list[int], output: list[int]) -> floa
     if not output:
         return float("nan")
     cache = model.new_cache(1, len(output) + 1)
-    first = model.prefill(torch.tensor(prompt), cache)
-    logits = first[None]
-    if len(output) > 1:
-        logits = torch.cat((logits, model.decode(torch.tensor([output[:-1]]), cache)[0]))
+    try:
+        first = model.prefill(torch.tensor(prompt), cache)
+        logits = first[None]
+        if len(output) > 1:
+            logits = torch.cat((logits, model.decode(torch.tensor([output[:-1]]), cache)[0]))
+    finally:
+        cache.close()
     lp = torch.log_softmax(logits.double(), -1)[torch.arange(len(output)), torch.tensor(output)]
     return float(-lp.mean())
 

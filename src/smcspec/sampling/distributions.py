@@ -24,6 +24,24 @@ def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
+def point_mass_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """The greedy limit (temperature -> 0) of ``log_probs`` ``[..., V]``: 0 at each row's most
+    likely token (the first on ties, as ``torch.argmax``), ``-inf`` elsewhere (float32).
+
+    Apply it after truncation and masking, so that greedy decoding picks the most likely
+    token the filters and the constraint allow.
+    """
+    out = torch.full_like(log_probs, -torch.inf)
+    return out.scatter_(-1, log_probs.argmax(-1, keepdim=True), 0.0)
+
+
+def step_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` (float32 ``[..., V]``); ``temperature == 0``
+    (greedy) gives the untempered ``log_softmax(logits)``, to be turned into a point mass by
+    :func:`point_mass_log_probs` once filters and masks are applied."""
+    return tempered_log_probs(logits, temperature if temperature > 0 else 1.0)
+
+
 _BLOCK = 256  # tokens per block of the two-level inverse-CDF sampler
 
 

@@ -36,6 +36,9 @@ class ServerSettings:
         public_metrics: with an ``api_key``, leave ``/metrics`` open (Prometheus scrapers).
         shutdown_timeout_s: on SIGTERM/SIGINT, in-flight requests get this long to finish
             before they are cancelled.
+        leak_grace_s: a model's pool in use, or unable to admit the first waiting request,
+            while nothing runs for this long is a leak: the worker stops, ``/health`` turns
+            503 and :func:`serve` exits with 1 for a supervisor to restart it.
     """
 
     model_name: str = "smcspec"
@@ -45,6 +48,7 @@ class ServerSettings:
     api_key: str | None = None
     public_metrics: bool = False
     shutdown_timeout_s: float = 5.0
+    leak_grace_s: float = 10.0
 
     def validate(self) -> ServerSettings:
         """Raises :class:`ConfigError` for out-of-range values; returns ``self``."""
@@ -56,6 +60,8 @@ class ServerSettings:
             raise ConfigError("the API key must not be empty")
         if self.shutdown_timeout_s < 0:
             raise ConfigError("shutdown_timeout_s must be >= 0")
+        if not self.leak_grace_s > 0:
+            raise ConfigError("leak_grace_s must be > 0")
         return self
 
 
@@ -78,7 +84,11 @@ def create_app(
     defaults = (defaults or GenerationConfig()).validate()
     metrics = ServerMetrics()
     scheduler = BatchScheduler(
-        engine, settings.max_running, settings.max_waiting, on_step=metrics.observe_step
+        engine,
+        settings.max_running,
+        settings.max_waiting,
+        on_step=metrics.observe_step,
+        leak_grace_s=settings.leak_grace_s,
     )
     metrics.bind_scheduler(scheduler)
     state = ServerState(engine, scheduler, metrics, defaults, settings.model_name)

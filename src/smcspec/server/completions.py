@@ -93,7 +93,8 @@ class Completion:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         engine = state.engine
         try:
-            job = engine.prepare(prompt, self.cfg, chat)  # tokenized and compiled once
+            parse_special = getattr(body, "parse_special_tokens", True)
+            job = engine.prepare(prompt, self.cfg, chat, parse_special)  # tokenized once
         except (ConfigError, ContextLengthError) as exc:
             raise ApiError(400, str(exc)) from exc
         self.jobs = [  # choice i uses seed + i
@@ -120,16 +121,19 @@ class Completion:
 
     # ------------------------------------------------------------------ lifecycle
     def submit(self) -> None:
-        """Queue every choice. Raises ApiError 429 (queue full) or 503 (not serving)."""
+        """Queue every choice (each reserves its own pools when admitted). Raises ApiError 400
+        (a choice could never fit the pools), 429 (queue full) or 503 (not serving)."""
         submitted = []
         try:
             for c in self.choices:
                 self.state.scheduler.submit(c.engine_req)
                 submitted.append(c)
-        except (QueueFullError, SchedulerStoppedError) as exc:
+        except (QueueFullError, SchedulerStoppedError, ContextLengthError) as exc:
             for c in submitted:
                 c.engine_req.cancel()
             self.state.metrics.requests.labels(self.cfg.method, "rejected").inc()
+            if isinstance(exc, ContextLengthError):  # could never fit the models' pools
+                raise ApiError(400, str(exc)) from exc
             if isinstance(exc, QueueFullError):
                 raise ApiError(429, f"server overloaded: {exc}", "rate_limit_error") from exc
             raise ApiError(503, str(exc), "service_unavailable_error") from exc

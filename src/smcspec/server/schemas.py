@@ -69,6 +69,9 @@ class CommonBody(BaseModel):
 
 class CompletionBody(CommonBody):
     prompt: str | list[int]
+    # smcspec extension: special-token text in a raw prompt becomes control tokens (true,
+    # as llama.cpp's server and vLLM do) or is tokenized as text (false)
+    parse_special_tokens: bool = True
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None

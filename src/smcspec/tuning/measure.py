@@ -50,8 +50,15 @@ def forward_seconds_by_tokens(
     """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
     ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
     then the median of ``reps`` timed ones, each rolled back before the next)."""
-    vocab = model.vocab_size
     cache = model.new_cache(rows, max(tokens))
+    try:
+        return _timed_forwards(model, cache, rows, tokens, reps, context)
+    finally:
+        cache.close()
+
+
+def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, float]:
+    vocab = model.vocab_size
     model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
     out = {}
     for t in tokens:

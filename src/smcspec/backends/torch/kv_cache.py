@@ -61,6 +61,10 @@ class ParticleKVCache:
     def prompt_len(self) -> int:
         return 0 if self.prefix_k is None else self.prefix_k.shape[3]
 
+    def close(self) -> None:
+        """Nothing to give back: the tensors are freed with the cache (the request's
+        ``kv_bytes`` lease is released by its owner)."""
+
     # ------------------------------------------------------------------ prefill
     def begin_prefill(self, prompt_len: int) -> None:
         """Allocate the shared prompt KV for ``prompt_len`` tokens (called by the model)."""

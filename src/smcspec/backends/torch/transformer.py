@@ -23,8 +23,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.kv_cache import ParticleKVCache
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Bytes of KV storage the torch backend's requests may reserve together: 90% of the
+    free memory of a CUDA device, half of the available memory (``/proc/meminfo``) on the
+    CPU (8 GiB where that cannot be read). Read when the pool is first used."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * 0.9)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 8 << 30
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -196,6 +213,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_len = 0
         self._cos = self._sin = None
+        self.kv_budget_bytes: int | None = None  # None: default_kv_budget(device)
+        self._pool: ResourcePool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -210,8 +229,27 @@ class Transformer(nn.Module):
         """Rows of the output layer (logits per position)."""
         return self.cfg.vocab_size
 
-    def new_cache(self, rows: int, capacity: int) -> ParticleKVCache:
-        """A cache for ``rows`` particles with room for ``capacity`` generated tokens each."""
+    @property
+    def pool(self) -> ResourcePool:
+        """The ``kv_bytes`` the requests of this model reserve (see :mod:`smcspec.backends.pool`;
+        budget :attr:`kv_budget_bytes`, default :func:`default_kv_budget`)."""
+        if self._pool is None:
+            budget = self.kv_budget_bytes or default_kv_budget(self.device)
+            self._pool = ResourcePool("torch", {"kv_bytes": budget})
+        return self._pool
+
+    def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
+        """Bytes of KV a cache of ``rows`` x ``capacity`` generated tokens after a
+        ``prompt_len``-token prompt (stored once) allocates: K and V, every layer."""
+        c = self.cfg
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return {"kv_bytes": per_token * (prompt_len + rows * capacity)}
+
+    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> ParticleKVCache:
+        """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
+
+        ``lease``: the request's reservation from :attr:`pool` (accounting only: the cache
+        allocates its own tensors, freed with it); without one nothing is reserved."""
         c = self.cfg
         return ParticleKVCache(
             c.num_layers, c.num_kv_heads, c.head_dim, rows, capacity, self.dtype, self.device

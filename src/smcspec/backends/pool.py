@@ -1,0 +1,178 @@
+"""Shared pools: what a request takes from a model and must give back.
+
+Every model has one :class:`ResourcePool` of named integer resources (the llamacpp
+backend: llama.cpp ``sequences`` and unified-KV ``kv_cells``; the torch backend:
+``kv_bytes`` of KV storage). A request reserves everything it can ever use when it is
+admitted (:meth:`ResourcePool.try_reserve`, all-or-nothing) and holds a :class:`Lease`
+until it ends; :meth:`Lease.release` gives it back, idempotently, from a ``finally``.
+A :class:`Reservation` is one request's leases on the target and the draft.
+
+Nothing here relies on the garbage collector: a lease that is never released stays
+reserved, and :meth:`ResourcePool.in_use` shows it (the scheduler treats a pool that is
+not full while nothing runs as a leak and turns the server unhealthy).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from smcspec.errors import SmcspecError
+
+
+class PoolError(SmcspecError):
+    """A pool was asked for a resource it does not have, or a lease was misused."""
+
+
+@dataclass
+class Lease:
+    """Amounts reserved from one pool for one request; ``items`` holds backend specifics
+    (llama.cpp sequence ids). :meth:`release` gives everything back (idempotent)."""
+
+    pool: ResourcePool
+    amounts: dict[str, int]
+    items: dict[str, Any] = field(default_factory=dict)
+    released: bool = False
+
+    def release(self) -> None:
+        """Give the lease back to its pool; later calls do nothing."""
+        self.pool.release(self)
+
+
+class ResourcePool:
+    """Integer resources of one model, reserved all-or-nothing and released explicitly.
+
+    Args:
+        name: for messages and metrics (``target``, ``draft`` or a file name).
+        capacity: resource name -> total amount (> 0).
+        on_take: called under the pool's lock with a new lease (to attach concrete items).
+        on_release: called under the pool's lock with a lease being released (to clear
+            and return its items) before its amounts are returned.
+    Thread-safe: one lock per pool.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        capacity: Mapping[str, int],
+        on_take: Callable[[Lease], None] | None = None,
+        on_release: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.capacity = dict(capacity)
+        self._free = dict(capacity)
+        self._leases = 0
+        self._on_take, self._on_release = on_take, on_release
+        self._lock = threading.RLock()
+
+    def _check(self, amounts: Mapping[str, int]) -> None:
+        unknown = set(amounts) - set(self.capacity)
+        if unknown:
+            raise PoolError(f"pool {self.name!r} has no resource {sorted(unknown)[0]!r}")
+        if any(v < 0 for v in amounts.values()):
+            raise PoolError("amounts must be >= 0")
+
+    def never_fits(self, amounts: Mapping[str, int]) -> str | None:
+        """Why ``amounts`` exceed the whole pool (a request that can never run), or None."""
+        self._check(amounts)
+        for k, v in amounts.items():
+            if v > self.capacity[k]:
+                return (
+                    f"{self.name} needs {v} {k.replace('_', ' ')}, the pool has {self.capacity[k]}"
+                )
+        return None
+
+    def try_reserve(self, amounts: Mapping[str, int]) -> Lease | None:
+        """Reserve ``amounts`` if all are free now; None (nothing taken) otherwise."""
+        self._check(amounts)
+        with self._lock:
+            if any(v > self._free[k] for k, v in amounts.items()):
+                return None
+            lease = Lease(self, dict(amounts))
+            for k, v in amounts.items():
+                self._free[k] -= v
+            self._leases += 1
+            if self._on_take is not None:
+                try:
+                    self._on_take(lease)
+                except BaseException:
+                    for k, v in amounts.items():
+                        self._free[k] += v
+                    self._leases -= 1
+                    raise
+            return lease
+
+    def release(self, lease: Lease) -> None:
+        """Return ``lease`` (idempotent)."""
+        if lease.pool is not self:
+            raise PoolError("this lease belongs to another pool")
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            try:
+                if self._on_release is not None:
+                    self._on_release(lease)
+            finally:
+                for k, v in lease.amounts.items():
+                    self._free[k] += v
+                self._leases -= 1
+
+    def free(self) -> dict[str, int]:
+        """Resource name -> amount free now."""
+        with self._lock:
+            return dict(self._free)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any lease is held."""
+        with self._lock:
+            return self._leases > 0 or self._free != self.capacity
+
+    @property
+    def leases(self) -> int:
+        with self._lock:
+            return self._leases
+
+
+@dataclass(frozen=True)
+class CacheNeed:
+    """One KV cache a decoder program will open: ``rows`` particles of up to ``capacity``
+    generated tokens each after a prompt of ``prompt_len`` tokens, on the ``role`` model."""
+
+    role: str  # "target" or "draft"
+    rows: int
+    capacity: int
+    prompt_len: int
+
+
+class Reservation:
+    """One request's leases, by model role; :meth:`release` gives all of them back."""
+
+    def __init__(self, leases: dict[str, Lease]) -> None:
+        self.leases = leases
+
+    def lease(self, role: str) -> Lease:
+        try:
+            return self.leases[role]
+        except KeyError:
+            raise PoolError(f"nothing was reserved on the {role} model") from None
+
+    def release(self) -> None:
+        """Release every lease (idempotent; a failing one does not keep the others)."""
+        errors = []
+        for lease in self.leases.values():
+            try:
+                lease.release()
+            except Exception as exc:  # pragma: no cover - a backend that cannot clear
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,152 @@
+"""Shared pools under load: what a request takes is reserved on admission and always given
+back (success, error, cancel, disconnect), on both backends; a request that can never fit is
+a 400, one that does not fit now waits; a leaked pool turns ``/health`` to 503.
+
+The pools are made small (one SMC-SD request of 8 particles at a time) so that a burst of
+such requests is more than they hold. Loopback only, every loop bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from live_server import Server
+from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
+
+from smcspec import Engine, GenerationConfig
+from smcspec.backends.torch import load_hf_dir
+from smcspec.scheduler import PoolLeakError
+from smcspec.server import create_app
+
+MODEL = "tiny"
+SMC8 = {"method": "smc", "particles": 8, "draft_tokens": 2}
+
+
+def _engine(backend: str, root) -> Engine:
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp")
+        from smcspec.backends.llamacpp import LlamaCppSettings
+
+        # 16 sequences: one request of 8 particles (8 + a spare) at a time; 16 is never enough
+        settings = LlamaCppSettings(threads=1, kv_cells=8192, max_sequences=16, n_batch=512)
+        return make_tiny_gguf_chat_engine(root, llamacpp=settings, max_position_embeddings=4096)
+    dirs = make_tiny_chat_pair(root, max_position_embeddings=4096)
+    engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    # KV bytes for one request of 8 particles and 48 tokens (and a bit), on both models
+    job = engine.prepare("ab cd ef", GenerationConfig(max_new_tokens=48, **SMC8), chat=True)
+    for role, model in (("target", engine.target.model), ("draft", engine.draft.model)):
+        model.kv_budget_bytes = int(engine.pool_needs(job)[role]["kv_bytes"] * 1.5)
+    return engine
+
+
+@pytest.fixture(scope="module", params=["torch", "llamacpp"])
+def engine(request, tmp_path_factory):
+    return _engine(request.param, tmp_path_factory.mktemp(f"pools-{request.param}"))
+
+
+def _chat(**fields) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ab cd ef"}]}
+    return {**body, "max_tokens": 12, **fields}
+
+
+def _pools_full(server: Server) -> bool:
+    m = server.metrics()
+    caps = {
+        k.replace("smcspec_pool_capacity", ""): v
+        for k, v in m.items()
+        if k.startswith("smcspec_pool_capacity")
+    }
+    assert caps, "no pool metrics"
+    return all(m["smcspec_pool_free" + k] == v for k, v in caps.items())
+
+
+def _settled(server: Server, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["smcspec_running_requests"] == 0 and m["smcspec_waiting_requests"] == 0:
+            if _pools_full(server):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the server did not settle: {server.metrics()}")
+
+
+def _send(server: Server, kind: str) -> int | str:
+    url = server.url("/v1/chat/completions")
+    if kind == "ok":
+        return httpx.post(url, json=_chat(smc=SMC8), timeout=120).status_code
+    if kind == "ar":
+        return httpx.post(url, json=_chat(smc={"method": "ar"}), timeout=120).status_code
+    if kind == "never-fits":
+        big = {**SMC8, "particles": 64}
+        return httpx.post(url, json=_chat(smc=big, max_tokens=4000), timeout=120).status_code
+    if kind == "disconnect":  # the client gives up while the request waits or decodes
+        try:
+            return httpx.post(url, json=_chat(smc=SMC8, max_tokens=48), timeout=0.3).status_code
+        except httpx.TimeoutException:
+            return "gone"
+    if kind == "stream-cancel":  # reads one event, then closes the stream
+        body = _chat(smc=SMC8, max_tokens=48, stream=True)
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                break
+            return r.status_code
+    raise ValueError(kind)
+
+
+def test_a_burst_larger_than_the_pools_never_breaks_the_server(engine):
+    server = Server(create_app(engine, GenerationConfig(max_new_tokens=12), model_name=MODEL))
+    try:
+        kinds = ["ok", "disconnect", "ok", "stream-cancel", "never-fits", "ok", "disconnect",
+                 "ar", "stream-cancel", "ok", "ok", "never-fits"]  # fmt: skip
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            codes = list(pool.map(lambda k: _send(server, k), kinds))
+        by_kind = dict(zip(kinds, codes, strict=True))
+        assert 500 not in codes, codes
+        assert by_kind["never-fits"] == 400
+        assert [c for k, c in zip(kinds, codes, strict=True) if k in ("ok", "ar")] == [200] * 6
+        _settled(server)  # every pool back to full, nothing running or waiting
+        assert httpx.get(server.url("/health")).status_code == 200
+        again = httpx.post(server.url("/v1/chat/completions"), json=_chat(smc=SMC8), timeout=120)
+        assert again.status_code == 200
+        m = server.metrics()
+        assert m['smcspec_pool_leases{"model": "target"}'] == 0
+    finally:
+        server.stop()
+
+
+def test_a_request_that_can_never_fit_is_a_400_naming_the_pool(engine):
+    server = Server(create_app(engine, GenerationConfig(max_new_tokens=12), model_name=MODEL))
+    try:
+        r = httpx.post(
+            server.url("/v1/chat/completions"),
+            json=_chat(smc={**SMC8, "particles": 64}, max_tokens=4000),
+            timeout=30,
+        )
+        assert r.status_code == 400
+        assert "can never fit" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_a_leaked_pool_turns_health_to_503(engine):
+    """A lease that nobody releases while nothing runs (a bug) is found within the grace."""
+    app = create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL,
+                     leak_grace_s=0.5)  # fmt: skip
+    server = Server(app)
+    pool = engine.target.model.pool
+    stolen = pool.try_reserve(pool.free())
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and httpx.get(server.url("/health")).status_code == 200:
+            time.sleep(0.1)
+        assert httpx.get(server.url("/health")).status_code == 503
+        assert isinstance(app.state.scheduler.error, PoolLeakError)
+        r = httpx.post(server.url("/v1/chat/completions"), json=_chat(), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        stolen.release()
+        server.stop()
