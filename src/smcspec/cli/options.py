@@ -116,7 +116,12 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
         f"sd and eval: {DEFAULT_DRAFT_TOKENS})",
     )
     d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
-    d.add_argument("--temperature", type=float, default=0.7, help="target temperature T_t")
+    d.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="target temperature T_t (0: greedy on every method)",
+    )
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
     d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
     d.add_argument(
