@@ -245,10 +245,10 @@ class BatchScheduler:
             self._idle_since = now
         elif now - self._idle_since >= self.leak_grace_s:
             free = {role: pool.free() for role, pool in self.engine.pools().items()}
+            what = "cannot admit the first waiting request" if blocked else "are in use"
             raise PoolLeakError(
-                f"nothing is running, yet the pools of {', '.join(in_use) or 'the models'} "
-                f"are in use (free: {free}) and the first waiting request does "
-                f"{'not ' if blocked else ''}fit: a leak"
+                f"nothing has run for {self.leak_grace_s:g} s, yet the models' pools {what} "
+                f"(free: {free}): a leak"
             )
 
     def _admit(self, req: Request) -> None:
