@@ -147,16 +147,18 @@ def test_smc_with_draft_equal_target_is_exact_and_never_resamples(pair):
         assert out.stats["min_ess"] == pytest.approx(4.0)
 
 
-def _brute_log_weight(target, draft, seq: list[int], k: int, alpha: float) -> float:
+def _brute_log_weight(
+    target, draft, seq: list[int], k: int, alpha: float, t_t: float = T, t_d: float = T
+) -> float:
     """sum_k alpha log p_T(d_k) - log q_T(d_k) for the drafted tokens seq[1:k+1]."""
     total = 0.0
     for j in range(1, k + 1):
         ctx = PROMPT + seq[:j]
         lp = []
-        for model in (target, draft):
+        for model, temp in ((target, t_t), (draft, t_d)):
             cache = model.new_cache(1, 2)
             logits = model.prefill(torch.tensor(ctx), cache)
-            lp.append(torch.log_softmax(logits.double() / T, -1)[seq[j]].item())
+            lp.append(torch.log_softmax(logits.double() / temp, -1)[seq[j]].item())
         total += alpha * lp[0] - lp[1]
     return total
 
@@ -183,3 +185,34 @@ def test_smc_weights_equal_brute_force(pair):
     got = torch.tensor([p.weight for p in out.particles], dtype=torch.float64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert out.stats["resamples"] == 0  # kappa = 0 disables resampling
+
+
+@pytest.mark.parametrize("t_t, t_d", [(0.7, 0.5), (0.5, 0.7)])
+def test_smc_weights_equal_brute_force_at_different_temperatures(pair, t_t, t_d):
+    """The weight uses p at T_t and q at T_d: swapping them, or weighting with q at T_t,
+    moves these weights by far more than the tolerance."""
+    target, draft, _ = pair
+    k, n = 3, 6
+    cfg = GenerationConfig(
+        method="smc",
+        max_new_tokens=1 + k + 1,
+        particles=n,
+        draft_tokens=k,
+        temperature=t_t,
+        draft_temperature=t_d,
+        ess_threshold=0.0,
+        return_particles=True,
+    )
+    out = decode_smc(target, draft, PROMPT, cfg, frozenset(), 4, torch.Generator().manual_seed(5))
+    logw = torch.tensor(
+        [_brute_log_weight(target, draft, p.tokens, k, 1.0, t_t, t_d) for p in out.particles],
+        dtype=torch.float64,
+    )
+    got = torch.tensor([p.weight for p in out.particles], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.softmax(logw, 0), atol=1e-5, rtol=1e-4)
+    swapped = torch.tensor(
+        [_brute_log_weight(target, draft, p.tokens, k, 1.0, t_d, t_t) for p in out.particles],
+        dtype=torch.float64,
+    )
+    with pytest.raises(AssertionError):  # measured: weights 0.038 apart, tolerance 1e-5
+        torch.testing.assert_close(got, torch.softmax(swapped, 0), atol=1e-5, rtol=1e-4)
