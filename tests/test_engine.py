@@ -62,11 +62,19 @@ def test_same_seed_same_output(engine, method):
 
 
 def test_eos_stops_generation(engine):
+    """Seeds 14 and 15 of this pair emit EOS within 40 tokens (found by a search over 0-19;
+    the other seeds run to the budget): the answer ends right after it, and without
+    ``ignore_eos`` the same seed would have gone on."""
     eos = engine.tokenizer.eos_token_id
-    for seed in range(3):
+    for seed in (14, 15):
         r = engine.generate("ab", cfg("smc", max_new_tokens=40, seed=seed), chat=False)
-        if eos in r.token_ids:
-            assert r.token_ids.index(eos) == len(r.token_ids) - 1
+        assert eos in r.token_ids, seed
+        assert r.token_ids.index(eos) == len(r.token_ids) - 1
+        assert r.finish_reason == "stop" and len(r.token_ids) < 40
+        on = engine.generate(
+            "ab", cfg("smc", max_new_tokens=40, seed=seed, ignore_eos=True), chat=False
+        )
+        assert len(on.token_ids) == 40
 
 
 def test_smc_returns_particles_with_normalised_weights(engine):

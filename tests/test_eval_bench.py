@@ -96,8 +96,11 @@ def test_run_bench_alternates_methods_and_measures_ttft(engine):
             # ar and sd stream every token: the first arrives before the end
             assert r["ttft_seconds"] is not None and 0 < r["ttft_seconds"] <= r["seconds"] + 0.05
     # paired seeds: the same prompt and seed give the same text again
-    again = bench.run_bench(engine, prompts[:1], specs[:1], seed=5, warmup=False, progress=False)
-    assert again[0]["new_tokens"] == recs[0]["new_tokens"]
+    again = bench.run_bench(engine, prompts[:1], specs, seed=5, warmup=False, progress=False)
+    for a, r in zip(again, recs[: len(specs)], strict=True):
+        assert a["method"] == r["method"] and a["text"] == r["text"]
+    other = bench.run_bench(engine, prompts[:1], specs, seed=6, warmup=False, progress=False)
+    assert [o["text"] for o in other] != [r["text"] for r in recs[: len(specs)]]
     rows = bench.summarize_bench(recs)
     by = {r["method"]: r for r in rows}
     assert by["ar"]["ratio_vs_baseline"] == pytest.approx(1.0)

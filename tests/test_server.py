@@ -300,3 +300,30 @@ def test_sampling_parameters_reach_the_decoder(server, method):
 
     assert text(1, top_k=1) == text(2, top_k=1) == text(3, top_k=1)
     assert len({text(s) for s in (1, 2, 3)}) > 1  # without it the seeds differ
+
+
+def _text(server, seed: int = 4, **fields) -> list[str]:
+    body = {"model": MODEL, "prompt": "ab cd", "max_tokens": 12, "seed": seed, **fields}
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in r.json()["choices"]]
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+@pytest.mark.parametrize(
+    "filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k", "top_p", "min_p"]
+)
+def test_truncation_fields_are_applied_not_ignored(server, method, filters):
+    """Each filter at its extreme keeps only the most likely token, so the sampled output must
+    equal greedy decoding's (and differ from plain sampling with the same seed)."""
+    smc = {"smc": {"method": method}}
+    greedy = _text(server, temperature=0, **smc)
+    assert _text(server, **filters, **smc) == greedy
+    assert _text(server, **smc) != greedy  # with seed 4 plain sampling leaves the argmax
+
+
+def test_choice_i_uses_seed_plus_i(server):
+    both = _text(server, seed=10, n=2, smc={"method": "ar"})
+    assert both[1] == _text(server, seed=11, smc={"method": "ar"})[0]
+    assert both[0] == _text(server, seed=10, smc={"method": "ar"})[0]
+    assert both[0] != both[1]

@@ -150,3 +150,29 @@ def test_a_leaked_pool_turns_health_to_503(engine):
     finally:
         stolen.release()
         server.stop()
+
+
+def test_requests_that_together_exceed_the_kv_cells_take_turns(tmp_path_factory):
+    """llama.cpp's KV cells are one pool shared by every request: five requests of 150
+    tokens need about 5 x 160 cells of 400, so at most two run at once and the rest wait;
+    none fails (before reservations, the forward that filled the cells failed every request
+    in it)."""
+    pytest.importorskip("llama_cpp")
+    from smcspec.backends.llamacpp import LlamaCppSettings
+
+    root = tmp_path_factory.mktemp("cells")
+    settings = LlamaCppSettings(threads=1, kv_cells=400, max_sequences=16, n_batch=512)
+    engine = make_tiny_gguf_chat_engine(root, llamacpp=settings, max_position_embeddings=4096)
+    server = Server(create_app(engine, GenerationConfig(max_new_tokens=150), model_name=MODEL))
+    try:
+        body = {"model": MODEL, "prompt": "ab cd", "max_tokens": 150, "smc": {"method": "ar"}}
+        url = server.url("/v1/completions")
+        with ThreadPoolExecutor(5) as pool:
+            replies = list(pool.map(lambda i: httpx.post(url, json={**body, "seed": i},
+                                                         timeout=120), range(5)))  # fmt: skip
+        assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies]
+        assert all(r.json()["usage"]["completion_tokens"] == 150 for r in replies)  # no EOS
+        assert server.metrics()["smcspec_max_batch_requests"] <= 2
+        _settled(server)
+    finally:
+        server.stop()

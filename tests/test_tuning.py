@@ -98,7 +98,6 @@ def test_alpha_from_counts_inverts_the_expected_accepted_drafts(alpha, k):
 def test_alpha_is_not_the_acceptance_rate():
     """The committed CPU benchmark's sd-k4 counts (4 prompts pooled): accepted/drafted 0.70,
     but alpha 0.86, the same as sd-k2's (rate 0.80). The rate as alpha under-predicted sd-k4."""
-    assert 373 / 531 == pytest.approx(0.70, abs=0.01)
     assert alpha_from_counts(373, 531, 135) == pytest.approx(0.86, abs=0.01)
     assert alpha_from_counts(312, 390, 196) == pytest.approx(0.86, abs=0.01)
     assert alpha_from_counts(0, 40, 10) == 0.0

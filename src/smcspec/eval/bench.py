@@ -102,6 +102,7 @@ def run_bench(
                         "tokens_per_second": round(r.tokens_per_second, 3),
                         "ttft_seconds": round(first[0] - t0, 4) if first else None,
                         "stats": {k: v for k, v in r.stats.items() if k != "seed"},
+                        "text": r.text,
                     }
                 )
                 bar.update(1)
