@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from live_server import Server, free_port
-from tiny_models import make_tiny_chat_pair
+from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
@@ -42,6 +42,21 @@ def engine(pair_dirs):
 
 @pytest.fixture(scope="module")
 def server(engine):
+    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["torch", "llamacpp"])
+def corpus_server(request, server, tmp_path_factory):
+    """The corpus runs against both backends (the llamacpp one: the same tiny chat pair as
+    GGUF files)."""
+    if request.param == "torch":
+        yield server
+        return
+    pytest.importorskip("llama_cpp")
+    root = tmp_path_factory.mktemp("hardening-llamacpp")
+    engine = make_tiny_gguf_chat_engine(root, max_position_embeddings=512)
     srv = Server(create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL))
     yield srv
     srv.stop()
@@ -243,7 +258,8 @@ def test_the_corpus_has_at_least_40_cases():
 
 @pytest.mark.parametrize("name, method, path, kwargs, status, param", CASES,
                          ids=[c[0] for c in CASES])  # fmt: skip
-def test_bad_or_unusual_request(server, name, method, path, kwargs, status, param):
+def test_bad_or_unusual_request(corpus_server, name, method, path, kwargs, status, param):
+    server = corpus_server
     r = httpx.request(method, server.url(path), timeout=60, **kwargs)
     assert r.status_code == status, r.text
     if status >= 400:
