@@ -488,3 +488,40 @@ def test_a_dead_worker_makes_the_process_exit_non_zero(pair_dirs):
         assert "worker died" in proc.stderr.read().decode()
     finally:
         proc.kill()
+
+
+def test_a_short_request_in_flight_finishes_during_the_shutdown_grace(pair_dirs):
+    """SIGTERM while a short stream is running: with --shutdown-timeout 30 it still gets every
+    token and its [DONE], and only then does the process exit."""
+    proc, port = _serve(pair_dirs, "--shutdown-timeout", "30")
+    got_token, lines = threading.Event(), []
+
+    def stream() -> None:
+        body = {"model": None, "prompt": "ab", "max_tokens": 150, "stream": True, "seed": 3,
+                "stream_options": {"include_usage": True},
+                "smc": {"particles": 16, "draft_tokens": 4}}  # fmt: skip
+        with httpx.stream("POST", f"http://127.0.0.1:{port}{C}", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append((time.perf_counter(), line))
+                if '"text"' in line:
+                    got_token.set()
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    try:
+        assert got_token.wait(60)
+        signalled = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        client.join(30)
+        assert not client.is_alive()
+        done_at, last = lines[-1]
+        assert last == "data: [DONE]", lines[-3:]
+        assert done_at > signalled  # it was still running when the signal came
+        text = [x for _, x in lines]
+        usage = [json.loads(x[6:]) for x in text if x.startswith("data: {") and '"usage"' in x]
+        assert usage and usage[-1]["usage"]["completion_tokens"] >= 1
+        assert all("error" not in x for x in text)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    finally:
+        proc.kill()

@@ -317,20 +317,48 @@ def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):
     assert (out["particles"], out["draft_tokens"]) == (3, 2) and "tuned" not in out
 
 
-def test_serve_chooses_once_at_startup(gguf_pair, capsys, monkeypatch):
-    import smcspec.server
+def test_serve_chooses_once_at_startup(gguf_pair, tmp_path):
+    """A real ``smcspec serve --method auto`` process: the setting is chosen (and the costs
+    measured) once, before it serves; every request without a method of its own then runs
+    that setting, and nothing is measured again."""
+    import os
+    import subprocess
+    import sys
+    import time
 
-    served = []
-    monkeypatch.setattr(
-        smcspec.server, "serve", lambda engine, host, port, cfg, settings: served.append(cfg)
-    )
+    import httpx
+    from live_server import free_port
+
     target, draft = (str(p) for p in gguf_pair)
-    argv = ["serve", "--target", target, "--draft", draft, "--threads", "1", "--method", "auto"]
-    main(argv)  # returns what serve returns
-    (cfg,) = served
-    err = capsys.readouterr().err
-    m = re.search(r"smcspec: default setting (\S+) chosen by --method auto", err)
-    assert m and cfg.method == m.group(1).split("-")[0]
+    port = free_port()
+    argv = ["serve", "--target", target, "--draft", draft, "--threads", "1", "--method", "auto",
+            "--port", str(port), "-m", "6"]  # fmt: skip
+    code = "import sys; from smcspec.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "SMCSPEC_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+            assert proc.poll() is None
+        methods = []
+        for i in range(3):
+            body = {"prompt": "ab cd", "seed": i}
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            methods.append(r.json()["choices"][0]["smcspec"]["method"])
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1].decode()
+    chosen = re.findall(r"smcspec: default setting (\S+) chosen by --method auto", err)
+    assert len(chosen) == 1, err
+    assert err.count("measuring this machine's forward costs") == 1
+    assert methods == [chosen[0].split("-")[0]] * 3
 
 
 @pytest.mark.parametrize("value", ["0", "100000"])
