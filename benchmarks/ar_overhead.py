@@ -104,8 +104,7 @@ def main() -> None:
     lines = [
         "# Our ar against llama.cpp: the forward, and the time around it",
         "",
-        f"{date.today().isoformat()}; {cpu_model()}, {threads} threads; target "
-        f"{path.name}.",
+        f"{date.today().isoformat()}; {cpu_model()}, {threads} threads; target {path.name}.",
         "",
         "Command: `python benchmarks/ar_overhead.py " + " ".join(sys.argv[1:]) + "`",
         "",

@@ -244,13 +244,19 @@ def test_max_new_tokens_defaults_per_command_and_task():
     assert _budget(["eval", "humaneval"]) == 1024
     assert _budget(["eval", "gsm8k", "-m", "64"]) == 64  # an explicit -m always wins
     assert _budget(["eval", "humaneval", "--max-new-tokens", "300"]) == 300
-    assert _budget(["generate", "hi"]) == _budget(["serve"]) == _budget(["bench"]) == 128
+    # answers run to the end of turn; 1024 only caps them (bench keeps a fixed budget)
+    assert _budget(["generate", "hi"]) == _budget(["serve"]) == 1024
+    assert _budget(["bench"]) == 128
     assert _budget(["bench", "-m", "32"]) == 32
 
 
 @pytest.mark.parametrize(
     "command, shown",
-    [(["eval"], "default: gsm8k 512"), (["bench"], "default: 128"), (["generate"], "default: 128")],
+    [
+        (["eval"], "default: gsm8k 512"),
+        (["bench"], "default: 128"),
+        (["generate"], "default: 1024"),
+    ],
 )
 def test_help_shows_the_effective_budget(capsys, command, shown):
     with pytest.raises(SystemExit) as exc:
@@ -279,3 +285,50 @@ def test_eval_gsm8k_reads_the_packaged_test_split_unless_data_is_given(tmp_path,
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: GSM8K file not found") and "Traceback" not in err
+
+
+def test_generate_reports_whether_the_cap_or_the_model_ended_the_answer(pair, capsys):
+    """--json carries finish_reason and hit_cap; the plain stats line names the cap; an
+    answer the model ends (here a regex that is complete after "ab") is not capped."""
+    target, draft = pair
+    common = ["generate", "ab", "--target", target, "--draft", draft, "--no-chat",
+              "--method", "ar", "--seed", "0"]  # fmt: skip
+    assert main([*common, "-m", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length" and out["hit_cap"] is True
+    assert main([*common, "-m", "5"]) == 0
+    assert "cut by the cap of 5 new tokens, not by the model" in capsys.readouterr().out
+    assert main([*common, "--regex", "ab", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == "ab" and out["finish_reason"] == "stop" and out["hit_cap"] is False
+    assert main([*common, "--regex", "ab"]) == 0
+    assert "cut by the cap" not in capsys.readouterr().out
+
+
+def test_a_gguf_pair_without_llama_cpp_says_it_falls_back_to_torch(tmp_path, monkeypatch):
+    """--backend auto with llama-cpp-python missing: one line, before any conversion, naming
+    the conversion's size and the fix."""
+    import importlib.util
+
+    from tiny_models import make_tiny_gguf
+
+    from smcspec import Engine
+
+    path, _ = make_tiny_gguf(tmp_path, "qwen2", 96, seed=0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llama_cpp" else real(name, *a),
+    )
+    lines: list[str] = []
+    engine = Engine.load(path, with_draft=False, log=lines.append)
+    assert engine.target.backend == "torch"
+    assert len(lines) == 1, lines
+    assert "llama-cpp-python is not installed" in lines[0] and "float32 (about 0.0" in lines[0]
+    assert "scripts/setup.sh" in lines[0] and "smcspec[llamacpp]" in lines[0]
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("llama_cpp") is not None:  # with it installed: the llamacpp backend, no line
+        lines.clear()
+        assert Engine.load(path, with_draft=False, log=lines.append).target.backend == "llamacpp"
+        assert lines == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -166,6 +167,8 @@ class Engine:
         opts["llamacpp"] = LlamaCppSettings(threads=threads)
         if with_draft and quantize_draft is not None:
             draft = _requantized(draft, quantize_draft, backend, device, threads, log)
+        if backend == "auto":
+            _fallback_notice(target, device, log)
         tgt = _load(target, DEFAULT_TARGET, **opts)
         # the target's tokenizer serves the pair; a llamacpp pair checks its vocabulary there
         opts["tokenizer"] = tgt.backend != "llamacpp"
@@ -236,6 +239,7 @@ class Engine:
         config: GenerationConfig | None = None,
         chat: bool = True,
         on_text: Callable[[str], None] | None = None,
+        fit_context: bool = False,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -244,11 +248,13 @@ class Engine:
                 string with ``chat=False``, or token ids.
             config: decoding method and parameters (defaults: SMC-SD, N=4, K=4).
             on_text: called with each new piece of final text as it is produced.
+            fit_context: lower ``max_new_tokens`` to what the context leaves (see
+                :meth:`prepare`).
         Raises:
             ConfigError: invalid config or prompt; ContextLengthError: prompt too long;
             NumericalError: NaN logits.
         """
-        job = self.prepare(prompt, config, chat)
+        job = self.prepare(prompt, config, chat, fit_context=fit_context)
         streamer = TextStreamer(self.tokenizer, on_text) if on_text else None
         reason = self.never_fits(job)
         if reason is not None:
@@ -325,9 +331,11 @@ class Engine:
         config: GenerationConfig | None = None,
         chat: bool = True,
         parse_special: bool = True,
+        fit_context: bool = False,
     ) -> Job:
         """Validate ``config``, tokenize ``prompt`` (see :meth:`encode`) and check the
-        context; fixes the seed.
+        context; fixes the seed. ``fit_context``: lower ``max_new_tokens`` to what the
+        context leaves after the prompt instead of refusing (a default cap, not the user's).
 
         Raises:
             ConfigError, ContextLengthError (see :meth:`generate`).
@@ -340,6 +348,10 @@ class Engine:
             raise ConfigError("the prompt is empty")
         if any(not 0 <= i < self.vocab for i in ids):
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
+        if fit_context:
+            room = self._context_room(len(ids), cfg)
+            if 1 <= room < cfg.max_new_tokens:
+                cfg = replace(cfg, max_new_tokens=room)
         self._check_context(len(ids), cfg)
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
         seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
@@ -428,6 +440,15 @@ class Engine:
             ),
         )
 
+    def _context_room(self, prompt_len: int, cfg: GenerationConfig) -> int:
+        """New tokens the context leaves after ``prompt_len`` (the last round's overshoot
+        counted)."""
+        limits = [self.target.context_length]
+        if self.draft is not None and cfg.method != "ar":
+            limits.append(self.draft.context_length)
+        k = 0 if cfg.method == "ar" else cfg.draft_tokens
+        return min(limits) - prompt_len - k - 1
+
     def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
         limits = [self.target.context_length]
         if self.draft is not None and cfg.method != "ar":
@@ -481,6 +502,23 @@ def _is_token_list(prompt: Any) -> bool:
         and all(isinstance(i, int) for i in prompt)
         and bool(prompt)
     )
+
+
+def _fallback_notice(target, device: str, log: Callable[[str], None] | None) -> None:
+    """Say once, before any conversion, that a GGUF pair goes to the torch backend because
+    llama-cpp-python is missing (:func:`smcspec.models.loading.torch_fallback_notice`)."""
+    from smcspec.models.loading import torch_fallback_notice
+
+    path = Path(target) if target is not None else None
+    if path is None:
+        path = ensure_packaged_model(DEFAULT_TARGET, cache_root())
+    line = torch_fallback_notice(path, device)
+    if line is None:
+        return
+    if log is not None:
+        log(line)
+    else:
+        warnings.warn(line, stacklevel=3)
 
 
 def _load(path, default, **opts) -> LoadedModel:

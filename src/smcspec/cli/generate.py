@@ -28,10 +28,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     result = engine.generate(
-        args.prompt, cfg, chat=not args.no_chat, on_text=None if args.json else stream
+        args.prompt,
+        cfg,
+        chat=not args.no_chat,
+        on_text=None if args.json else stream,
+        fit_context=not getattr(args, "max_new_tokens_given", True),  # a default cap gives way
     )
+    capped = result.finish_reason == "length"
     if args.json:
-        out = result.to_dict()
+        out = result.to_dict() | {"hit_cap": capped}
         if pick is not None:
             out["tuned"] = {
                 "setting": pick.setting.name,
@@ -60,5 +65,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if pick is not None:
         line += f"; {tuned_note(pick, args.method)}"
+    if capped:
+        line += f"; cut by the cap of {result.new_tokens} new tokens, not by the model (-m)"
     print(f"\n{line}")
     return 0

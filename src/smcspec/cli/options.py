@@ -20,7 +20,14 @@ DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
-"""New tokens per answer of ``generate``, ``serve`` and ``bench`` unless ``-m`` is given."""
+"""New tokens per request of ``bench`` unless ``-m`` is given (a fixed budget: EOS ignored)."""
+
+
+ANSWER_MAX_NEW_TOKENS = 1024
+"""The cap of ``generate``'s answers and of ``serve``'s requests without ``max_tokens`` unless
+``-m`` is given: answers run to the model's end of turn, and the cap only protects the
+context (and bounds what a request reserves from the KV pools); a capped answer says so
+(``finish_reason`` ``length``)."""
 
 
 EVAL_MAX_NEW_TOKENS = {"gsm8k": 512, "humaneval": 1024}
@@ -55,6 +62,8 @@ def resolve_max_new_tokens(args: argparse.Namespace) -> int:
         return args.max_new_tokens
     if args.command == "eval":
         return EVAL_MAX_NEW_TOKENS.get(args.task, DEFAULT_MAX_NEW_TOKENS)
+    if args.command in ("generate", "serve"):
+        return ANSWER_MAX_NEW_TOKENS
     return DEFAULT_MAX_NEW_TOKENS
 
 
@@ -62,7 +71,10 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
     """Model and decoding options shared by the subcommands; ``max_new_tokens_help`` is the
     subcommand's help for ``-m`` (its default is resolved after parsing, see
     :func:`resolve_max_new_tokens`)."""
-    m_help = max_new_tokens_help or f"max new tokens (default: {DEFAULT_MAX_NEW_TOKENS})"
+    m_help = max_new_tokens_help or (
+        f"cap on new tokens; answers end at the model's end of turn (default: "
+        f"{ANSWER_MAX_NEW_TOKENS})"
+    )
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")

@@ -153,5 +153,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a command line, with the per-command defaults resolved (``-m``)."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
+    args.max_new_tokens_given = args.max_new_tokens is not None  # else a default cap
     args.max_new_tokens = resolve_max_new_tokens(args)
     return args

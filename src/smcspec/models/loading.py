@@ -81,6 +81,36 @@ def resolve_backend(backend: str, path: Path, device: str | torch.device) -> str
     return backend
 
 
+LLAMACPP_FIX = (
+    "bash scripts/setup.sh builds it for this CPU (pip install 'smcspec[llamacpp]' compiles it "
+    "natively, which crashed on some CPUs)"
+)
+
+
+def torch_fallback_notice(path: Path, device: str | torch.device) -> str | None:
+    """The line to show when ``--backend auto`` sends the GGUF file ``path`` to the torch
+    backend on the CPU only because llama-cpp-python is missing (None otherwise): what
+    happens instead (a float32 conversion of the stated size, about a third of the speed)
+    and the fix."""
+    import importlib.util
+
+    if str(device) != "cpu" or not path.is_file() or importlib.util.find_spec("llama_cpp"):
+        return None
+    size = ""
+    try:
+        from gguf import GGUFReader
+
+        elements = sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+        size = f" (about {elements * 4 / 1e9:.1f} GB, once, in {cache_root()})"
+    except Exception:  # the size is a courtesy: an unreadable file fails properly later
+        pass
+    return (
+        f"llama-cpp-python is not installed, so {path.name} runs on the torch backend: "
+        f"dequantized to float32{size}, at about a third of the llamacpp backend's speed; "
+        f"{LLAMACPP_FIX}"
+    )
+
+
 def load_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",

@@ -94,7 +94,8 @@ class Completion:
         engine = state.engine
         try:
             parse_special = getattr(body, "parse_special_tokens", True)
-            job = engine.prepare(prompt, self.cfg, chat, parse_special)  # tokenized once
+            no_cap = (body.max_completion_tokens or body.max_tokens) is None
+            job = engine.prepare(prompt, self.cfg, chat, parse_special, fit_context=no_cap)
         except (ConfigError, ContextLengthError) as exc:
             raise ApiError(400, str(exc)) from exc
         self.jobs = [  # choice i uses seed + i
