@@ -5,9 +5,11 @@ without -N/-K, ``bench --predict``, ``--quantize-draft``)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
+import torch
 from conftest import SMALL_GRID
 from tiny_models import CHAT_TEMPLATE, make_tiny_gguf, make_tiny_hf_model
 
@@ -27,7 +29,7 @@ from smcspec.tuning import (
 )
 from smcspec.tuning import tuner as tuner_module
 from smcspec.tuning.cache import cache_file, cost_key, read_costs
-from smcspec.tuning.predict import sd_accepted_per_round
+from smcspec.tuning.predict import meets_floor, predicted_ess, sd_accepted_per_round
 
 NS, KS = (1, 2, 4, 8, 16), (2, 4, 8)
 
@@ -145,6 +147,87 @@ def test_choose_errors_are_clear():
     with pytest.raises(ConfigError, match="auto or smc"):
         choose(preds, "sd")
     assert choose(preds, "auto").setting.method == "ar"
+
+
+# ------------------------------------------------------------------ the fidelity floor
+def test_predicted_ess_follows_the_chi_square_formula():
+    assert predicted_ess(1, 8, 0.3) == 1.0  # one particle is one particle
+    assert predicted_ess(8, 4, 0.0) == 8.0  # draft == target: no degeneracy
+    assert predicted_ess(4, 8, 0.1) == pytest.approx(1 + 3 * math.exp(-0.8))
+    assert predicted_ess(4, 8, 0.1) < predicted_ess(4, 4, 0.1)  # a longer block degenerates more
+    assert predicted_ess(16, 8, 0.1) > predicted_ess(4, 8, 0.1)  # more particles, more ESS
+    with pytest.raises(ConfigError):
+        predicted_ess(0, 4, 0.1)
+
+
+def _with_ell(costs: ForwardCosts, ell: float) -> ForwardCosts:
+    return ForwardCosts(costs.target, costs.draft, costs.alpha, log_chi2=ell)
+
+
+def test_the_floor_keeps_the_fastest_setting_whose_predicted_ess_meets_it():
+    """A memory-bound GPU (rows free, cheap draft): without the floor smc N=16 K=8 wins; with
+    ell = 0.15 nats a token, K=8 keeps 1 + 15 exp(-1.2) = 5.5 of 16 (0.34 N) and K=4 9.2
+    (0.58 N), so the floor 0.5 takes K=4 and the floor 0.7 K=2 (11.1, 0.70 N)."""
+    costs = _with_ell(hand_costs(0.02, c=0.1, per_row=0.0, alpha=0.6), 0.15)
+    preds = predict_all(all_settings(), costs)
+    assert choose(preds, "smc").setting == Setting("smc", 16, 8)  # no floor (0)
+    assert choose(preds, "smc", min_ess=0.5).setting == Setting("smc", 16, 4)
+    pick = choose(preds, "smc", min_ess=0.7)
+    assert pick.setting == Setting("smc", 16, 2) and meets_floor(pick, 0.7)
+    assert choose(preds, "auto", min_ess=0.5).setting == Setting("smc", 16, 4)
+    # an explicit N is used as given, floor or not
+    assert choose(preds, "smc", particles=4, min_ess=0.99).setting.particles == 4
+
+
+def test_when_no_smc_setting_meets_the_floor_auto_takes_ar_or_sd_and_smc_the_most_faithful():
+    costs = _with_ell(hand_costs(0.02, c=0.1, per_row=0.0, alpha=0.6), 2.0)  # far apart
+    preds = predict_all(all_settings(), costs)
+    assert choose(preds, "auto", min_ess=0.5).setting.method in ("ar", "sd")
+    pick = choose(preds, "smc", min_ess=0.5)
+    assert not meets_floor(pick, 0.5)
+    best = max(
+        p.ess_fraction for p in preds if p.setting.method == "smc" and p.setting.particles >= 4
+    )
+    assert pick.ess_fraction == best and pick.setting.draft_tokens == 2
+
+
+def test_mean_log_chi2_equals_brute_force_and_is_zero_for_the_same_model():
+    """``ell`` from one teacher-forced forward per model equals ``log sum_v p^2 / q``
+    computed position by position from fresh prefills."""
+    from enumerable import tiny_transformer
+
+    from smcspec.tuning.measure import mean_log_chi2
+
+    target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
+    prompt, tokens = [1, 2, 0], [3, 1, 1, 0, 2]
+    ell = mean_log_chi2(target, draft, prompt, tokens, 0.7, 0.9, 4)
+    brute = []
+    for j in range(len(tokens)):
+        lp = []
+        for model, temp in ((target, 0.7), (draft, 0.9)):
+            cache = model.new_cache(1, 1)
+            logits = model.prefill(torch.tensor(prompt + tokens[:j]), cache).double()
+            lp.append(torch.log_softmax(logits / temp, -1))
+        brute.append(float(torch.logsumexp(2 * lp[0] - lp[1], -1)))
+    assert ell == pytest.approx(sum(brute) / len(brute), rel=1e-5)
+    assert ell > 0.01
+    assert mean_log_chi2(target, target, prompt, tokens, 0.7, 0.7, 4) == pytest.approx(0, abs=1e-6)
+
+
+def test_degenerate_rounds_count_rounds_whose_weights_collapsed():
+    from enumerable import tiny_transformer
+
+    from smcspec.decoding import decode_smc
+
+    target = tiny_transformer(seed=1, scale=1.0)
+    far = tiny_transformer(seed=2, scale=1.0)
+    cfg = GenerationConfig(method="smc", max_new_tokens=40, particles=4, draft_tokens=8)
+    g = torch.Generator().manual_seed(0)
+    out = decode_smc(target, far, [1, 2, 0], cfg, frozenset(), 4, g)
+    assert out.stats["degenerate_rounds"] >= 1
+    assert out.stats["degenerate_rounds"] <= out.stats["rounds"] and out.stats["min_ess"] < 1.1
+    same = decode_smc(target, target, [1, 2, 0], cfg, frozenset(), 4, g)
+    assert same.stats["degenerate_rounds"] == 0
 
 
 # ------------------------------------------------------------------ the grid
@@ -305,7 +388,7 @@ def test_generate_smc_without_n_k_is_tuned_with_the_floor(gguf_pair, capsys):
     line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
     m = re.match(r"\[smc\] .*N=(\d+) K=(\d+), .*; smc-n\1-k\2 chosen by smc without -N/-K", line)
     assert m and int(m.group(1)) >= 8, line
-    assert re.search(r"predicted [\d.]+ tokens/s$", line)
+    assert re.search(r"predicted [\d.]+ tokens/s, predicted ESS [\d.]+ of \d+ after a round", line)
 
 
 def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):

@@ -141,6 +141,19 @@ class GenerationConfig:
         return self
 
 
+DEFAULT_MIN_ESS = 0.5
+"""The fidelity floor of settings chosen from measured costs: an smc setting is chosen only if
+its predicted ESS after a round is at least this fraction of N
+(:mod:`smcspec.tuning.predict`; kappa's default, 0.5, resamples below the same fraction)."""
+
+
+def check_min_ess(min_ess: object) -> float:
+    """``min_ess`` if it is a number in [0, 1]. Raises :class:`ConfigError` otherwise."""
+    if not _is_number(min_ess) or not 0 <= min_ess <= 1:
+        raise ConfigError(f"min_ess must be a fraction in [0, 1], got {min_ess!r}")
+    return float(min_ess)
+
+
 def check_min_particles(min_particles: object) -> int:
     """``min_particles`` (the fewest particles a tuned smc setting may have) if it is an
     integer in [1, MAX_PARTICLES]. Raises :class:`ConfigError` otherwise."""

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from smcspec.config import GenerationConfig
+from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
 
 
 def load_engine(args: argparse.Namespace, with_draft: bool = True):
@@ -50,6 +50,7 @@ def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
         draft_tokens=args.draft_tokens,
         log=note,
         remeasure=getattr(args, "remeasure", False),
+        min_ess=getattr(args, "min_ess", DEFAULT_MIN_ESS),
     )
 
 
@@ -58,16 +59,31 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
     names the setting itself (:func:`wants_tuning`)."""
     if not wants_tuning(args):
         return cfg, None
-    pick = tune_for(engine, args, cfg).pick(args.method)
+    tuning = tune_for(engine, args, cfg)
+    best_smc = tuning.smc
+    if args.method == "auto" and best_smc is not None and best_smc.ess_fraction is not None:
+        if best_smc.ess_fraction < tuning.min_ess:
+            note(
+                f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} of N after a "
+                f"round on this pair (best: {best_smc.setting.name}, "
+                f"{best_smc.ess_fraction:.2f}); auto chooses among ar and sd (--min-ess)"
+            )
+    pick = tuning.pick(args.method)
     return pick.setting.apply(cfg).validate(), pick
 
 
-def tuned_note(pick, method: str) -> str:
+def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
     how = "--method auto" if method == "auto" else "smc without -N/-K"
-    return (
+    note_ = (
         f"{pick.setting.name} chosen by {how} from measured costs, predicted "
         f"{pick.tokens_per_second:.2f} tokens/s"
     )
+    if pick.ess is not None:
+        n = pick.setting.particles
+        note_ += f", predicted ESS {pick.ess:.2f} of {n} after a round"
+        if pick.ess_fraction < min_ess:
+            note_ += f" (no smc setting meets --min-ess {min_ess:g}: the most faithful one)"
+    return note_
 
 
 def provenance(args: argparse.Namespace) -> str:

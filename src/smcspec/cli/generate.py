@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
                 "chosen_by": args.method,
                 "min_particles": args.min_particles,
                 "predicted_tokens_per_second": round(pick.tokens_per_second, 3),
+                "min_ess_floor": args.min_ess,
+                "predicted_ess": None if pick.ess is None else round(pick.ess, 3),
             }
         print(json.dumps(out, ensure_ascii=False))
         return 0
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if result.method == "smc":
         line += (
             f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
-            f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, min ESS {s['min_ess']:.2f}"
+            f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, "
+            f"min ESS {s['min_ess']:.2f}, degenerate rounds {s['degenerate_rounds']}"
         )
         if "log_normalizer" in s:  # a constraint or reward was set
             line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
         )
     if pick is not None:
-        line += f"; {tuned_note(pick, args.method)}"
+        line += f"; {tuned_note(pick, args.method, args.min_ess)}"
     if capped:
         line += f"; cut by the cap of {result.new_tokens} new tokens, not by the model (-m)"
     print(f"\n{line}")

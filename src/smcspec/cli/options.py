@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from smcspec.config import METHODS, GenerationConfig, check_min_particles
+from smcspec.config import (
+    DEFAULT_MIN_ESS,
+    METHODS,
+    GenerationConfig,
+    check_min_ess,
+    check_min_particles,
+)
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
@@ -169,7 +175,15 @@ def tuning_options() -> argparse.ArgumentParser:
         "--min-particles",
         type=int,
         default=4,
-        help="the fewest particles smc and auto may choose: the fidelity floor (default 4)",
+        help="the fewest particles smc and auto may choose (default 4)",
+    )
+    p.add_argument(
+        "--min-ess",
+        type=float,
+        default=DEFAULT_MIN_ESS,
+        metavar="FRACTION",
+        help="the fidelity floor: smc and auto choose only smc settings whose predicted ESS "
+        f"after a round is at least this fraction of N (default {DEFAULT_MIN_ESS})",
     )
     return p
 
@@ -180,6 +194,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
     -N/-K, :func:`tuned_config` later replaces them with the chosen setting."""
     if getattr(args, "min_particles", None) is not None:
         check_min_particles(args.min_particles)
+    if getattr(args, "min_ess", None) is not None:
+        check_min_ess(args.min_ess)
     return GenerationConfig(
         method="smc" if args.method == "auto" else args.method,
         max_new_tokens=args.max_new_tokens,

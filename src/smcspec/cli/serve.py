@@ -35,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)  # with the draft: a request may ask for any method
     cfg, pick = tuned_config(engine, args, cfg)  # once, at startup
     if pick is not None:
-        note(f"default setting {tuned_note(pick, args.method)}")
+        note(f"default setting {tuned_note(pick, args.method, args.min_ess)}")
     name = args.served_model_name or engine.target.name
     return serve(engine, args.host, args.port, cfg, replace(settings, model_name=name))

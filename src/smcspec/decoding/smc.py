@@ -72,6 +72,9 @@ from smcspec.sampling.smc_weights import (
 )
 from smcspec.sampling.truncation import truncate_log_probs, truncation_active
 
+DEGENERATE_ESS = 1.1
+"""A round whose ESS (before resampling) is below this counts in ``degenerate_rounds``."""
+
 
 def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
     m = int(lengths.min())
@@ -254,6 +257,9 @@ def smc_program(
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
+        ``degenerate_rounds`` (rounds whose ESS before resampling was below 1.1: the
+        weights had collapsed onto one particle, and that round was only importance
+        sampling of the draft; 0 at N=1),
         ``degenerate_weights`` (1 if every final weight was zero and the output particle
         was drawn uniformly; an all-zero weight vector has ESS = N, so it never triggers
         resampling);
@@ -543,6 +549,8 @@ def _output(
         "mean_ess": sum(trace) / len(trace) if trace else float(n),
         "min_ess": min(trace) if trace else float(n),
         "degenerate_weights": int(all_inf),
+        # rounds whose weights had collapsed onto about one particle (ESS < 1.1)
+        "degenerate_rounds": sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
     }
     if st.potential:
         stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)

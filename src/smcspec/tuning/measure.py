@@ -1,4 +1,5 @@
-"""Measuring what the predictions need: forward costs and sd's acceptance alpha.
+"""Measuring what the predictions need: forward costs, sd's acceptance alpha and the pair's
+per-token chi-square divergence (SMC-SD's degeneracy).
 
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
 (:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
@@ -42,6 +43,41 @@ class Acceptance:
     accepted: int
     drafted: int
     rounds: int
+    log_chi2: float | None = None  # ell of smcspec.tuning.predict on the run's tokens
+
+
+def mean_log_chi2(
+    target: DecoderModel,
+    draft: DecoderModel,
+    prompt: list[int],
+    tokens: list[int],
+    temperature: float,
+    draft_temperature: float,
+    vocab: int,
+) -> float:
+    """``ell``: the mean over the positions of ``tokens`` (after ``prompt``) of
+    ``log(1 + chi2(p_T || q_T)) = log sum_v p_T(v)^2 / q_T(v)``, nats (the per-token
+    degeneracy of SMC-SD's weights, :mod:`smcspec.tuning.predict`). One teacher-forced
+    forward per model; ``tokens`` should be a sample of the target (an sd run's output).
+
+    Raises:
+        ConfigError: fewer than 2 tokens, or a temperature of 0 (greedy has no weights).
+    """
+    if len(tokens) < 2 or temperature <= 0 or draft_temperature <= 0:
+        raise ConfigError("ell needs 2 or more tokens and sampling temperatures > 0")
+    logs = []
+    for model, temp in ((target, temperature), (draft, draft_temperature)):
+        cache = model.new_cache(1, len(tokens))
+        try:
+            first = model.prefill(torch.tensor(prompt, device=model.device), cache)[None]
+            rest = model.decode(torch.tensor([tokens[:-1]], device=model.device), cache)[0]
+            logits = torch.cat((first.clone(), rest))[:, :vocab].double()
+        finally:
+            cache.close()
+        logs.append(torch.log_softmax(logits / temp, -1))
+    lp, lq = logs
+    per_token = torch.logsumexp(2 * lp - lq, -1)  # >= 0 up to rounding
+    return float(per_token.clamp_min(0).mean())
 
 
 def forward_seconds_by_tokens(
@@ -109,7 +145,8 @@ def measure_forwards(
 def measure_acceptance(
     engine: Engine, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
 ) -> Acceptance:
-    """alpha of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored)
+    """alpha and ``ell`` (:func:`mean_log_chi2` on the run's output) of ``engine``'s pair from
+    one sd run of up to ``new_tokens`` tokens (EOS ignored)
     with ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``,
     on :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
 
@@ -136,7 +173,14 @@ def measure_acceptance(
         return_particles=False,
         stop_token_ids=(),
     )
-    s = engine.generate(ids, cfg).stats
+    result = engine.generate(ids, cfg)
+    s = result.stats
+    ell = None
+    if cfg.temperature > 0:
+        ell = mean_log_chi2(
+            engine.target.model, engine.draft.model, ids, result.token_ids,
+            cfg.temperature, cfg.draft_temperature, engine.vocab,
+        )  # fmt: skip
     return Acceptance(
         alpha=alpha_from_counts(s["accepted"], s["drafted"], s["rounds"]),
         draft_tokens=draft_tokens,
@@ -144,4 +188,5 @@ def measure_acceptance(
         accepted=s["accepted"],
         drafted=s["drafted"],
         rounds=s["rounds"],
+        log_chi2=ell,
     )

@@ -20,10 +20,21 @@ A *round* of each method, in the forwards the decoders issue (``smcspec.decoding
 Predicted tokens/s = tokens a round / seconds of its forwards. Sampling, Python and prefill
 time are not counted, so measured tokens/s are lower (on the 2-core CPU of
 ``docs/benchmarks/llamacpp-cpu``: ar 24 measured vs 30 predicted tokens/s).
+
+**Fidelity.** SMC-SD's error is governed by the chi-square divergence between the draft's
+and the target's distributions over a K-token block (the method notes, "What is exact and
+what is not"): with per-token second moments ``1 + chi2_t = sum_v p_T(v)^2 / q_T(v)``, a
+block's normalised weights have second moment about ``rho_K = exp(K * ell)``, ``ell`` the
+mean of ``log(1 + chi2_t)`` over positions (measured once per pair and temperatures,
+:func:`smcspec.tuning.measure.measure_acceptance`), so N particles that start a round with
+equal weights end it with an expected effective sample size of about
+``1 + (N - 1) / rho_K`` (:func:`predicted_ess`; ESS = 1 / sum w_i^2). A setting is kept when
+that ESS is at least ``min_ess`` of N (:func:`choose`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -88,11 +99,14 @@ class ForwardCosts:
         target, draft: median wall seconds of one decode forward per ``(rows, tokens)``.
         alpha: sd's per-token acceptance probability in [0, 1] (Leviathan et al.'s alpha,
             not the fraction of drafted tokens accepted); None when not measured.
+        log_chi2: ``ell``, the mean per-token ``log(1 + chi2(p_T || q_T))`` in nats (see the
+            module notes); None when not measured (no fidelity prediction).
     """
 
     target: Mapping[Shape, float]
     draft: Mapping[Shape, float]
     alpha: float | None = None
+    log_chi2: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,11 +117,19 @@ class Prediction:
         setting: the setting.
         tokens_per_round: expected tokens a round.
         round_seconds: expected seconds of a round's forwards.
+        ess: smc only: the expected ESS after one round from equal weights
+            (:func:`predicted_ess`); None for ar and sd, or without a measured ``log_chi2``.
     """
 
     setting: Setting
     tokens_per_round: float
     round_seconds: float
+    ess: float | None = None
+
+    @property
+    def ess_fraction(self) -> float | None:
+        """:attr:`ess` / N (None where there is no ESS)."""
+        return None if self.ess is None else self.ess / self.setting.particles
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,6 +180,20 @@ def alpha_from_counts(accepted: int, drafted: int, rounds: int) -> float:
     return (lo + hi) / 2
 
 
+def predicted_ess(particles: int, draft_tokens: int, log_chi2: float) -> float:
+    """Expected ESS after one SMC-SD round of ``draft_tokens`` drafted tokens from equal
+    weights: ``1 + (N - 1) exp(-K ell)`` (in [1, N]; see the module notes).
+
+    From ``E[(sum w)^2] / E[sum w^2] = 1 + (N - 1) E[w]^2 / E[w^2]`` for N independent
+    weights, with ``E[w^2] / E[w]^2 = prod_k (1 + chi2_k) = exp(K ell)`` for a block whose
+    tokens' weights are independent (Chopin & Papaspiliopoulos 2020, ch. 8, the ESS of
+    importance sampling).
+    """
+    if particles < 1 or draft_tokens < 0 or log_chi2 < 0:
+        raise ConfigError("predicted_ess needs N >= 1, K >= 0 and ell >= 0")
+    return 1.0 + (particles - 1) * math.exp(-draft_tokens * log_chi2)
+
+
 def predict(setting: Setting, costs: ForwardCosts) -> Prediction:
     """Tokens a round and seconds a round of ``setting`` (see the module notes).
 
@@ -178,7 +214,8 @@ def predict(setting: Setting, costs: ForwardCosts) -> Prediction:
         return Prediction(setting, sd_tokens_per_round(costs.alpha, k), seconds)
     if setting.method == "smc":
         seconds = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
-        return Prediction(setting, float(k + 1), seconds)
+        ess = None if costs.log_chi2 is None else predicted_ess(n, k, costs.log_chi2)
+        return Prediction(setting, float(k + 1), seconds, ess)
     raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
 
 
@@ -194,6 +231,7 @@ def choose(
     particles: int | None = None,
     draft_tokens: int | None = None,
     tie: float = 0.05,
+    min_ess: float = 0.0,
 ) -> Prediction:
     """The fastest predicted setting.
 
@@ -204,6 +242,10 @@ def choose(
         particles: only smc settings with this N (the floor is then not applied: an
             explicit N is used as given).
         draft_tokens: only sd and smc settings with this K.
+        min_ess: the fidelity floor on the predicted ESS after a round, as a fraction of N
+            (:attr:`Prediction.ess_fraction`); smc settings below it are not chosen unless
+            N is given. With ``method="smc"`` and none at or above it, the setting with the
+            highest predicted fraction is chosen (check :func:`meets_floor`).
         tie: when the fastest is smc, smc settings predicted within this fraction of it
             count as ties (measurement noise) and the one with the most particles wins
             (more particles, better fidelity, at no measurable cost; where N rows cost what
@@ -214,7 +256,7 @@ def choose(
     if method not in ("auto", "smc"):
         raise ConfigError(f"can only choose for method auto or smc, not {method!r}")
 
-    def eligible(p: Prediction) -> bool:
+    def eligible(p: Prediction, floor: bool = True) -> bool:
         s = p.setting
         if method == "smc" and s.method != "smc":
             return False
@@ -223,9 +265,15 @@ def choose(
                 return False
             if particles is None and s.particles < min_particles:
                 return False
+            if floor and particles is None and not meets_floor(p, min_ess):
+                return False
         return draft_tokens is None or s.method == "ar" or s.draft_tokens == draft_tokens
 
     candidates = [p for p in predictions if eligible(p)]
+    if not candidates and method == "smc":  # none meets the floor: the most faithful one
+        below = [p for p in predictions if eligible(p, floor=False)]
+        if below:
+            return max(below, key=lambda p: (p.ess_fraction or 0.0, p.tokens_per_second))
     if not candidates:
         raise ConfigError(
             f"no predicted {method} setting with N >= {min_particles}"
@@ -233,8 +281,15 @@ def choose(
             + (f", K = {draft_tokens}" if draft_tokens is not None else "")
         )
     best = max(candidates, key=lambda p: p.tokens_per_second)
-    if best.setting.method == "smc":
+    if best.setting.method == "smc" and particles is None:
         floor = (1 - tie) * best.tokens_per_second
         near = [p for p in candidates if p.setting.method == "smc" and p.tokens_per_second >= floor]
         best = max(near, key=lambda p: (p.setting.particles, p.tokens_per_second))
     return best
+
+
+def meets_floor(prediction: Prediction, min_ess: float) -> bool:
+    """Whether ``prediction`` keeps at least ``min_ess`` of its particles effective after a
+    round (True for ar and sd, and for smc without a fidelity prediction)."""
+    fraction = prediction.ess_fraction
+    return fraction is None or fraction >= min_ess

@@ -24,6 +24,12 @@ def format_table(tuning: Tuning) -> str:
         if acc
         else "no draft: ar only"
     )
+    if acc and acc.get("log_chi2") is not None:
+        alpha += (
+            f"; per-token log(1 + chi2(target || draft)) {acc['log_chi2']:.4f} nats on the "
+            f"same tokens, so smc's predicted ESS after a round is 1 + (N - 1) exp(-K x "
+            f"{acc['log_chi2']:.4f}); fidelity floor --min-ess {tuning.min_ess:g}"
+        )
     measured = (
         f"measured now in {tuning.measured_seconds:.1f} s"
         if tuning.measured_seconds
@@ -36,8 +42,9 @@ def format_table(tuning: Tuning) -> str:
         f"{measured}: {tuning.cache_path}. Forwards only (sampling, Python and prefill time "
         "are not counted, so measured tokens/s are lower).",
         "",
-        "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar | chosen |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar "
+        "| predicted ESS after a round | chosen |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in tuning.predictions:
         s = p.setting
@@ -48,11 +55,14 @@ def format_table(tuning: Tuning) -> str:
             marks.append(f"smc (N >= {tuning.min_particles})")
         if s.method == "smc" and s.particles < tuning.min_particles:
             marks.append("below --min-particles")
+        elif p.ess_fraction is not None and p.ess_fraction < tuning.min_ess:
+            marks.append(f"below --min-ess {tuning.min_ess:g}")
+        ess = "-" if p.ess is None else f"{p.ess:.2f} ({p.ess_fraction:.2f} N)"
         n = str(s.particles) if s.method == "smc" else "-"
         k = str(s.draft_tokens) if s.method != "ar" else "-"
         lines.append(
             f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
             f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
-            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {', '.join(marks)} |"
+            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {ess} | {', '.join(marks)} |"
         )
     return "\n".join(lines) + "\n"

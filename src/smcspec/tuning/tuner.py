@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from smcspec.config import GenerationConfig, check_min_particles
+from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig, check_min_ess, check_min_particles
 from smcspec.tuning.cache import (
     CostRecord,
     cache_file,
@@ -32,9 +32,11 @@ class Tuning:
     Attributes:
         predictions: every predicted setting (ar, sd per K, smc per N and K).
         auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``.
-        smc: the fastest smc setting with N >= ``min_particles`` (``smc`` without N/K);
-            None without a draft model.
-        min_particles: the fidelity floor used.
+        smc: the fastest smc setting with N >= ``min_particles`` whose predicted ESS
+            fraction meets ``min_ess`` (``smc`` without N/K), or, when none does, the one
+            with the highest predicted ESS fraction; None without a draft model.
+        min_particles: the smallest N allowed.
+        min_ess: the fidelity floor used (predicted ESS after a round / N).
         costs: the measured costs the predictions come from.
         acceptance: the sd run that measured alpha (None without a draft).
         key: the cache key (machine, backend, models).
@@ -46,6 +48,7 @@ class Tuning:
     auto: Prediction
     smc: Prediction | None
     min_particles: int
+    min_ess: float
     costs: ForwardCosts
     acceptance: dict[str, Any] | None
     key: dict[str, Any]
@@ -79,6 +82,7 @@ def tune(
     log: Callable[[str], None] | None = None,
     tie: float = 0.05,
     remeasure: bool = False,
+    min_ess: float = DEFAULT_MIN_ESS,
 ) -> Tuning:
     """Predict tokens/s of every ar, sd(K) and smc(N, K) setting of ``engine`` on this machine
     and choose the fastest (see :mod:`smcspec.tuning.predict` for the formulas and
@@ -98,10 +102,13 @@ def tune(
         log: called with one line before anything is measured (the CLI prints it).
         remeasure: ignore the cached file: measure everything now and replace it (costs
             measured while other work loaded the machine are wrong, and stay cached).
+        min_ess: the fidelity floor: smc settings whose predicted ESS after a round is below
+            this fraction of N are not chosen (:func:`~smcspec.tuning.predict.choose`).
     Raises:
         ConfigError: bad ``min_particles``, or no setting meets the restrictions.
     """
     check_min_particles(min_particles)
+    check_min_ess(min_ess)
     cfg = (config or GenerationConfig()).validate()
     device = str(engine.target.model.device)
     grid = grid or default_grid(device)
@@ -119,14 +126,19 @@ def tune(
         target=record.target,
         draft=record.draft,
         alpha=acceptance["alpha"] if acceptance else None,
+        log_chi2=acceptance.get("log_chi2") if acceptance else None,
     )
     predictions = tuple(predict_all(settings, costs))
-    pick = dict(min_particles=min_particles, particles=particles, draft_tokens=draft_tokens)
+    pick = dict(
+        min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
+        min_ess=min_ess,
+    )  # fmt: skip
     return Tuning(
         predictions=predictions,
         auto=choose(predictions, "auto", tie=tie, **pick),
         smc=choose(predictions, "smc", tie=tie, **pick) if with_draft else None,
         min_particles=min_particles,
+        min_ess=min_ess,
         costs=costs,
         acceptance=acceptance,
         key=key,
@@ -149,7 +161,9 @@ def _measure_missing(
     want_target, want_draft = shapes(settings)
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
-    missing_acceptance = engine.draft is not None and acc_key not in record.acceptance
+    missing_acceptance = engine.draft is not None and (
+        acc_key not in record.acceptance or "log_chi2" not in record.acceptance[acc_key]
+    )  # a cache written before ell was measured is completed once
     if not (missing_target or missing_draft or missing_acceptance):
         return 0.0
     if log is not None:
