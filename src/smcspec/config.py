@@ -141,16 +141,19 @@ class GenerationConfig:
         return self
 
 
-DEFAULT_MIN_ESS = 0.5
+DEFAULT_MIN_ESS = 4.0
 """The fidelity floor of settings chosen from measured costs: an smc setting is chosen only if
-its predicted ESS after a round is at least this fraction of N
-(:mod:`smcspec.tuning.predict`; kappa's default, 0.5, resamples below the same fraction)."""
+its predicted ESS after a round is at least this many effective particles
+(:mod:`smcspec.tuning.predict`)."""
 
 
 def check_min_ess(min_ess: object) -> float:
-    """``min_ess`` if it is a number in [0, 1]. Raises :class:`ConfigError` otherwise."""
-    if not _is_number(min_ess) or not 0 <= min_ess <= 1:
-        raise ConfigError(f"min_ess must be a fraction in [0, 1], got {min_ess!r}")
+    """``min_ess`` if it is a number in [0, MAX_PARTICLES]. Raises :class:`ConfigError`."""
+    if not _is_number(min_ess) or not 0 <= min_ess <= MAX_PARTICLES:
+        raise ConfigError(
+            f"min_ess must be a number of effective particles in [0, {MAX_PARTICLES}], "
+            f"got {min_ess!r}"
+        )
     return float(min_ess)
 
 

@@ -61,12 +61,12 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
         return cfg, None
     tuning = tune_for(engine, args, cfg)
     best_smc = tuning.smc
-    if args.method == "auto" and best_smc is not None and best_smc.ess_fraction is not None:
-        if best_smc.ess_fraction < tuning.min_ess:
+    if args.method == "auto" and best_smc is not None and best_smc.ess is not None:
+        if best_smc.ess < tuning.min_ess:
             note(
-                f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} of N after a "
-                f"round on this pair (best: {best_smc.setting.name}, "
-                f"{best_smc.ess_fraction:.2f}); auto chooses among ar and sd (--min-ess)"
+                f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} after a round "
+                f"on this pair (best: {best_smc.setting.name}, {best_smc.ess:.2f}); auto "
+                "chooses among ar and sd (--min-ess)"
             )
     pick = tuning.pick(args.method)
     return pick.setting.apply(cfg).validate(), pick
@@ -81,7 +81,7 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
     if pick.ess is not None:
         n = pick.setting.particles
         note_ += f", predicted ESS {pick.ess:.2f} of {n} after a round"
-        if pick.ess_fraction < min_ess:
+        if pick.ess < min_ess:
             note_ += f" (no smc setting meets --min-ess {min_ess:g}: the most faithful one)"
     return note_
 

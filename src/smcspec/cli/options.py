@@ -181,9 +181,9 @@ def tuning_options() -> argparse.ArgumentParser:
         "--min-ess",
         type=float,
         default=DEFAULT_MIN_ESS,
-        metavar="FRACTION",
+        metavar="ESS",
         help="the fidelity floor: smc and auto choose only smc settings whose predicted ESS "
-        f"after a round is at least this fraction of N (default {DEFAULT_MIN_ESS})",
+        f"after a round is at least this many effective particles (default {DEFAULT_MIN_ESS:g})",
     )
     return p
 

@@ -195,6 +195,8 @@ class _Particles:
     rounds: int = 0
     resamples: int = 0
     ess_trace: list[float] = field(default_factory=list)
+    equal_start: bool = True  # the round being run began with equal weights
+    fresh_ess: list[float] = field(default_factory=list)  # ESS of such rounds
 
 
 @dataclass
@@ -259,7 +261,9 @@ def smc_program(
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
         ``degenerate_rounds`` (rounds whose ESS before resampling was below 1.1: the
         weights had collapsed onto one particle, and that round was only importance
-        sampling of the draft; 0 at N=1),
+        sampling of the draft; 0 at N=1), ``mean_round_ess`` (the mean ESS of the rounds
+        that began with equal weights: at the start and after each resampling; the
+        quantity :func:`smcspec.tuning.predict.predicted_ess` predicts),
         ``degenerate_weights`` (1 if every final weight was zero and the output particle
         was drawn uniformly; an all-zero weight vector has ESS = N, so it never triggers
         resampling);
@@ -491,8 +495,12 @@ def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcach
     ancestors and copy tokens, caches, matchers and twists; the log-weights restart at 0."""
     ess = effective_sample_size(ps.logw)
     ps.ess_trace.append(ess)
+    if ps.equal_start:
+        ps.fresh_ess.append(ess)
+    ps.equal_start = False
     if st.n < 2 or ess >= st.ess_threshold * st.n:
         return
+    ps.equal_start = True
     ps.log_z += log_mean_weight(ps.logw)
     anc = RESAMPLERS[st.resampler](ps.logw, st.generator)
     ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
@@ -551,6 +559,8 @@ def _output(
         "degenerate_weights": int(all_inf),
         # rounds whose weights had collapsed onto about one particle (ESS < 1.1)
         "degenerate_rounds": sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
+        # the ESS of rounds that began with equal weights (what the tuner predicts)
+        "mean_round_ess": sum(ps.fresh_ess) / len(ps.fresh_ess) if ps.fresh_ess else float(n),
     }
     if st.potential:
         stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)

@@ -1,5 +1,5 @@
 """Measuring what the predictions need: forward costs, sd's acceptance alpha and the pair's
-per-token chi-square divergence (SMC-SD's degeneracy).
+per-token log-weights (SMC-SD's degeneracy).
 
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
 (:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
@@ -43,10 +43,13 @@ class Acceptance:
     accepted: int
     drafted: int
     rounds: int
-    log_chi2: float | None = None  # ell of smcspec.tuning.predict on the run's tokens
+    log_weight_quantiles: list[float] | None = None  # see log_weight_quantiles()
 
 
-def mean_log_chi2(
+QUANTILES = 101  # per-token log-weight quantiles kept (0, 1, ..., 100 %)
+
+
+def log_weight_quantiles(
     target: DecoderModel,
     draft: DecoderModel,
     prompt: list[int],
@@ -54,30 +57,38 @@ def mean_log_chi2(
     temperature: float,
     draft_temperature: float,
     vocab: int,
-) -> float:
-    """``ell``: the mean over the positions of ``tokens`` (after ``prompt``) of
-    ``log(1 + chi2(p_T || q_T)) = log sum_v p_T(v)^2 / q_T(v)``, nats (the per-token
-    degeneracy of SMC-SD's weights, :mod:`smcspec.tuning.predict`). One teacher-forced
-    forward per model; ``tokens`` should be a sample of the target (an sd run's output).
+    draws: int = 64,
+    seed: int = 0,
+) -> list[float]:
+    """Quantiles (0 %, 1 %, ..., 100 %) of SMC-SD's per-token incremental log-weight
+    ``log p_T(x) - log q_T(x)`` with ``x ~ q_T``, pooled over the positions of ``tokens``
+    (after ``prompt``; a sample of the target, e.g. an sd run's output): ``draws`` seeded
+    draws per position from the draft's distribution there, scored by both models' logits
+    from one teacher-forced forward each. :func:`smcspec.tuning.predict.predicted_ess`
+    simulates rounds from them.
 
     Raises:
         ConfigError: fewer than 2 tokens, or a temperature of 0 (greedy has no weights).
     """
     if len(tokens) < 2 or temperature <= 0 or draft_temperature <= 0:
-        raise ConfigError("ell needs 2 or more tokens and sampling temperatures > 0")
+        raise ConfigError("log-weights need 2 or more tokens and sampling temperatures > 0")
     logs = []
     for model, temp in ((target, temperature), (draft, draft_temperature)):
         cache = model.new_cache(1, len(tokens))
         try:
             first = model.prefill(torch.tensor(prompt, device=model.device), cache)[None]
             rest = model.decode(torch.tensor([tokens[:-1]], device=model.device), cache)[0]
-            logits = torch.cat((first.clone(), rest))[:, :vocab].double()
+            logits = torch.cat((first.clone(), rest))[:, :vocab].double().cpu()
         finally:
             cache.close()
         logs.append(torch.log_softmax(logits / temp, -1))
     lp, lq = logs
-    per_token = torch.logsumexp(2 * lp - lq, -1)  # >= 0 up to rounding
-    return float(per_token.clamp_min(0).mean())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
+    w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
+    w = w[torch.isfinite(w)]
+    qs = torch.quantile(w, torch.linspace(0, 1, QUANTILES, dtype=torch.float64))
+    return [round(float(v), 6) for v in qs]
 
 
 def forward_seconds_by_tokens(
@@ -145,8 +156,8 @@ def measure_forwards(
 def measure_acceptance(
     engine: Engine, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
 ) -> Acceptance:
-    """alpha and ``ell`` (:func:`mean_log_chi2` on the run's output) of ``engine``'s pair from
-    one sd run of up to ``new_tokens`` tokens (EOS ignored)
+    """alpha and the per-token log-weight quantiles (:func:`log_weight_quantiles` on the run's
+    output) of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored)
     with ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``,
     on :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
 
@@ -175,9 +186,9 @@ def measure_acceptance(
     )
     result = engine.generate(ids, cfg)
     s = result.stats
-    ell = None
+    quantiles = None
     if cfg.temperature > 0:
-        ell = mean_log_chi2(
+        quantiles = log_weight_quantiles(
             engine.target.model, engine.draft.model, ids, result.token_ids,
             cfg.temperature, cfg.draft_temperature, engine.vocab,
         )  # fmt: skip
@@ -188,5 +199,5 @@ def measure_acceptance(
         accepted=s["accepted"],
         drafted=s["drafted"],
         rounds=s["rounds"],
-        log_chi2=ell,
+        log_weight_quantiles=quantiles,
     )

@@ -24,11 +24,12 @@ def format_table(tuning: Tuning) -> str:
         if acc
         else "no draft: ar only"
     )
-    if acc and acc.get("log_chi2") is not None:
+    if acc and acc.get("log_weight_quantiles") is not None:
+        q = acc["log_weight_quantiles"]
         alpha += (
-            f"; per-token log(1 + chi2(target || draft)) {acc['log_chi2']:.4f} nats on the "
-            f"same tokens, so smc's predicted ESS after a round is 1 + (N - 1) exp(-K x "
-            f"{acc['log_chi2']:.4f}); fidelity floor --min-ess {tuning.min_ess:g}"
+            f"; smc's per-token log-weight on the same tokens: median {q[50]:.3f}, 1-99 % "
+            f"[{q[1]:.2f}, {q[99]:.2f}] nats, from which each setting's ESS after a round is "
+            f"simulated; fidelity floor --min-ess {tuning.min_ess:g} effective particles"
         )
     measured = (
         f"measured now in {tuning.measured_seconds:.1f} s"
@@ -55,9 +56,9 @@ def format_table(tuning: Tuning) -> str:
             marks.append(f"smc (N >= {tuning.min_particles})")
         if s.method == "smc" and s.particles < tuning.min_particles:
             marks.append("below --min-particles")
-        elif p.ess_fraction is not None and p.ess_fraction < tuning.min_ess:
+        elif p.ess is not None and p.ess < tuning.min_ess:
             marks.append(f"below --min-ess {tuning.min_ess:g}")
-        ess = "-" if p.ess is None else f"{p.ess:.2f} ({p.ess_fraction:.2f} N)"
+        ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
         n = str(s.particles) if s.method == "smc" else "-"
         k = str(s.draft_tokens) if s.method != "ar" else "-"
         lines.append(

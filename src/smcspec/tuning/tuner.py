@@ -33,10 +33,10 @@ class Tuning:
         predictions: every predicted setting (ar, sd per K, smc per N and K).
         auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``.
         smc: the fastest smc setting with N >= ``min_particles`` whose predicted ESS
-            fraction meets ``min_ess`` (``smc`` without N/K), or, when none does, the one
-            with the highest predicted ESS fraction; None without a draft model.
+            meets ``min_ess`` (``smc`` without N/K), or, when none does, the one with the
+            highest predicted ESS; None without a draft model.
         min_particles: the smallest N allowed.
-        min_ess: the fidelity floor used (predicted ESS after a round / N).
+        min_ess: the fidelity floor used (predicted effective particles after a round).
         costs: the measured costs the predictions come from.
         acceptance: the sd run that measured alpha (None without a draft).
         key: the cache key (machine, backend, models).
@@ -103,7 +103,8 @@ def tune(
         remeasure: ignore the cached file: measure everything now and replace it (costs
             measured while other work loaded the machine are wrong, and stay cached).
         min_ess: the fidelity floor: smc settings whose predicted ESS after a round is below
-            this fraction of N are not chosen (:func:`~smcspec.tuning.predict.choose`).
+            this many effective particles are not chosen
+            (:func:`~smcspec.tuning.predict.choose`).
     Raises:
         ConfigError: bad ``min_particles``, or no setting meets the restrictions.
     """
@@ -126,7 +127,7 @@ def tune(
         target=record.target,
         draft=record.draft,
         alpha=acceptance["alpha"] if acceptance else None,
-        log_chi2=acceptance.get("log_chi2") if acceptance else None,
+        log_weight_quantiles=acceptance.get("log_weight_quantiles") if acceptance else None,
     )
     predictions = tuple(predict_all(settings, costs))
     pick = dict(
@@ -162,8 +163,8 @@ def _measure_missing(
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
     missing_acceptance = engine.draft is not None and (
-        acc_key not in record.acceptance or "log_chi2" not in record.acceptance[acc_key]
-    )  # a cache written before ell was measured is completed once
+        acc_key not in record.acceptance or "log_weight_quantiles" not in record.acceptance[acc_key]
+    )  # a cache written before the log-weights were measured is completed once
     if not (missing_target or missing_draft or missing_acceptance):
         return 0.0
     if log is not None:
