@@ -20,8 +20,13 @@ def test_method_specs_and_grid():
     names = [s.name for s in harness.method_specs("ar,sd,smc", base, "N=2,4;K=2,3")]
     assert names == ["ar", "sd-k2", "sd-k3", "smc-n2-k2", "smc-n2-k3", "smc-n4-k2", "smc-n4-k3"]
     assert [s.name for s in harness.method_specs("smc", base)] == ["smc-n4-k4"]
-    with pytest.raises(ConfigError):
-        harness.method_specs("ar,beam", base)
+    named = harness.method_specs("ar,smc-n8-k2,smc-n4-k8,sd-k3", base)
+    assert [s.name for s in named] == ["ar", "smc-n8-k2", "smc-n4-k8", "sd-k3"]
+    assert (named[1].config.particles, named[1].config.draft_tokens) == (8, 2)
+    assert named[3].config.method == "sd" and named[3].config.draft_tokens == 3
+    for bad in ("ar,beam", "smc-n0-k2", "smc-n4"):
+        with pytest.raises(ConfigError):
+            harness.method_specs(bad, base)
     with pytest.raises(ConfigError):
         harness.method_specs("smc", base, "N=two")
 

@@ -38,7 +38,8 @@ class MethodSpec:
 
 
 def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) -> list[MethodSpec]:
-    """Parse ``"ar,sd,smc"`` (and a grid like ``"N=2,4,8;K=2,4,8"`` for smc and sd).
+    """Parse ``"ar,sd,smc"`` (and a grid like ``"N=2,4,8;K=2,4,8"`` for smc and sd), or
+    settings named as the reports name them (``"ar,smc-n8-k2,smc-n4-k8,sd-k4"``).
 
     ``smc`` without a grid uses ``base``'s N and K; with a grid, one spec per (N, K) pair
     (sd: one per K). Raises :class:`ConfigError` for an unknown method or a bad grid.
@@ -60,6 +61,14 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
             specs += [
                 MethodSpec(f"sd-k{k}", replace(base, method="sd", draft_tokens=k)) for k in ks
             ]
+        elif m := re.fullmatch(r"smc-n(\d+)-k(\d+)", method):
+            n, k = int(m.group(1)), int(m.group(2))
+            specs.append(
+                MethodSpec(method, replace(base, method="smc", particles=n, draft_tokens=k))
+            )
+        elif m := re.fullmatch(r"sd-k(\d+)", method):
+            k = int(m.group(1))
+            specs.append(MethodSpec(method, replace(base, method="sd", draft_tokens=k)))
         elif method == "smc":
             specs += [
                 MethodSpec(
@@ -69,7 +78,9 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
                 for k in ks
             ]
         else:
-            raise ConfigError(f"unknown method {method!r}; choose from ar, sd, smc")
+            raise ConfigError(
+                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, smc-nN-kK"
+            )
     for s in specs:
         s.config.validate()
     return specs
