@@ -332,3 +332,17 @@ def test_a_gguf_pair_without_llama_cpp_says_it_falls_back_to_torch(tmp_path, mon
         lines.clear()
         assert Engine.load(path, with_draft=False, log=lines.append).target.backend == "llamacpp"
         assert lines == []
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_generate_at_temperature_0_is_greedy_on_every_method(pair, capsys, method):
+    target, draft = pair
+    argv = ["generate", "ab", "--target", target, "--draft", draft, "--no-chat", "-m", "6",
+            "--temperature", "0", "--method", method, "-N", "4", "-K", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    text, stats = out.rstrip("\n").rsplit("\n", 1)
+    assert stats.startswith("[smc, greedy: run as sd]" if method == "smc" else f"[{method}]")
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["greedy"] is True and result["text"] == text

@@ -49,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     s = result.stats
+    label = result.method if "ran_as" not in s else f"{result.method}, greedy: run as {s['ran_as']}"
     line = (
-        f"[{result.method}] {result.new_tokens} tokens in {result.seconds:.2f} s "
+        f"[{label}] {result.new_tokens} tokens in {result.seconds:.2f} s "
         f"({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_tokens} tokens"
     )
-    if result.method == "smc":
+    ran_as = s.get("ran_as", result.method)
+    if ran_as == "smc":
         line += (
             f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
             f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, "
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if "log_normalizer" in s:  # a constraint or reward was set
             line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
-    elif result.method == "sd":
+    elif ran_as == "sd":
         line += (
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
             f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
