@@ -11,8 +11,7 @@ from smcspec.decoding.common import (
     DecodeOutput,
     TokenCallback,
     as_prompt_tensor,
-    close_caches,
-    open_caches,
+    with_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs, timed_start
@@ -65,12 +64,12 @@ def ar_program(
     ``reservation``: the request's leases (the KV cache is opened on them); without one the
     cache reserves its own, given back when the program ends or is closed.
     """
-    caches = open_caches(ar_caches(cfg, len(prompt)), {"target": target}, reservation)
-    try:
-        args = (target, caches[0], prompt, cfg, stop_ids, vocab, generator, on_tokens)
-        return (yield from _ar_steps(*args))
-    finally:
-        close_caches(caches)
+
+    def steps(cache: KVCache) -> Program:
+        return _ar_steps(target, cache, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+
+    needs = ar_caches(cfg, len(prompt))
+    return (yield from with_caches(needs, {"target": target}, reservation, steps))
 
 
 def _ar_steps(

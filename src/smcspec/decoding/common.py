@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +76,21 @@ def open_caches(
         close_caches(caches)
         raise
     return caches
+
+
+def with_caches(
+    needs: list[CacheNeed],
+    models: dict[str, DecoderModel],
+    reservation: Reservation | None,
+    body: Callable[..., Generator],
+) -> Generator:
+    """Open the caches of ``needs`` (:func:`open_caches`), run the program ``body(*caches)``
+    and close them however it ends (completion, error, or the program being closed)."""
+    caches = open_caches(needs, models, reservation)
+    try:
+        return (yield from body(*caches))
+    finally:
+        close_caches(caches)
 
 
 def close_caches(caches: list[KVCache]) -> None:

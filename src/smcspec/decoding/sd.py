@@ -35,9 +35,8 @@ from smcspec.decoding.common import (
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
-    close_caches,
     cut_at_stop,
-    open_caches,
+    with_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
@@ -89,13 +88,13 @@ def sd_program(
         (1 + accepted / rounds, as vLLM defines it); with a constraint also
         ``constraint_seconds`` (wall seconds in masks and matchers).
     """
+
+    def rounds(tcache: KVCache, dcache: KVCache) -> Program:
+        args = (prompt, cfg, stop_ids, vocab, generator, on_tokens)
+        return _sd_rounds(target, draft, tcache, dcache, *args)
+
     models = {"target": target, "draft": draft}
-    caches = open_caches(sd_caches(cfg, len(prompt)), models, reservation)
-    try:
-        args = (target, draft, *caches, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-        return (yield from _sd_rounds(*args))
-    finally:
-        close_caches(caches)
+    return (yield from with_caches(sd_caches(cfg, len(prompt)), models, reservation, rounds))
 
 
 def _sd_rounds(

@@ -41,8 +41,7 @@ from smcspec.decoding.common import (
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
-    close_caches,
-    open_caches,
+    with_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
@@ -279,13 +278,13 @@ def smc_program(
     """
     if cfg.temperature <= 0:
         raise ValueError("SMC-SD needs temperature > 0 (greedy requests run as greedy sd)")
+
+    def rounds(tcache: KVCache, dcache: KVCache) -> Program:
+        args = (prompt, cfg, stop_ids, vocab, generator, on_tokens, truncate_draft)
+        return _smc_rounds(target, draft, tcache, dcache, *args)
+
     models = {"target": target, "draft": draft}
-    caches = open_caches(smc_caches(cfg, len(prompt)), models, reservation)
-    try:
-        args = (target, draft, *caches, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-        return (yield from _smc_rounds(*args, truncate_draft))
-    finally:
-        close_caches(caches)
+    return (yield from with_caches(smc_caches(cfg, len(prompt)), models, reservation, rounds))
 
 
 def _smc_rounds(
