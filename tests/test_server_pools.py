@@ -133,12 +133,19 @@ def test_a_request_that_can_never_fit_is_a_400_naming_the_pool(engine):
 
 
 def test_a_leaked_pool_turns_health_to_503(engine):
-    """A lease that nobody releases while nothing runs (a bug) is found within the grace."""
+    """A lease of the server's that nobody releases while nothing runs (a bug) is found within
+    the grace; a lease of someone else sharing the engine only makes requests wait."""
     app = create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL,
                      leak_grace_s=0.5)  # fmt: skip
     server = Server(app)
     pool = engine.target.model.pool
-    stolen = pool.try_reserve(pool.free())
+    other = pool.try_reserve(pool.free())  # someone else's: not a leak of this server
+    try:
+        time.sleep(1.5)
+        assert httpx.get(server.url("/health")).status_code == 200
+    finally:
+        other.release()
+    stolen = pool.try_reserve(pool.free(), owner=app.state.scheduler)  # lost by the server
     try:
         deadline = time.time() + 30
         while time.time() < deadline and httpx.get(server.url("/health")).status_code == 200:

@@ -317,12 +317,13 @@ class Engine:
                 return f"the request can never fit: the {role} {reason}"
         return None
 
-    def try_reserve(self, job: Job) -> Reservation | None:
+    def try_reserve(self, job: Job, owner: object | None = None) -> Reservation | None:
         """Reserve everything ``job`` can ever use on both models, all-or-nothing; None when
-        it does not fit now. The caller releases it (:meth:`Reservation.release`)."""
+        it does not fit now. The caller releases it (:meth:`Reservation.release`);
+        ``owner`` tags the leases (a scheduler checks its own for leaks)."""
         pools, leases = self.pools(), {}
         for role, amounts in self.pool_needs(job).items():
-            lease = pools[role].try_reserve(amounts)
+            lease = pools[role].try_reserve(amounts, owner=owner)
             if lease is None:
                 Reservation(leases).release()
                 return None

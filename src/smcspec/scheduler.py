@@ -14,9 +14,10 @@ shared pools (llama.cpp sequence ids and KV cells, the torch backend's KV bytes;
 it waits in the queue (first come, first served). Whatever ends it (its last token, an
 error, a cancel, a disconnect, shutdown), :meth:`BatchScheduler._finish` releases its
 reservation in a ``finally``, before its result is delivered. A request that could never fit
-is refused by :meth:`BatchScheduler.submit`. A pool that cannot admit the first waiting
-request while nothing runs, or that stays in use while nothing runs, for ``leak_grace_s``,
-is a leak (a bug): the worker stops as below, so that ``/health`` turns 503.
+is refused by :meth:`BatchScheduler.submit`. A lease this scheduler took that is still held
+while nothing runs, for ``leak_grace_s``, is a leak (a bug): the worker stops as below, so
+that ``/health`` turns 503. (Leases of others sharing the engine, another scheduler or a
+direct ``Engine.generate``, only make requests wait.)
 
 A request cancelled by its client (disconnect) is dropped at the next step: its program is
 closed and its reservation released; one cancelled while it waits is dropped from the queue.
@@ -103,9 +104,8 @@ class BatchScheduler:
         max_waiting: submissions beyond this many queued requests raise QueueFullError.
         on_step: optional observer called after every step with :class:`StepStats`.
         on_fatal: called (on the worker thread) with the exception if the worker dies.
-        leak_grace_s: how long a pool may stay in use, or refuse the first waiting request,
-            while nothing runs before it is declared leaked (another thread's direct use of
-            the same engine may hold it that long).
+        leak_grace_s: how long a lease of this scheduler may stay held while nothing runs
+            before it is declared leaked.
     """
 
     def __init__(
@@ -187,13 +187,13 @@ class BatchScheduler:
             while True:
                 with self._cv:
                     while not self._stop and not self._waiting and not self._running:
-                        self._check_idle_pools(blocked=False)
+                        self._check_idle_pools()
                         self._cv.wait(timeout=1.0)
                     if self._stop:
                         break
                     self._admit_waiting()
                     if not self._running:  # the first waiting request does not fit yet
-                        self._check_idle_pools(blocked=bool(self._waiting))
+                        self._check_idle_pools()
                         self._cv.wait(timeout=0.05)
                         continue
                     self._idle_since = None
@@ -225,19 +225,18 @@ class BatchScheduler:
                 self._waiting.popleft()
                 self._finish(head, RuntimeError("cancelled"))
                 continue
-            reservation = self.engine.try_reserve(head.job)
+            reservation = self.engine.try_reserve(head.job, owner=self)
             if reservation is None:
                 return
             self._waiting.popleft()
             head.reservation = reservation
             self._admit(head)
 
-    def _check_idle_pools(self, blocked: bool) -> None:
-        """With nothing running, every pool must be free (``blocked``: the first waiting
-        request does not fit). Raises :class:`PoolLeakError` once that has been false for
-        ``leak_grace_s``."""
-        in_use = [role for role, pool in self.engine.pools().items() if pool.in_use]
-        if not blocked and not in_use:
+    def _check_idle_pools(self) -> None:
+        """With nothing running, this scheduler must hold no lease. Raises
+        :class:`PoolLeakError` once one has been held for ``leak_grace_s`` regardless."""
+        held = {role: pool.leases_of(self) for role, pool in self.engine.pools().items()}
+        if not any(held.values()):
             self._idle_since = None
             return
         now = time.monotonic()
@@ -245,10 +244,9 @@ class BatchScheduler:
             self._idle_since = now
         elif now - self._idle_since >= self.leak_grace_s:
             free = {role: pool.free() for role, pool in self.engine.pools().items()}
-            what = "cannot admit the first waiting request" if blocked else "are in use"
             raise PoolLeakError(
-                f"nothing has run for {self.leak_grace_s:g} s, yet the models' pools {what} "
-                f"(free: {free}): a leak"
+                f"nothing has run for {self.leak_grace_s:g} s, yet this server still holds "
+                f"leases {held} (free: {free}): a leak"
             )
 
     def _admit(self, req: Request) -> None:

@@ -35,6 +35,7 @@ class Lease:
     amounts: dict[str, int]
     items: dict[str, Any] = field(default_factory=dict)
     released: bool = False
+    owner: object | None = None  # who reserved it (a scheduler), for leak checks
 
     def release(self) -> None:
         """Give the lease back to its pool; later calls do nothing."""
@@ -64,6 +65,7 @@ class ResourcePool:
         self.capacity = dict(capacity)
         self._free = dict(capacity)
         self._leases = 0
+        self._owners: dict[int, object | None] = {}
         self._on_take, self._on_release = on_take, on_release
         self._lock = threading.RLock()
 
@@ -84,16 +86,18 @@ class ResourcePool:
                 )
         return None
 
-    def try_reserve(self, amounts: Mapping[str, int]) -> Lease | None:
-        """Reserve ``amounts`` if all are free now; None (nothing taken) otherwise."""
+    def try_reserve(self, amounts: Mapping[str, int], owner: object | None = None) -> Lease | None:
+        """Reserve ``amounts`` if all are free now; None (nothing taken) otherwise.
+        ``owner``: who holds the lease (see :meth:`leases_of`)."""
         self._check(amounts)
         with self._lock:
             if any(v > self._free[k] for k, v in amounts.items()):
                 return None
-            lease = Lease(self, dict(amounts))
+            lease = Lease(self, dict(amounts), owner=owner)
             for k, v in amounts.items():
                 self._free[k] -= v
             self._leases += 1
+            self._owners[id(lease)] = owner
             if self._on_take is not None:
                 try:
                     self._on_take(lease)
@@ -101,6 +105,7 @@ class ResourcePool:
                     for k, v in amounts.items():
                         self._free[k] += v
                     self._leases -= 1
+                    self._owners.pop(id(lease), None)
                     raise
             return lease
 
@@ -119,6 +124,7 @@ class ResourcePool:
                 for k, v in lease.amounts.items():
                     self._free[k] += v
                 self._leases -= 1
+                self._owners.pop(id(lease), None)
 
     def free(self) -> dict[str, int]:
         """Resource name -> amount free now."""
@@ -135,6 +141,11 @@ class ResourcePool:
     def leases(self) -> int:
         with self._lock:
             return self._leases
+
+    def leases_of(self, owner: object) -> int:
+        """How many leases ``owner`` holds now."""
+        with self._lock:
+            return sum(1 for o in self._owners.values() if o is owner)
 
 
 @dataclass(frozen=True)
