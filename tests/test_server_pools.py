@@ -178,7 +178,8 @@ def test_requests_that_together_exceed_the_kv_cells_take_turns(tmp_path_factory)
             replies = list(pool.map(lambda i: httpx.post(url, json={**body, "seed": i},
                                                          timeout=120), range(5)))  # fmt: skip
         assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies]
-        assert all(r.json()["usage"]["completion_tokens"] == 150 for r in replies)  # no EOS
+        # each reserves 150 tokens' cells whether or not it ends early (batch-dependent)
+        assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in replies)
         assert server.metrics()["smcspec_max_batch_requests"] <= 2
         _settled(server)
     finally:
