@@ -8,8 +8,8 @@ until it ends; :meth:`Lease.release` gives it back, idempotently, from a ``final
 A :class:`Reservation` is one request's leases on the target and the draft.
 
 Nothing here relies on the garbage collector: a lease that is never released stays
-reserved, and :meth:`ResourcePool.in_use` shows it (the scheduler treats a pool that is
-not full while nothing runs as a leak and turns the server unhealthy).
+reserved, and :meth:`ResourcePool.leases_of` shows whose it is (the scheduler treats a lease
+of its own still held while nothing runs as a leak and turns the server unhealthy).
 """
 
 from __future__ import annotations

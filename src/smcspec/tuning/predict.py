@@ -130,11 +130,6 @@ class Prediction:
     ess: float | None = None
 
     @property
-    def ess_fraction(self) -> float | None:
-        """:attr:`ess` / N (None where there is no ESS)."""
-        return None if self.ess is None else self.ess / self.setting.particles
-
-    @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_round / self.round_seconds
 
