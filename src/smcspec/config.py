@@ -48,6 +48,10 @@ class GenerationConfig:
             or an already compiled :class:`~smcspec.potentials.TokenConstraint`); ar and sd
             sample the locally-masked target, smc the conditional (``docs/constraints.md``).
         reward: a :class:`~smcspec.potentials.Reward` ``exp(beta * R(x))`` (smc only).
+        shared_rows: each forward computes the distinct particle rows only (particles
+            with the same history and token share one row; the output does not change,
+            see :mod:`smcspec.backends.shared_rows`); ``False`` computes every row, for
+            comparison.
     The three filters apply to the tempered target (and, separately, to the tempered draft)
     at every step; all methods then sample the truncated, renormalised target exactly (ar,
     sd) or approximately (smc). See :mod:`smcspec.sampling.truncation` and
@@ -73,6 +77,7 @@ class GenerationConfig:
     min_p: float = 0.0
     constraint: Constraint | TokenConstraint | None = None
     reward: Reward | None = None
+    shared_rows: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +136,8 @@ class GenerationConfig:
                 "ignore_eos cannot be combined with a constraint: the constraint decides where "
                 "the output ends (its stop token is allowed only once the output is complete)"
             )
+        if not isinstance(self.shared_rows, bool):
+            raise ConfigError(f"shared_rows must be true or false, got {self.shared_rows!r}")
         if self.reward is not None:
             if not isinstance(self.reward, Reward):
                 raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")

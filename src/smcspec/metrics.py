@@ -58,7 +58,13 @@ class ServerMetrics:
             registry=r,
         )
         self.forward_rows = Counter(
-            "smcspec_forward_rows", "Token rows run, by model", ["model"], registry=r
+            "smcspec_forward_rows", "Token rows fed to forwards, by model", ["model"], registry=r
+        )
+        self.distinct_rows = Counter(
+            "smcspec_forward_distinct_rows",
+            "Token rows computed (distinct particle prefixes), by model",
+            ["model"],
+            registry=r,
         )
         self.max_batch = Gauge(
             "smcspec_max_batch_requests", "Most requests that have shared one step", registry=r
@@ -97,6 +103,8 @@ class ServerMetrics:
                 self.max_batch.set(stats.requests)
         for model, rows in stats.rows.items():
             self.forward_rows.labels(model).inc(rows)
+        for model, rows in stats.distinct_rows.items():
+            self.distinct_rows.labels(model).inc(rows)
 
     def observe_request(self, method: str, outcome: str, req, result, prompt_tokens: int) -> None:
         self.requests.labels(method, outcome).inc()

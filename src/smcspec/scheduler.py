@@ -93,6 +93,8 @@ class StepStats:
     requests: int
     rows: dict[str, int]  # model role -> rows (sequences x tokens) in its batched forward
     seconds: float
+    # model role -> distinct rows its forward computed (smcspec.backends.shared_rows)
+    distinct_rows: dict[str, int] = field(default_factory=dict)
 
 
 class BatchScheduler:
@@ -315,6 +317,7 @@ class BatchScheduler:
             self._finish(req, RuntimeError("cancelled"))
         live = [r for r in self._running if r.pending is not None]
         rows: dict[str, int] = {}
+        distinct: dict[str, int] = {}
         results: dict[int, torch.Tensor] = {}
         for req in live:  # prefills have different lengths: one at a time
             if isinstance(req.pending, Prefill):
@@ -333,8 +336,10 @@ class BatchScheduler:
             role = "target" if model is self.engine.target.model else "draft"
             items = [(r.pending.tokens, r.pending.cache, r.pending.last_only) for r in members]
             rows[role] = sum(t.numel() for t, _, _ in items)
+            computed = sum(c.histories.computed for _, c, _ in items)
             try:
                 outs = model.decode_batch(items)
+                distinct[role] = sum(c.histories.computed for _, c, _ in items) - computed
             except Exception as exc:  # fail these requests, keep the worker serving
                 if not isinstance(exc, SmcspecError):
                     log.exception("batched forward failed")
@@ -348,7 +353,8 @@ class BatchScheduler:
             if id(req) in results and req.pending is not None:
                 self._advance(req, results[id(req)])
         self._running = [r for r in self._running if r.pending is not None]
-        stats = StepStats(requests=len(live), rows=rows, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        stats = StepStats(len(live), rows, seconds, distinct)
         if self.on_step is not None:
             try:
                 self.on_step(stats)

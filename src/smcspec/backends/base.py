@@ -15,15 +15,19 @@ from typing import Protocol
 import torch
 
 from smcspec.backends.pool import Lease, ResourcePool
+from smcspec.backends.shared_rows import RowHistories
 
 
 class KVCache(Protocol):
     """The KV state of one request's particle rows (all rows advance together).
 
-    ``length`` is the number of generated tokens stored per row.
+    ``length`` is the number of generated tokens stored per row; ``histories`` knows which
+    rows hold the same tokens (:mod:`smcspec.backends.shared_rows`) and counts the rows
+    computed and fed.
     """
 
     length: int
+    histories: RowHistories
 
     @property
     def rows(self) -> int: ...
@@ -54,16 +58,20 @@ class DecoderModel(Protocol):
         """The most a cache of ``rows`` x ``capacity`` generated tokens after a
         ``prompt_len``-token prompt can take from :attr:`pool`."""
 
-    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> KVCache:
+    def new_cache(
+        self, rows: int, capacity: int, lease: Lease | None = None, shared_rows: bool = True
+    ) -> KVCache:
         """A cache for ``rows`` particles of up to ``capacity`` generated tokens each, drawing
         on ``lease`` (reserved with :meth:`cache_need`); without one it reserves what it needs
-        itself and :meth:`KVCache.close` gives it back."""
+        itself and :meth:`KVCache.close` gives it back. With ``shared_rows`` each forward
+        computes the distinct rows only (:mod:`smcspec.backends.shared_rows`)."""
 
     def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``."""
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """Append ``tokens`` (int64 ``[R, T]``) to the rows; logits ``[R, T or 1, V]``.
+        """Append ``tokens`` (int64 ``[R, T]``) to the rows; logits ``[R, T or 1, V]`` (rows
+        with the same history and tokens get equal logits, computed once).
 
         Raises:
             ContextLengthError: the cache is full.

@@ -13,6 +13,14 @@ One model is one llama.cpp context with a **unified KV cache** shared by every r
   (:meth:`SequenceCache.truncate`) are sequence operations on cells, not copies of KV;
 * one :meth:`LlamaCppModel.decode_batch` puts the rows of every request into one
   ``llama_batch`` (chunked to ``n_batch`` tokens, since a larger batch aborts the process);
+* distinct rows (:mod:`smcspec.backends.shared_rows`): particles of one request whose
+  histories and new token are the same go into the batch as **one** token belonging to all
+  their sequences (``n_seq_id > 1``): llama.cpp computes it once, stores one KV cell shared
+  by those sequences and returns one logits row, which every particle gets. The plan orders
+  the tokens so that each sequence's positions increase and its sharing set only shrinks
+  (llama.cpp's batch checks); sequences that share a token have the same positions in the
+  cache, since every row of a request advances together; rows of different requests are
+  never merged;
 * logits come back as float32 torch tensors over llama.cpp's own buffer (no copy), valid
   until the next forward of the same model; prefill logits are copied, as a program may
   hold them across another request's prefill.
@@ -34,6 +42,7 @@ import numpy as np
 import torch
 
 from smcspec.backends.pool import Lease, ResourcePool
+from smcspec.backends.shared_rows import RowHistories
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids
@@ -150,10 +159,20 @@ class SequenceCache:
     ``length`` generated tokens are stored per row, at positions
     ``prompt_len .. prompt_len + length - 1`` (all rows advance together). The ids come
     from ``lease`` (a request's reservation, released by its owner) or, without one, from
-    a lease of the cache's own that :meth:`close` releases.
+    a lease of the cache's own that :meth:`close` releases. ``histories`` tracks which rows
+    hold identical tokens (:class:`~smcspec.backends.shared_rows.RowHistories`; with
+    ``shared_rows`` off every row is computed).
     """
 
-    def __init__(self, model: LlamaCppModel, lease: Lease, rows: int, capacity: int, owned: bool):
+    def __init__(
+        self,
+        model: LlamaCppModel,
+        lease: Lease,
+        rows: int,
+        capacity: int,
+        owned: bool,
+        shared_rows: bool = True,
+    ):
         taken = lease.items.setdefault("taken", 0)
         need = rows + (1 if rows > 1 else 0)
         ids = lease.items["ids"][taken : taken + need]
@@ -167,6 +186,7 @@ class SequenceCache:
         self.ids, self.spare = ids[:rows], (ids[rows] if rows > 1 else None)
         self.prompt_len = 0
         self.length = 0
+        self.histories = RowHistories(rows, shared=shared_rows)
         if owned:  # a direct user's cache: close() gives it back, collection as a last resort
             weakref.finalize(self, lease.release)
 
@@ -193,6 +213,7 @@ class SequenceCache:
             mem = self.model._memory
             for s in self.ids:
                 self.model._lib.llama_memory_seq_rm(mem, s, self.prompt_len + length, -1)
+        self.histories.truncate(self.length - length)
         self.length = length
 
     def reorder(self, ancestors: torch.Tensor) -> None:
@@ -215,6 +236,7 @@ class SequenceCache:
                     lib.llama_memory_seq_cp(mem, seq[src], seq[dst], -1, -1)
             finally:
                 lib.llama_memory_seq_rm(mem, self.spare, -1, -1)
+        self.histories.reorder(anc)
 
 
 class LlamaCppModel:
@@ -268,7 +290,8 @@ class LlamaCppModel:
         self.vocab_size = self.n_vocab
         self.context_length = lib.llama_model_n_ctx_train(self._model)
         self.n_batch = lib.llama_n_batch(self._ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        # each token may belong to every sequence (distinct rows shared by several particles)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, settings.max_sequences)
         self._lock = threading.RLock()
         self._free_ids = list(range(settings.max_sequences - 1, -1, -1))
         self.pool = ResourcePool(
@@ -306,18 +329,21 @@ class LlamaCppModel:
             "kv_cells": prompt_len + rows * capacity,
         }
 
-    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> SequenceCache:
+    def new_cache(
+        self, rows: int, capacity: int, lease: Lease | None = None, shared_rows: bool = True
+    ) -> SequenceCache:
         """A cache of ``rows`` particles holding up to ``capacity`` generated tokens each.
 
         With ``lease`` (from :attr:`pool`, reserved with :meth:`cache_need`) the ids come
         from it; without, the cache reserves its own (prompt cells not counted) and must be
-        closed (:meth:`SequenceCache.close`).
+        closed (:meth:`SequenceCache.close`). ``shared_rows``: compute each distinct row of
+        a forward once (the module notes); ``False`` computes every row.
 
         Raises:
             ContextLengthError: without a lease, the pool cannot hold the cache now.
         """
         if lease is not None:
-            return SequenceCache(self, lease, rows, capacity, owned=False)
+            return SequenceCache(self, lease, rows, capacity, owned=False, shared_rows=shared_rows)
         need = self.cache_need(rows, capacity, 0)
         own = self.pool.try_reserve(need)
         if own is None:
@@ -328,7 +354,7 @@ class LlamaCppModel:
                 f"free of {self.settings.max_sequences} and {self.settings.kv_cells} (fewer "
                 "particles or concurrent requests, or larger max_sequences/kv_cells)"
             )
-        return SequenceCache(self, own, rows, capacity, owned=True)
+        return SequenceCache(self, own, rows, capacity, owned=True, shared_rows=shared_rows)
 
     # ------------------------------------------------------------------ forwards
     def prefill(self, prompt: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
@@ -340,7 +366,7 @@ class LlamaCppModel:
         cache._check_open()
         first = cache.ids[0]
         with self._lock:
-            rows = [(t, p, first, p == len(tokens) - 1) for p, t in enumerate(tokens)]
+            rows = [(t, p, (first,), p == len(tokens) - 1) for p, t in enumerate(tokens)]
             logits = self._run(rows)[0].clone()
             for s in cache.ids[1:]:
                 self._lib.llama_memory_seq_cp(self._memory, first, s, -1, -1)
@@ -362,45 +388,52 @@ class LlamaCppModel:
             ContextLengthError: a cache's capacity, or the KV cells, are exhausted (every
                 request of the batch fails: its sequences may hold part of the batch).
         """
-        rows: list[tuple[int, int, int, bool]] = []
-        shapes = []
+        rows: list[tuple[int, int, tuple[int, ...], bool]] = []
+        plans = []
         for tokens, cache, last_only in items:
             r, t = tokens.shape
             cache._check_open()
+            if r != cache.rows:
+                raise ValueError(f"{r} token rows for a cache of {cache.rows} rows")
             if cache.length + t > cache.capacity:
                 raise ContextLengthError(
                     f"KV cache full: {cache.length} + {t} > capacity {cache.capacity}"
                 )
             base = cache.prompt_len + cache.length
-            ids = tokens.tolist()
-            for i, s in enumerate(cache.ids):
-                for j in range(t):
-                    rows.append((ids[i][j], base + j, s, not last_only or j == t - 1))
-            shapes.append((r, 1 if last_only else t))
+            plan = cache.histories.plan(tokens.tolist(), last_only)
+            for tok, j, members, want in zip(
+                plan.tokens, plan.positions, plan.members, plan.outputs, strict=True
+            ):
+                rows.append((tok, base + j, tuple(cache.ids[i] for i in members), want))
+            plans.append(plan)
         with self._lock:
             logits = self._run(rows)
-        for (tokens, cache, _), _shape in zip(items, shapes, strict=True):
-            cache.length += tokens.shape[1]
         out, start = [], 0
-        for r, t in shapes:
-            out.append(logits[start : start + r * t].view(r, t, self.n_vocab))
-            start += r * t
+        for (tokens, cache, last_only), plan in zip(items, plans, strict=True):
+            cache.length += tokens.shape[1]
+            cache.histories.commit(plan)
+            n_out = sum(plan.outputs)
+            out.append(plan.expand_logits(logits[start : start + n_out], last_only))
+            start += n_out
         return out
 
-    def _run(self, rows: list[tuple[int, int, int, bool]]) -> torch.Tensor:
-        """``llama_decode`` over ``(token, position, sequence, wants_logits)`` rows, in chunks
-        of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk)."""
+    def _run(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
+        """``llama_decode`` over ``(token, position, sequences, wants_logits)`` rows, in
+        chunks of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk).
+        A row of several sequences is one token (one KV cell) shared by all of them."""
         lib, batch = self._lib, self._batch
         n_out = sum(r[3] for r in rows)
         chunks = [rows[i : i + self.n_batch] for i in range(0, len(rows), self.n_batch)]
         out = None if len(chunks) == 1 else torch.empty(n_out, self.n_vocab)
         done = 0
         for chunk in chunks:
-            for k, (tok, pos, seq, want) in enumerate(chunk):
+            for k, (tok, pos, seqs, want) in enumerate(chunk):
                 batch.token[k] = tok
                 batch.pos[k] = pos
-                batch.n_seq_id[k] = 1
-                batch.seq_id[k][0] = seq
+                batch.n_seq_id[k] = len(seqs)
+                ids = batch.seq_id[k]
+                for m, seq in enumerate(seqs):
+                    ids[m] = seq
                 batch.logits[k] = want
             batch.n_tokens = len(chunk)
             rc = lib.llama_decode(self._ctx, batch)

@@ -151,12 +151,15 @@ class ResourcePool:
 @dataclass(frozen=True)
 class CacheNeed:
     """One KV cache a decoder program will open: ``rows`` particles of up to ``capacity``
-    generated tokens each after a prompt of ``prompt_len`` tokens, on the ``role`` model."""
+    generated tokens each after a prompt of ``prompt_len`` tokens, on the ``role`` model
+    (``shared_rows``: its forwards compute distinct rows only, see
+    :mod:`smcspec.backends.shared_rows`)."""
 
     role: str  # "target" or "draft"
     rows: int
     capacity: int
     prompt_len: int
+    shared_rows: bool = True
 
 
 class Reservation:

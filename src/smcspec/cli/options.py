@@ -165,6 +165,13 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
     )
     d.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
     d.add_argument("--seed", type=int, default=None)
+    d.add_argument(
+        "--no-shared-rows",
+        dest="shared_rows",
+        action="store_false",
+        help="compute every particle row of a forward, also those that repeat another "
+        "particle's prefix (default: each distinct row once; the output is the same)",
+    )
     return p
 
 
@@ -210,6 +217,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
+        shared_rows=args.shared_rows,
         **extra,
     ).validate()  # fail on bad options before spending time loading models
 

@@ -71,7 +71,10 @@ def open_caches(
     try:
         for need in needs:
             lease = reservation.lease(need.role) if reservation is not None else None
-            caches.append(models[need.role].new_cache(need.rows, need.capacity, lease=lease))
+            model = models[need.role]
+            caches.append(
+                model.new_cache(need.rows, need.capacity, lease=lease, shared_rows=need.shared_rows)
+            )
     except BaseException:
         close_caches(caches)
         raise
@@ -91,6 +94,16 @@ def with_caches(
         return (yield from body(*caches))
     finally:
         close_caches(caches)
+
+
+def distinct_row_stats(**caches: KVCache) -> dict[str, float]:
+    """``distinct_rows_<role>``: the rows each cache's forwards computed over the rows they
+    were fed (:mod:`smcspec.backends.shared_rows`), 1.0 for a cache never fed."""
+    out = {}
+    for role, cache in caches.items():
+        h = cache.histories
+        out[f"distinct_rows_{role}"] = h.computed / h.fed if h.fed else 1.0
+    return out
 
 
 def close_caches(caches: list[KVCache]) -> None:

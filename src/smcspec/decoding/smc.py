@@ -41,6 +41,7 @@ from smcspec.decoding.common import (
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
+    distinct_row_stats,
     with_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
@@ -216,7 +217,11 @@ def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
     room for the budget plus the last round's overshoot."""
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     n = cfg.particles
-    return [CacheNeed("target", n, cap, prompt_len), CacheNeed("draft", n, cap, prompt_len)]
+    share = cfg.shared_rows
+    return [
+        CacheNeed("target", n, cap, prompt_len, share),
+        CacheNeed("draft", n, cap, prompt_len, share),
+    ]
 
 
 def smc_program(
@@ -271,7 +276,9 @@ def smc_program(
         plus the same term for the final weights). With a constraint or reward the stats
         also hold ``log_normalizer`` (including x0's masked mass) and ``dead_particles``, and
         with a constraint ``constraint_seconds`` (wall seconds in masks, matchers and their
-        copies on resampling).
+        copies on resampling); ``distinct_rows_target`` and ``distinct_rows_draft``: the
+        rows each model computed over the rows it was fed, over the request (1.0 when no
+        two particles shared a row, or with ``cfg.shared_rows`` off).
 
     ``cfg.temperature`` must be > 0: a greedy (point-mass) target has no importance weights;
     :class:`~smcspec.engine.Engine` runs greedy requests of ``smc`` as greedy ``sd``.
@@ -334,7 +341,9 @@ def _smc_rounds(
         _advance(st, ps, block)  # 3c, 3e, 4
         _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
         emitted = _emit(ps, emitted, on_tokens)
-    return _output(st, ps, cfg.return_particles, emitted, on_tokens, clock)
+    out = _output(st, ps, cfg.return_particles, emitted, on_tokens, clock)
+    out.stats.update(distinct_row_stats(target=tcache, draft=dcache))
+    return out
 
 
 def _initial_particles(

@@ -10,12 +10,17 @@ Layout (per cache, all layers in one tensor so that reorder/truncate are single 
   (SMC-SD rounds and speculative rounds advance every row by the same number of tokens).
 
 A token at suffix position ``j`` of any row sits at absolute position ``prompt_len + j``.
+
+``histories`` (:class:`~smcspec.backends.shared_rows.RowHistories`) knows which rows hold the
+same tokens; a forward computes each distinct row once and writes its keys and values into
+every row of its group, so rows with the same history always hold the same KV.
 """
 
 from __future__ import annotations
 
 import torch
 
+from smcspec.backends.shared_rows import RowHistories
 from smcspec.errors import ContextLengthError
 
 
@@ -27,6 +32,7 @@ class ParticleKVCache:
         rows: number of particle rows N (>= 1).
         capacity: maximum number of generated-token positions per row.
         dtype, device: storage dtype/device (the model's).
+        shared_rows: compute each distinct row of a forward once (``False``: every row).
     """
 
     def __init__(
@@ -38,6 +44,7 @@ class ParticleKVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared_rows: bool = True,
     ) -> None:
         shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
         self.suffix_k = torch.zeros(shape, dtype=dtype, device=device)
@@ -48,6 +55,7 @@ class ParticleKVCache:
         self._pending = 0  # tokens being written by the forward in progress
         self._num_layers = num_layers
         self._kv_shape = (num_kv_heads, head_dim, dtype, device)
+        self.histories = RowHistories(rows, shared=shared_rows)
 
     @property
     def rows(self) -> int:
@@ -99,6 +107,7 @@ class ParticleKVCache:
         """Roll every row back to ``length`` generated positions (speculative rollback)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length} (filled {self.length})")
+        self.histories.truncate(self.length - length)
         self.length = length
 
     def reorder(self, ancestors: torch.Tensor) -> None:
@@ -113,3 +122,4 @@ class ParticleKVCache:
         n = self.length
         self.suffix_k[:, :, :, :n] = self.suffix_k[:, idx, :, :n]
         self.suffix_v[:, :, :, :n] = self.suffix_v[:, idx, :, :n]
+        self.histories.reorder([int(a) for a in ancestors.tolist()])

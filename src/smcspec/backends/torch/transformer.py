@@ -9,6 +9,14 @@ Two forwards, both over a :class:`~smcspec.backends.torch.kv_cache.ParticleKVCac
 * :meth:`Transformer.decode`: ``[R, T]`` new tokens per row at positions ``P + S + t``;
   every row attends to the shared prompt KV (broadcast, not copied) and to its own suffix.
 
+Distinct rows (:mod:`smcspec.backends.shared_rows`): the projections, MLPs and output layer
+run only over the ``U <= R * T`` distinct (history, token) rows of a forward; attention
+expands their queries, keys and values to the full ``[R, T]`` grid (an index, a copy of
+``U`` small vectors), writes every row's keys and values into its own suffix, and keeps the
+output of each distinct row's first member. A row therefore goes through the same
+arithmetic whether or not it is shared, except that the matrix products see ``U`` rows
+instead of ``R * T``.
+
 Numerics follow the Hugging Face ``transformers`` Llama/Qwen2 implementations (RMSNorm in
 float32, rotate-half RoPE, SwiGLU); q/k/v and gate/up projections are fused for speed.
 """
@@ -24,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smcspec.backends.pool import Lease, ResourcePool
+from smcspec.backends.shared_rows import RowPlan
 from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 
@@ -102,8 +111,9 @@ class Segment:
     """One request's rows inside a batched forward.
 
     ``rows x tokens`` new tokens appended to ``cache`` at suffix index ``start`` (``None``:
-    a prefill of ``tokens`` prompt tokens into the shared prefix); they occupy flattened rows
-    ``offset .. offset + rows * tokens`` of the batch.
+    a prefill of ``tokens`` prompt tokens into the shared prefix), computed as the
+    ``distinct`` rows ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto
+    the ``[rows, tokens]`` grid (``None`` for a prefill).
     """
 
     cache: ParticleKVCache
@@ -112,6 +122,11 @@ class Segment:
     start: int | None
     offset: int
     last_only: bool
+    plan: RowPlan | None = None
+
+    @property
+    def distinct(self) -> int:
+        return self.plan.distinct if self.plan is not None else self.rows * self.tokens
 
 
 class Block(nn.Module):
@@ -133,7 +148,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
     ) -> torch.Tensor:
-        """``x``: ``[M, hidden]``, all segments' rows flattened; ``cos``/``sin``: ``[M, D]``."""
+        """``x``: ``[M, hidden]``, all segments' distinct rows flattened; ``cos``/``sin``:
+        ``[M, D]``."""
         m = x.shape[0]
         qkv = linear(self.attn_norm(x), self.qkv)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
@@ -143,15 +159,23 @@ class Block(nn.Module):
         v = v.view(m, self.hkv, self.d)
         outs = []
         for seg in segments:  # attention is per request (own cache); everything else batched
-            sl = slice(seg.offset, seg.offset + seg.rows * seg.tokens)
-            qs = q[sl].view(seg.rows, seg.tokens, self.h, self.d).transpose(1, 2)
-            ks = k[sl].view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
-            vs = v[sl].view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
+            sl = slice(seg.offset, seg.offset + seg.distinct)
+            qs, ks, vs = q[sl], k[sl], v[sl]
+            shared = seg.plan is not None and seg.plan.shared
+            if shared:  # distinct rows -> every (row, position) of the grid
+                grid = seg.plan.expand.to(x.device)
+                qs, ks, vs = qs[grid], ks[grid], vs[grid]
+            qs = qs.view(seg.rows, seg.tokens, self.h, self.d).transpose(1, 2)
+            ks = ks.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
+            vs = vs.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
             if seg.start is None:
                 out = self._prefill_attention(qs, ks, vs, seg.cache)
             else:
                 out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
-            outs.append(out.reshape(seg.rows * seg.tokens, self.h * self.d))
+            out = out.reshape(seg.rows * seg.tokens, self.h * self.d)
+            if shared:  # back to the distinct rows: each one's first member
+                out = out[seg.plan.representative.to(x.device)]
+            outs.append(out)
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = x + linear(attn, self.o)
         gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
@@ -245,14 +269,24 @@ class Transformer(nn.Module):
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         return {"kv_bytes": per_token * (prompt_len + rows * capacity)}
 
-    def new_cache(self, rows: int, capacity: int, lease: Lease | None = None) -> ParticleKVCache:
+    def new_cache(
+        self, rows: int, capacity: int, lease: Lease | None = None, shared_rows: bool = True
+    ) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
 
         ``lease``: the request's reservation from :attr:`pool` (accounting only: the cache
-        allocates its own tensors, freed with it); without one nothing is reserved."""
+        allocates its own tensors, freed with it); without one nothing is reserved.
+        ``shared_rows``: compute each distinct row of a forward once (the module notes)."""
         c = self.cfg
         return ParticleKVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, rows, capacity, self.dtype, self.device
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            rows,
+            capacity,
+            self.dtype,
+            self.device,
+            shared_rows=shared_rows,
         )
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,40 +300,39 @@ class Transformer(nn.Module):
             self._rope_len = n
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
 
-    def _run(self, batch: list[tuple[torch.Tensor, Segment]]) -> list[torch.Tensor]:
-        """Forward of several segments: ``[(tokens [R, T], segment), ...]`` -> logits each."""
-        flat = (
-            torch.cat([t.reshape(-1) for t, _ in batch])
-            if len(batch) > 1
-            else batch[0][0].reshape(-1)
-        )
-        pos = []
-        for _, seg in batch:
-            base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
-            pos.append((torch.arange(seg.tokens, device=self.device) + base).repeat(seg.rows))
-        cos, sin = self._rope(torch.cat(pos) if len(pos) > 1 else pos[0])
-        segments = [seg for _, seg in batch]
+    def _run(self, segments: list[Segment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Forward of several segments, each computing its distinct rows ``tokens[i]`` (int64
+        ``[U_i]``); the logits of each segment as ``[rows, tokens or 1, V]``."""
+        flat = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        pos, picks = [], []
+        for seg in segments:
+            if seg.plan is None:  # a prefill, or every row computed
+                base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
+                pos.append((torch.arange(seg.tokens) + base).repeat(seg.rows))
+                rows = torch.arange(seg.rows) * seg.tokens + seg.offset
+                if seg.last_only:
+                    picks.append(rows + seg.tokens - 1)
+                else:
+                    picks.append((rows[:, None] + torch.arange(seg.tokens)).reshape(-1))
+            else:
+                base = seg.cache.prompt_len + seg.start
+                pos.append(torch.tensor(seg.plan.positions) + base)
+                picks.append(torch.tensor(seg.plan.outputs).nonzero()[:, 0] + seg.offset)
+        cos, sin = self._rope((torch.cat(pos) if len(pos) > 1 else pos[0]).to(self.device))
         x = self.embed(flat.to(self.device))
         for layer in self.layers:
             x = layer(x, cos, sin, segments)
         # only the positions whose logits are wanted go through the (large) lm_head
-        picks, shapes = [], []
-        for seg in segments:
-            rows = torch.arange(seg.rows, device=self.device) * seg.tokens + seg.offset
-            if seg.last_only:
-                picks.append(rows + seg.tokens - 1)
-                shapes.append((seg.rows, 1))
-            else:
-                picks.append(
-                    (rows[:, None] + torch.arange(seg.tokens, device=self.device)).reshape(-1)
-                )
-                shapes.append((seg.rows, seg.tokens))
-        idx = torch.cat(picks) if len(picks) > 1 else picks[0]
+        idx = (torch.cat(picks) if len(picks) > 1 else picks[0]).to(self.device)
         logits = linear(self.norm(x[idx]), self.lm_head).float()
         out, at = [], 0
-        for r, t in shapes:
-            out.append(logits[at : at + r * t].view(r, t, -1))
-            at += r * t
+        for seg, pick in zip(segments, picks, strict=True):
+            part = logits[at : at + pick.numel()]
+            at += pick.numel()
+            if seg.plan is None:
+                out.append(part.view(seg.rows, 1 if seg.last_only else seg.tokens, -1))
+            else:
+                out.append(seg.plan.expand_logits(part, seg.last_only))
         return out
 
     @torch.inference_mode()
@@ -314,7 +347,7 @@ class Transformer(nn.Module):
         p = prompt.shape[-1]
         cache.begin_prefill(p)
         seg = Segment(cache, rows=1, tokens=p, start=None, offset=0, last_only=True)
-        return self._run([(prompt.view(1, p), seg)])[0][0, -1]
+        return self._run([seg], [prompt.reshape(-1)])[0][0, -1]
 
     @torch.inference_mode()
     def decode(
@@ -345,16 +378,21 @@ class Transformer(nn.Module):
         Raises:
             ContextLengthError: a cache has no room (no cache is modified then).
         """
-        batch, offset = [], 0
+        segments, plans, distinct, offset = [], [], [], 0
         for tokens, cache, _ in items:
             if tokens.shape[0] != cache.rows:
                 raise ValueError(f"{tokens.shape[0]} token rows for a cache of {cache.rows} rows")
         starts = [cache.begin_step(t.shape[1]) for t, cache, _ in items]  # all-or-error
         for (tokens, cache, last_only), start in zip(items, starts, strict=True):
             r, t = tokens.shape
-            batch.append((tokens, Segment(cache, r, t, start, offset, last_only)))
-            offset += r * t
-        out = self._run(batch)
-        for _, cache, _ in items:
+            plan = cache.histories.plan(tokens.tolist(), last_only)
+            seg = Segment(cache, r, t, start, offset, last_only, plan if plan.shared else None)
+            segments.append(seg)
+            plans.append(plan)
+            distinct.append(torch.tensor(plan.tokens) if plan.shared else tokens.reshape(-1))
+            offset += seg.distinct
+        out = self._run(segments, distinct)
+        for (_, cache, _), plan in zip(items, plans, strict=True):
             cache.end_step()
+            cache.histories.commit(plan)
         return out
