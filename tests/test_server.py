@@ -214,6 +214,7 @@ def test_malformed_json_is_400(server):
 
 def test_models_and_metrics_endpoints(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
+    server.client().completions.create(model=MODEL, prompt="ab", max_tokens=2, seed=0)
     m = server.metrics()
     for name in (
         "smcspec_prompt_tokens_total",
@@ -229,6 +230,30 @@ def test_models_and_metrics_endpoints(server):
     ):
         assert name in m, name
     assert m["smcspec_generation_tokens_total"] > 0
+
+
+def test_metrics_count_distinct_rows(server):
+    """At a low temperature the 8 particles draft the same tokens: each model's forwards
+    compute fewer distinct rows than they are fed, and /metrics counts both."""
+    before = server.metrics()
+    server.client().completions.create(
+        model=MODEL,
+        prompt="ab",
+        max_tokens=16,
+        temperature=0.05,
+        seed=1,
+        extra_body={"smc": {"particles": 8, "draft_tokens": 3}},
+    )
+    m = server.metrics()
+    for role in ("target", "draft"):
+        label = f'{{"model": "{role}"}}'
+        fed = m[f"smcspec_forward_rows_total{label}"] - before.get(
+            f"smcspec_forward_rows_total{label}", 0
+        )
+        computed = m[f"smcspec_forward_distinct_rows_total{label}"] - before.get(
+            f"smcspec_forward_distinct_rows_total{label}", 0
+        )
+        assert 0 < computed < fed, (role, computed, fed)
 
 
 def test_overload_gets_429(engine):
