@@ -535,3 +535,63 @@ def test_quantize_draft_errors(gguf_pair, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(gguf_pair, "--quantize-draft", "Q5_9"))
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ distinct rows
+SURE = [[1.0] + [0.0] * 7] * 10  # every particle draws the same token everywhere
+NEVER = [[0.0] * 8] * 10  # all mass outside the top tokens: no two particles agree
+MIXED = [[0.9, 0.05, 0.02] + [0.0] * 5, [0.5, 0.3, 0.1] + [0.0] * 5, [0.98] + [0.0] * 7]
+
+
+def test_predicted_distinct_rows_from_the_agreement_profiles():
+    from smcspec.tuning.predict import predicted_distinct
+
+    assert predicted_distinct(16, 4, SURE, SURE, SPREAD) == pytest.approx(1 / 16)
+    assert predicted_distinct(8, 4, NEVER, NEVER, [0.0] * 101) == pytest.approx(1.0)
+    assert predicted_distinct(1, 4, MIXED, MIXED, SPREAD) == 1.0
+    f = {(n, k): predicted_distinct(n, k, MIXED, MIXED, SPREAD) for n in (4, 16) for k in (4, 8)}
+    assert all(0 < v < 1 for v in f.values())
+    assert f[(16, 4)] < f[(4, 4)]  # more particles, more of them repeat another
+    # resampling makes copies that share rows again: without it, fewer rows are shared
+    assert predicted_distinct(8, 4, MIXED, MIXED, None) > predicted_distinct(
+        8, 4, MIXED, MIXED, SPREAD
+    )
+    assert predicted_distinct(8, 4, MIXED, MIXED, SPREAD) == predicted_distinct(
+        8, 4, MIXED, MIXED, SPREAD
+    )  # seeded
+
+
+def test_smc_is_priced_at_its_distinct_rows():
+    """Costs proportional to rows (a CPU): a round of distinct fraction f costs about f of
+    the every-row round; sharing off (or no profiles) prices every row."""
+    from smcspec.tuning.predict import seconds_for_rows
+
+    base = hand_costs(0.02, c=0.2, per_row=1.0)
+    assert seconds_for_rows(base.target, 10) == pytest.approx(0.02 * 10)
+    assert seconds_for_rows(base.target, 7.5) == pytest.approx(0.02 * 7.5)  # interpolated
+    costs = ForwardCosts(base.target, base.draft, base.alpha, SPREAD, MIXED, MIXED)
+    smc = Setting("smc", 16, 4)
+    shared, every = predict(smc, costs), predict(smc, costs, shared_rows=False)
+    assert every.distinct == 1.0 and every.round_seconds == every.all_rows_seconds
+    assert predict(smc, base).distinct == 1.0  # nothing to predict from
+    assert 0 < shared.distinct < 1 and shared.all_rows_seconds == every.round_seconds
+    assert shared.round_seconds == pytest.approx(shared.distinct * every.round_seconds, rel=0.05)
+    assert shared.all_rows_tokens_per_second == pytest.approx(every.tokens_per_second)
+
+
+def test_the_tuner_never_imports_the_engine():
+    """engine -> tuning only (Engine.tune calls it); the tuner names a protocol instead."""
+    import ast
+    from pathlib import Path
+
+    import smcspec.tuning
+
+    for path in Path(smcspec.tuning.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n == "smcspec.engine" or n == "smcspec.Engine" for n in names), path

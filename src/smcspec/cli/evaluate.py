@@ -4,6 +4,7 @@ distributions."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
     from smcspec.eval import fidelity as fid
     from smcspec.eval.automaton import NextTokenAutomaton
 
+    if not (math.isfinite(args.reward_beta) and args.reward_beta > 0):
+        raise ConfigError(f"--reward-beta must be a number > 0, got {args.reward_beta}")
     ns = [int(v) for v in args.fidelity_n.split(",")]
     ks = [int(v) for v in args.fidelity_k.split(",")]
     prompt, length = [1, 2, 0], 3
@@ -109,7 +112,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             near = fid.tiny_transformer(seed=2, scale=0.1, base=target)
             dfa = NextTokenAutomaton(fid.CONSTRAINT_TABLE, target.cfg.vocab_size)
-            reward = fid.letter_count_reward(1, _FIDELITY_BETA, target.cfg.vocab_size)
+            reward = fid.letter_count_reward(1, args.reward_beta, target.cfg.vocab_size)
             potentials = fid.potential_fidelity(
                 target, near, prompt, length, ns, args.potential_k, args.runs, dfa, reward
             )
@@ -121,21 +124,20 @@ def run_fidelity(args: argparse.Namespace) -> int:
             f"T = 1, {args.runs} seeded runs per setting; KL uses eps = 1e-6 smoothing. "
             f"{provenance(args)}; {seconds}.\n\nCommand: `smcspec {shlex.join(args.argv)}`"
         )
-    md = fid.write_fidelity_report(rows, draft_tv, args.out, note, potentials, _POTENTIALS_NOTE)
+    md = fid.write_fidelity_report(
+        rows, draft_tv, args.out, note, potentials, _POTENTIALS_NOTE.format(beta=args.reward_beta)
+    )
     print(md.read_text())
     if summary:
         print(summary)
     return 0
 
 
-_FIDELITY_BETA = 0.7
-
-
 _POTENTIALS_NOTE = (
     "Same target and prompt; the draft is a perturbed copy of the target (its weights plus "
     "Gaussian noise of std 0.1, seed 2), as a real draft is close to its target. Constraint: "
     "a token automaton (after 0 only 1; after 1 only 2 or 3; after 3 only 0; anything first "
-    f'and after 2). Reward: R(x) = number of token 1 ("b") in x, beta = {_FIDELITY_BETA}. '
+    'and after 2). Reward: R(x) = number of token 1 ("b") in x, beta = {beta:g}. '
     "Exact targets by enumeration: the conditional p(x | x in A), the locally-masked "
     "distribution prod_t norm(p(. | x_<t) m_t) and p(x) exp(beta R(x)) / Z "
     "(`docs/constraints.md`). Run i of each SMC-SD setting and of masked AR's larger sample "

@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fidelity: K of the constrained and reward SMC-SD runs (default 2)",
     )
     e.add_argument(
+        "--reward-beta",
+        type=float,
+        default=0.7,
+        help="fidelity: beta of the reward R(x) = number of token 1 (default 0.7)",
+    )
+    e.add_argument(
         "--no-potentials",
         action="store_true",
         help="fidelity: skip the constraint and reward sections (masked AR, SMC-SD with them)",

@@ -132,7 +132,9 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
     """Per method: request count, median/min/max tokens/s, median TTFT, the ratio of the
     median tokens/s to the ``baseline`` method's (``None`` without a baseline), and the
     requests cut by the token budget (:func:`smcspec.eval.harness.cap_counts`; ``capped`` is
-    None for runs that ignore EOS and for older records)."""
+    None for runs that ignore EOS and for older records), and smc's mean distinct fraction
+    of the target's rows (``distinct_rows``, :mod:`smcspec.backends.shared_rows`; None for
+    other methods and older records)."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -143,6 +145,11 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
         tps = [r["tokens_per_second"] for r in recs]
         ttft = [r["ttft_seconds"] for r in recs if r["ttft_seconds"] is not None]
         med = statistics.median(tps)
+        distinct = [
+            r["stats"]["distinct_rows_target"]
+            for r in recs
+            if "distinct_rows_target" in r.get("stats", {})
+        ]
         rows.append(
             {
                 "method": method,
@@ -152,6 +159,7 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
                 "max_tokens_per_second": max(tps),
                 "median_ttft_seconds": statistics.median(ttft) if ttft else None,
                 "ratio_vs_baseline": med / base_med if base_med else None,
+                "distinct_rows": statistics.mean(distinct) if distinct else None,
                 **cap_counts(recs),
             }
         )
@@ -207,15 +215,16 @@ def write_bench_report(
         "",
         note,
         "",
-        "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar |"
-        + (" capped |" if show_capped else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if show_capped else ""),
+        "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar "
+        "| distinct rows |" + (" capped |" if show_capped else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if show_capped else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['requests']} | {r['median_tokens_per_second']:.2f} | "
             f"{r['min_tokens_per_second']:.2f} | {r['max_tokens_per_second']:.2f} | "
-            f"{fmt(r['median_ttft_seconds'], '.2f')} | {fmt(r['ratio_vs_baseline'], '.2f', 'x')} |"
+            f"{fmt(r['median_ttft_seconds'], '.2f')} | {fmt(r['ratio_vs_baseline'], '.2f', 'x')} | "
+            f"{fmt(r.get('distinct_rows'), '.2f')} |"
             + (f" {format_capped({**r, 'n': r['requests']})} |" if show_capped else "")
         )
     if roofline:

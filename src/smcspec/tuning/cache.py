@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smcspec.models.loading import cache_root
-from smcspec.tuning.predict import Shape
+from smcspec.tuning.predict import ForwardCosts, Shape
 
 if TYPE_CHECKING:
-    from smcspec.engine import Engine
+    from smcspec.tuning.pair import TunablePair
 
 FORMAT_VERSION = 1
 """Bumped when the file's content or the way it is measured changes."""
@@ -39,12 +39,28 @@ class CostRecord:
     Attributes:
         target, draft: median seconds per ``(rows, tokens)`` forward.
         acceptance: per sampling key (:func:`sampling_key`), the sd run that measured alpha
-            (``{"alpha", "draft_tokens", "new_tokens", "accepted", "drafted", "rounds"}``).
+            (``{"alpha", "draft_tokens", "new_tokens", "accepted", "drafted", "rounds"}``)
+            and the log-weights and agreement profiles measured on its tokens
+            (:class:`smcspec.tuning.measure.Acceptance`).
     """
 
     target: dict[Shape, float] = field(default_factory=dict)
     draft: dict[Shape, float] = field(default_factory=dict)
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def forward_costs(self, acc_key: str | None) -> ForwardCosts:
+        """The :class:`~smcspec.tuning.predict.ForwardCosts` of this record with the
+        acceptance measurement ``acc_key`` (:func:`sampling_key`; None or missing: none)."""
+        acc = self.acceptance.get(acc_key) if acc_key is not None else None
+        acc = acc or {}
+        return ForwardCosts(
+            target=self.target,
+            draft=self.draft,
+            alpha=acc.get("alpha"),
+            log_weight_quantiles=acc.get("log_weight_quantiles"),
+            draft_top_probs=acc.get("draft_top_probs"),
+            target_top_probs=acc.get("target_top_probs"),
+        )
 
 
 def cpu_model() -> str:
@@ -89,7 +105,7 @@ def _dtype(model: object) -> str:
     return str(first.dtype).removeprefix("torch.") if first is not None else "file"
 
 
-def cost_key(engine: Engine, context: int) -> dict[str, Any]:
+def cost_key(engine: TunablePair, context: int) -> dict[str, Any]:
     """The cache key of ``engine``'s pair on this machine (see the module notes)."""
     model = engine.target.model
     return {

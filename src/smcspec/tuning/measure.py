@@ -24,8 +24,8 @@ from smcspec.tuning.predict import Shape, alpha_from_counts
 
 if TYPE_CHECKING:
     from smcspec.backends.base import DecoderModel
-    from smcspec.engine import Engine
     from smcspec.models.loading import LoadedModel
+    from smcspec.tuning.pair import TunablePair
 
 ACCEPTANCE_PROMPT = (
     "Write a Python function that returns the prime numbers below n, and explain how it works."
@@ -44,9 +44,65 @@ class Acceptance:
     drafted: int
     rounds: int
     log_weight_quantiles: list[float] | None = None  # see log_weight_quantiles()
+    draft_top_probs: list[list[float]] | None = None  # see top_probabilities(), of q_T
+    target_top_probs: list[list[float]] | None = None  # and of p_T
 
 
 QUANTILES = 101  # per-token log-weight quantiles kept (0, 1, ..., 100 %)
+TOP_PROBS = 8  # most likely tokens kept per position in the agreement profiles
+
+
+def pair_log_probs(
+    target: DecoderModel,
+    draft: DecoderModel,
+    prompt: list[int],
+    tokens: list[int],
+    temperature: float,
+    draft_temperature: float,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' tempered next-token log-probabilities at every position of ``tokens``
+    after ``prompt`` (one teacher-forced forward each): float64 ``[L, vocab]`` for the
+    target (``log p_T``) and the draft (``log q_T``).
+
+    Raises:
+        ConfigError: fewer than 2 tokens, or a temperature of 0 (greedy has no weights).
+    """
+    if len(tokens) < 2 or temperature <= 0 or draft_temperature <= 0:
+        raise ConfigError("log-weights need 2 or more tokens and sampling temperatures > 0")
+    logs = []
+    for model, temp in ((target, temperature), (draft, draft_temperature)):
+        cache = model.new_cache(1, len(tokens))
+        try:
+            first = model.prefill(torch.tensor(prompt, device=model.device), cache)[None]
+            rest = model.decode(torch.tensor([tokens[:-1]], device=model.device), cache)[0]
+            logits = torch.cat((first.clone(), rest))[:, :vocab].double().cpu()
+        finally:
+            cache.close()
+        logs.append(torch.log_softmax(logits / temp, -1))
+    return logs[0], logs[1]
+
+
+def quantiles_of_log_weights(
+    lp: torch.Tensor, lq: torch.Tensor, draws: int = 64, seed: int = 0
+) -> list[float]:
+    """Quantiles (0 %, 1 %, ..., 100 %) of ``log p_T(x) - log q_T(x)``, ``x ~ q_T``, pooled
+    over the positions of :func:`pair_log_probs` (``draws`` seeded draws per position)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
+    w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
+    w = w[torch.isfinite(w)]
+    qs = torch.quantile(w, torch.linspace(0, 1, QUANTILES, dtype=torch.float64))
+    return [round(float(v), 6) for v in qs]
+
+
+def top_probabilities(log_probs: torch.Tensor, top: int = TOP_PROBS) -> list[list[float]]:
+    """The ``top`` largest probabilities at each position of ``log_probs`` (``[L, V]``),
+    descending: how likely two particles with the same history are to draw the same token
+    there (:func:`smcspec.tuning.predict.predicted_distinct` simulates distinct rows from
+    them)."""
+    vals = log_probs.exp().topk(min(top, log_probs.shape[-1]), dim=-1).values
+    return [[round(float(v), 5) for v in row] for row in vals]
 
 
 def log_weight_quantiles(
@@ -70,25 +126,8 @@ def log_weight_quantiles(
     Raises:
         ConfigError: fewer than 2 tokens, or a temperature of 0 (greedy has no weights).
     """
-    if len(tokens) < 2 or temperature <= 0 or draft_temperature <= 0:
-        raise ConfigError("log-weights need 2 or more tokens and sampling temperatures > 0")
-    logs = []
-    for model, temp in ((target, temperature), (draft, draft_temperature)):
-        cache = model.new_cache(1, len(tokens))
-        try:
-            first = model.prefill(torch.tensor(prompt, device=model.device), cache)[None]
-            rest = model.decode(torch.tensor([tokens[:-1]], device=model.device), cache)[0]
-            logits = torch.cat((first.clone(), rest))[:, :vocab].double().cpu()
-        finally:
-            cache.close()
-        logs.append(torch.log_softmax(logits / temp, -1))
-    lp, lq = logs
-    g = torch.Generator().manual_seed(seed)
-    x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
-    w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
-    w = w[torch.isfinite(w)]
-    qs = torch.quantile(w, torch.linspace(0, 1, QUANTILES, dtype=torch.float64))
-    return [round(float(v), 6) for v in qs]
+    lp, lq = pair_log_probs(target, draft, prompt, tokens, temperature, draft_temperature, vocab)
+    return quantiles_of_log_weights(lp, lq, draws, seed)
 
 
 def forward_seconds_by_tokens(
@@ -97,7 +136,9 @@ def forward_seconds_by_tokens(
     """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
     ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
     then the median of ``reps`` timed ones, each rolled back before the next)."""
-    cache = model.new_cache(rows, max(tokens))
+    # every row computed: the forward of the full shape is what is timed (the rows here
+    # all hold the same tokens, which distinct rows would compute once)
+    cache = model.new_cache(rows, max(tokens), shared_rows=False)
     try:
         return _timed_forwards(model, cache, rows, tokens, reps, context)
     finally:
@@ -154,12 +195,13 @@ def measure_forwards(
 
 
 def measure_acceptance(
-    engine: Engine, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
+    engine: TunablePair, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
 ) -> Acceptance:
-    """alpha and the per-token log-weight quantiles (:func:`log_weight_quantiles` on the run's
-    output) of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored)
-    with ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``,
-    on :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
+    """alpha, the per-token log-weight quantiles (:func:`log_weight_quantiles` on the run's
+    output) and both models' most likely probabilities there (:func:`top_probabilities`)
+    of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored) with
+    ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``, on
+    :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
 
     Raises:
         ConfigError: the engine has no draft, or the model context is too short.
@@ -186,12 +228,14 @@ def measure_acceptance(
     )
     result = engine.generate(ids, cfg)
     s = result.stats
-    quantiles = None
+    quantiles = draft_top = target_top = None
     if cfg.temperature > 0:
-        quantiles = log_weight_quantiles(
+        lp, lq = pair_log_probs(
             engine.target.model, engine.draft.model, ids, result.token_ids,
             cfg.temperature, cfg.draft_temperature, engine.vocab,
         )  # fmt: skip
+        quantiles = quantiles_of_log_weights(lp, lq)
+        draft_top, target_top = top_probabilities(lq), top_probabilities(lp)
     return Acceptance(
         alpha=alpha_from_counts(s["accepted"], s["drafted"], s["rounds"]),
         draft_tokens=draft_tokens,
@@ -200,4 +244,6 @@ def measure_acceptance(
         drafted=s["drafted"],
         rounds=s["rounds"],
         log_weight_quantiles=quantiles,
+        draft_top_probs=draft_top,
+        target_top_probs=target_top,
     )

@@ -17,6 +17,16 @@ A *round* of each method, in the forwards the decoders issue (``smcspec.decoding
   Carlo", arXiv:2604.15672, and the method notes ``shared/docs/smc-sd.md``, "Why it can be
   faster": the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
 
+**Distinct rows** (:mod:`smcspec.backends.shared_rows`): a forward computes only the
+distinct particle prefixes of its N x (K+1) rows, so an smc round costs what forwards of the
+*distinct* rows cost: ``f N (K+1)`` target rows and ``f N`` (``2 f N``) draft rows, with
+``f`` the distinct fraction, priced by interpolating each model's measured forward seconds
+in the number of rows (:func:`seconds_for_rows`). ``f`` is simulated
+(:func:`predicted_distinct`) from the pair's measured agreement profiles (each position's
+most likely probabilities, :func:`smcspec.tuning.measure.top_probabilities`) and its
+log-weights: particles share a row while their tokens agree, diverge for good once they
+differ, and are made copies again by resampling.
+
 Predicted tokens/s = tokens a round / seconds of its forwards. Sampling, Python and prefill
 time are not counted, so measured tokens/s are lower (on the 2-core CPU of
 ``docs/benchmarks/llamacpp-cpu``: ar 24 measured vs 30 predicted tokens/s).
@@ -104,12 +114,17 @@ class ForwardCosts:
             not the fraction of drafted tokens accepted); None when not measured.
         log_weight_quantiles: 0 %, 1 %, ..., 100 % quantiles of the per-token log-weight
             (see the module notes); None when not measured (no fidelity prediction).
+        draft_top_probs, target_top_probs: per position of the calibration text, the most
+            likely probabilities of ``q_T`` and ``p_T``, descending (the agreement profiles
+            of the distinct-rows prediction); None when not measured (every row counted).
     """
 
     target: Mapping[Shape, float]
     draft: Mapping[Shape, float]
     alpha: float | None = None
     log_weight_quantiles: Sequence[float] | None = None
+    draft_top_probs: Sequence[Sequence[float]] | None = None
+    target_top_probs: Sequence[Sequence[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,12 +137,22 @@ class Prediction:
         round_seconds: expected seconds of a round's forwards.
         ess: smc only: the expected ESS after one round from equal weights
             (:func:`predicted_ess`); None for ar and sd, or without measured log-weights.
+        distinct: smc only: the predicted fraction of rows its forwards compute
+            (:func:`predicted_distinct`; 1.0 with sharing off or nothing to predict from).
+        all_rows_seconds: smc only: the round's seconds if every row were computed.
     """
 
     setting: Setting
     tokens_per_round: float
     round_seconds: float
     ess: float | None = None
+    distinct: float = 1.0
+    all_rows_seconds: float | None = None
+
+    @property
+    def all_rows_tokens_per_second(self) -> float:
+        """Tokens/s if every row were computed (``--no-shared-rows``)."""
+        return self.tokens_per_round / (self.all_rows_seconds or self.round_seconds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -210,8 +235,116 @@ def predicted_ess(
     return float(ess.mean())
 
 
-def predict(setting: Setting, costs: ForwardCosts) -> Prediction:
-    """Tokens a round and seconds a round of ``setting`` (see the module notes).
+def predicted_distinct(
+    particles: int,
+    draft_tokens: int,
+    draft_top_probs: Sequence[Sequence[float]],
+    target_top_probs: Sequence[Sequence[float]],
+    quantiles: Sequence[float] | None,
+    ess_threshold: float = 0.5,
+    rounds: int = 16,
+    reps: int = 16,
+    seed: int = 0,
+) -> float:
+    """Expected fraction of an smc request's rows that are distinct (``(0, 1]``).
+
+    Simulated (seeded, so deterministic): ``reps`` requests of ``rounds`` rounds of N
+    particles that start as one sequence. At each of a round's K drafted positions, the
+    particles on one history draw tokens from one agreement profile (a random position's
+    most likely draft probabilities; the rest of the mass gives tokens that agree with no
+    other particle), and each new history gets a log-weight increment drawn from
+    ``quantiles``; the bonus position draws from a target profile. When the ESS falls below
+    ``ess_threshold * N`` the particles are resampled systematically (copies share their
+    ancestor's history again) and the weights restart. A position's distinct rows are its
+    distinct histories (the bonus counted after resampling, as the next round's forward
+    sees it); the draft's fraction is taken to be the target's (one position apart).
+    Without ``quantiles`` no resampling is simulated.
+
+    Raises:
+        ConfigError: N < 1, K < 1, or an empty profile.
+    """
+    if particles < 1 or draft_tokens < 1 or not draft_top_probs or not target_top_probs:
+        raise ConfigError("predicted_distinct needs N >= 1, K >= 1 and agreement profiles")
+    if particles == 1:
+        return 1.0
+    rng = np.random.default_rng(seed)
+    q = np.asarray(quantiles, dtype=np.float64) if quantiles is not None else None
+    profiles = [_cumulative(draft_top_probs), _cumulative(target_top_probs)]
+    n, distinct, fed = particles, 0, 0
+    for _ in range(reps):
+        hist = np.zeros(n, dtype=np.int64)  # history label of each particle
+        logw = np.zeros(n)
+        label = 1
+        for _ in range(rounds):
+            for j in range(draft_tokens + 1):
+                bonus = j == draft_tokens
+                hist, label, inc = _draw_histories(rng, hist, label, profiles[bonus], q, bonus)
+                logw += inc
+                if bonus and q is not None:  # resampling, before the bonus is fed
+                    w = np.exp(logw - logw.max())
+                    if w.sum() ** 2 / (w**2).sum() < ess_threshold * n:
+                        hist = hist[_systematic(rng, w / w.sum())]
+                        logw[:] = 0.0
+                distinct += len(np.unique(hist))
+                fed += n
+    return distinct / fed
+
+
+def _cumulative(profile: Sequence[Sequence[float]]) -> np.ndarray:
+    """``[L, top + 1]`` cumulative probabilities per position; the last bin (the mass
+    outside the top tokens) is 1.0."""
+    p = np.asarray(profile, dtype=np.float64)
+    c = np.cumsum(p, axis=1)
+    return np.concatenate([np.minimum(c, 1.0), np.ones((len(p), 1))], axis=1)
+
+
+def _draw_histories(rng, hist, label, cum, q, bonus):
+    """One position: each history's particles draw tokens from one random profile row;
+    particles drawing the same top token share a new history, the others get their own.
+    Returns the new labels, the next free label and each particle's log-weight increment
+    (one per new history; 0 for the bonus, which carries no draft weight)."""
+    n = len(hist)
+    new = np.empty(n, dtype=np.int64)
+    inc = np.zeros(n)
+    top = cum.shape[1] - 1
+    for h in np.unique(hist):
+        members = np.nonzero(hist == h)[0]
+        row = cum[rng.integers(len(cum))]
+        tokens = np.searchsorted(row, rng.random(len(members)), side="right")
+        for t in np.unique(tokens):
+            chosen = members[tokens == t]
+            groups = [chosen] if t < top else [[i] for i in chosen]  # tail tokens: all differ
+            for g in groups:
+                new[g] = label
+                if not bonus and q is not None:
+                    inc[g] = np.interp(rng.random() * (len(q) - 1), np.arange(len(q)), q)
+                label += 1
+    return new, label, inc
+
+
+def _systematic(rng, w: np.ndarray) -> np.ndarray:
+    """Systematic resampling ancestors of normalised weights ``w``."""
+    n = len(w)
+    u = (rng.random() + np.arange(n)) / n
+    return np.minimum(np.searchsorted(np.cumsum(w), u), n - 1)
+
+
+def seconds_for_rows(costs: Mapping[Shape, float], rows: float) -> float:
+    """A forward's seconds for ``rows`` token rows in all: the measured forwards' seconds
+    interpolated linearly in their row counts (``rows x tokens``; several shapes of one
+    count are averaged; clamped to the measured range)."""
+    by_rows: dict[int, list[float]] = {}
+    for (r, t), sec in costs.items():
+        by_rows.setdefault(r * t, []).append(sec)
+    xs = sorted(by_rows)
+    ys = [sum(by_rows[x]) / len(by_rows[x]) for x in xs]
+    return float(np.interp(rows, xs, ys))
+
+
+def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> Prediction:
+    """Tokens a round and seconds a round of ``setting`` (see the module notes); an smc
+    setting with ``shared_rows`` and measured agreement profiles is priced at its predicted
+    distinct rows.
 
     Raises:
         KeyError: a forward shape the setting needs is not in ``costs``.
@@ -229,16 +362,27 @@ def predict(setting: Setting, costs: ForwardCosts) -> Prediction:
         seconds = (k - 1) * d[(1, 1)] + first + t[(1, k + 1)]
         return Prediction(setting, sd_tokens_per_round(costs.alpha, k), seconds)
     if setting.method == "smc":
-        seconds = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
+        every = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
         q = costs.log_weight_quantiles
         ess = None if q is None else predicted_ess(n, k, q)
-        return Prediction(setting, float(k + 1), seconds, ess)
+        profiles = costs.draft_top_probs, costs.target_top_probs
+        if not shared_rows or n == 1 or None in profiles:
+            return Prediction(setting, float(k + 1), every, ess, 1.0, every)
+        f = predicted_distinct(n, k, *profiles, q)
+        seconds = (
+            (k - 1) * seconds_for_rows(d, f * n)
+            + seconds_for_rows(d, 2 * f * n)
+            + seconds_for_rows(t, f * n * (k + 1))
+        )
+        return Prediction(setting, float(k + 1), min(seconds, every), ess, f, every)
     raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
 
 
-def predict_all(settings: Iterable[Setting], costs: ForwardCosts) -> list[Prediction]:
+def predict_all(
+    settings: Iterable[Setting], costs: ForwardCosts, shared_rows: bool = True
+) -> list[Prediction]:
     """:func:`predict` of every setting, in order."""
-    return [predict(s, costs) for s in settings]
+    return [predict(s, costs, shared_rows) for s in settings]
 
 
 def choose(

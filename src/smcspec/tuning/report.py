@@ -14,7 +14,8 @@ def _model_name(identity: dict | None) -> str:
 def format_table(tuning: Tuning) -> str:
     """A Markdown paragraph (machine, models, alpha, cache) and one row per setting:
     method, N, K, tokens a round, round milliseconds, predicted tokens/s, ratio to ar's,
-    and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
+    smc's predicted distinct-row fraction and its tokens/s were every row computed, its
+    predicted ESS, and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
     key, acc = tuning.key, tuning.acceptance
     ar = next(p for p in tuning.predictions if p.setting.method == "ar")
     alpha = (
@@ -44,8 +45,8 @@ def format_table(tuning: Tuning) -> str:
         "are not counted, so measured tokens/s are lower).",
         "",
         "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar "
-        "| predicted ESS after a round | chosen |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| distinct rows | tokens/s, every row | predicted ESS after a round | chosen |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in tuning.predictions:
         s = p.setting
@@ -59,11 +60,14 @@ def format_table(tuning: Tuning) -> str:
         elif p.ess is not None and p.ess < tuning.min_ess:
             marks.append(f"below --min-ess {tuning.min_ess:g}")
         ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
+        distinct = f"{p.distinct:.2f}" if s.method == "smc" else "-"
+        every = f"{p.all_rows_tokens_per_second:.2f}" if s.method == "smc" else "-"
         n = str(s.particles) if s.method == "smc" else "-"
         k = str(s.draft_tokens) if s.method != "ar" else "-"
         lines.append(
             f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
             f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
-            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {ess} | {', '.join(marks)} |"
+            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {distinct} | {every} | "
+            f"{ess} | {', '.join(marks)} |"
         )
     return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ from smcspec.tuning.measure import measure_acceptance, measure_forwards
 from smcspec.tuning.predict import ForwardCosts, Prediction, Setting, choose, predict_all
 
 if TYPE_CHECKING:
-    from smcspec.engine import Engine
+    from smcspec.tuning.pair import TunablePair
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Tuning:
 
 
 def tune(
-    engine: Engine,
+    engine: TunablePair,
     config: GenerationConfig | None = None,
     min_particles: int = 4,
     particles: int | None = None,
@@ -94,7 +94,9 @@ def tune(
 
     Args:
         engine: the loaded pair (a draft-less engine predicts ar only).
-        config: its temperatures and truncation set the sd run measuring alpha.
+        config: its temperatures and truncation set the sd run measuring alpha; with its
+            ``shared_rows`` (the default) smc settings are priced at their predicted
+            distinct rows (:func:`~smcspec.tuning.predict.predicted_distinct`).
         min_particles: the smallest N smc may be given (the fidelity floor).
         particles, draft_tokens: restrict the choice to this N / K (an explicit N is used
             even below ``min_particles``).
@@ -123,13 +125,8 @@ def tune(
     if measured:
         write_costs(path, key, record)
     acceptance = record.acceptance.get(acc_key) if with_draft else None
-    costs = ForwardCosts(
-        target=record.target,
-        draft=record.draft,
-        alpha=acceptance["alpha"] if acceptance else None,
-        log_weight_quantiles=acceptance.get("log_weight_quantiles") if acceptance else None,
-    )
-    predictions = tuple(predict_all(settings, costs))
+    costs = record.forward_costs(acc_key if with_draft else None)
+    predictions = tuple(predict_all(settings, costs, cfg.shared_rows))
     pick = dict(
         min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
         min_ess=min_ess,
@@ -149,7 +146,7 @@ def tune(
 
 
 def _measure_missing(
-    engine: Engine,
+    engine: TunablePair,
     cfg: GenerationConfig,
     grid: TuningGrid,
     settings: list[Setting],
@@ -163,8 +160,8 @@ def _measure_missing(
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
     missing_acceptance = engine.draft is not None and (
-        acc_key not in record.acceptance or "log_weight_quantiles" not in record.acceptance[acc_key]
-    )  # a cache written before the log-weights were measured is completed once
+        acc_key not in record.acceptance or "draft_top_probs" not in record.acceptance[acc_key]
+    )  # a cache written before the log-weights and profiles were measured is completed once
     if not (missing_target or missing_draft or missing_acceptance):
         return 0.0
     if log is not None:
