@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from collections import defaultdict
 from dataclasses import replace
@@ -77,18 +76,23 @@ def run(out: Path, threads: int | None) -> None:
 
 
 def _costs(costs_dir: Path):
-    """The llamacpp cost file of the default pair that has log-weights and the agreement
-    profile: (ForwardCosts, file name)."""
-    from smcspec.tuning.cache import load_forward_costs
+    """The cost file of this machine with the agreement profiles at T = 0.7 (written by the
+    tuner: run ``smcspec bench --predict`` once): (ForwardCosts, file name)."""
+    from smcspec.tuning.cache import machine_name, read_costs, sampling_key
 
+    acc_key = sampling_key(0.7, 0.7, 0, 1.0, 0.0)
     for path in sorted(costs_dir.glob("*.json")):
-        costs = load_forward_costs(path, temperature=0.7, draft_temperature=0.7)
-        if costs is not None and costs.log_weight_quantiles is not None:
+        key = json.loads(path.read_text()).get("key", {})
+        if key.get("backend") != "llamacpp" or key.get("machine") != machine_name("cpu"):
+            continue
+        costs = read_costs(path, key).forward_costs(acc_key)
+        if costs.draft_top_probs is not None:
             return costs, path.name
-    raise SystemExit(f"no measured costs with log-weights under {costs_dir}")
+    raise SystemExit(f"no measured agreement profiles under {costs_dir}")
 
 
-def report(out: Path, costs_dir: Path) -> str:
+def report(out: Path, costs_dir: Path, threads: int | None) -> str:
+    from smcspec.tuning.cache import machine_name
     from smcspec.tuning.predict import Setting, predict
 
     recs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
@@ -129,14 +133,15 @@ def report(out: Path, costs_dir: Path) -> str:
     prompts = len({r["prompt"] for r in recs})
     text = (
         f"# Distinct rows on and off ({date.today().isoformat()})\n\n"
-        f"Machine: {platform.processor() or platform.machine()}, "
-        f"{len(__import__('os').sched_getaffinity(0))} cores. llamacpp backend, default pair; "
+        f"Machine: {machine_name('cpu')}. llamacpp backend, default pair; "
         f"{prompts} prompts (4 ShareGPT first turns, 4 GSM8K test questions), {TOKENS} new "
         "tokens (EOS ignored), T_t = T_d = 0.7, kappa 0.5, one request at a time, settings "
         "alternated (sharing on and off next to each other). Medians over prompts; "
         f"`ar`: {ar:.2f} tokens/s. Predictions: the tuner's, from the cost cache {source}.\n\n"
         + "\n".join(lines)
-        + "\n"
+        + "\n\nCommand: `python benchmarks/shared_rows.py --out "
+        + f"{out}{'' if threads is None else f' --threads {threads}'}` (the report again: "
+        "`--report-only`); every request in `runs.jsonl`.\n"
     )
     return text
 
@@ -154,7 +159,7 @@ def main() -> int:
         run(out, args.threads)
     from smcspec.models.loading import cache_root
 
-    text = report(out, Path(args.costs) if args.costs else cache_root() / "costs")
+    text = report(out, Path(args.costs) if args.costs else cache_root() / "costs", args.threads)
     (out / "README.md").write_text(text)
     print(text)
     return 0

@@ -251,10 +251,10 @@ def test_degenerate_rounds_count_rounds_whose_weights_collapsed():
 
 # ------------------------------------------------------------------ the grid
 def test_grid_caps_large_forwards_but_keeps_the_floor():
-    grid = TuningGrid()  # CPU: at most 64 target tokens a forward
+    grid = TuningGrid()  # CPU: at most 80 target tokens a forward
     names = {s.name for s in grid.settings(min_particles=4)}
-    assert {"ar", "sd-k2", "sd-k4", "sd-k8", "smc-n1-k2", "smc-n8-k4", "smc-n16-k2"} <= names
-    assert not {"smc-n8-k8", "smc-n16-k4", "smc-n16-k8"} & names
+    assert {"ar", "sd-k2", "sd-k8", "smc-n1-k2", "smc-n8-k8", "smc-n16-k4"} <= names
+    assert "smc-n16-k8" not in names
     big = {s.name for s in grid.settings(min_particles=32)}
     assert {"smc-n32-k2", "smc-n32-k4", "smc-n32-k8"} <= big  # the floor is always measured
     assert [s.name for s in grid.settings(4, particles=3, draft_tokens=5)] == [

@@ -163,7 +163,7 @@ class Block(nn.Module):
             qs, ks, vs = q[sl], k[sl], v[sl]
             shared = seg.plan is not None and seg.plan.shared
             if shared:  # distinct rows -> every (row, position) of the grid
-                grid = seg.plan.expand.to(x.device)
+                grid = seg.plan.expand
                 qs, ks, vs = qs[grid], ks[grid], vs[grid]
             qs = qs.view(seg.rows, seg.tokens, self.h, self.d).transpose(1, 2)
             ks = ks.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
@@ -174,7 +174,7 @@ class Block(nn.Module):
                 out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
             out = out.reshape(seg.rows * seg.tokens, self.h * self.d)
             if shared:  # back to the distinct rows: each one's first member
-                out = out[seg.plan.representative.to(x.device)]
+                out = out[seg.plan.representative]
             outs.append(out)
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = x + linear(attn, self.o)
@@ -386,6 +386,10 @@ class Transformer(nn.Module):
         for (tokens, cache, last_only), start in zip(items, starts, strict=True):
             r, t = tokens.shape
             plan = cache.histories.plan(tokens.tolist(), last_only)
+            if plan.shared:  # the indices go to the device once, not once per layer
+                plan.expand = plan.expand.to(self.device)
+                plan.representative = plan.representative.to(self.device)
+                plan.out_expand = plan.out_expand.to(self.device)
             seg = Segment(cache, r, t, start, offset, last_only, plan if plan.shared else None)
             segments.append(seg)
             plans.append(plan)
