@@ -299,7 +299,15 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     assert len(notes) == 1 and "measuring" in notes[0] and str(first.cache_path) in notes[0]
     assert first.cache_path.parent == own_cache / "costs" and first.measured_seconds > 0
     assert first.smc.setting.method == "smc" and first.smc.setting.particles >= 4
-    assert first.auto.tokens_per_second >= first.smc.tokens_per_second
+    # auto: the fastest setting under both floors (an smc tie within 5% may take more
+    # particles); smc's own pick may be faster when no smc setting meets the ESS floor
+    allowed = [
+        p
+        for p in first.predictions
+        if p.setting.method != "smc" or (p.setting.particles >= 4 and meets_floor(p, first.min_ess))
+    ]
+    assert first.auto in allowed
+    assert first.auto.tokens_per_second >= 0.95 * max(p.tokens_per_second for p in allowed)
     assert 0.0 <= first.costs.alpha <= 1.0
     names = {p.setting.name for p in first.predictions}
     assert {"ar", "sd-k2", "sd-k4", "smc-n4-k2", "smc-n8-k4"} <= names  # the test grid
