@@ -82,7 +82,7 @@ class RowPlan:
 
 def every_row_plan(tokens: list[list[int]], last_only: bool) -> RowPlan:
     """The plan that computes every (row, position): the behaviour without sharing."""
-    r, t = len(tokens), len(tokens[0]) if tokens else 0
+    r, t = len(tokens), len(tokens[0])
     flat = [tok for row in tokens for tok in row]
     return RowPlan(
         rows=r,
@@ -104,14 +104,15 @@ class RowHistories:
     Args:
         rows: the cache's particle rows ``R``.
         shared: plan forwards over distinct rows (``False``: every row is computed, as
-            without this module; the tree is then not kept).
+            without this module; the tree is then not kept, nor for a single row, which
+            has nothing to share).
     Attributes:
         computed, fed: rows computed and (row, position) pairs fed so far, over the cache's
             life (``computed / fed`` is the distinct fraction a request reports).
     """
 
     def __init__(self, rows: int, shared: bool = True) -> None:
-        self.shared = shared
+        self.shared = shared and rows > 1
         self.node = [0] * rows  # every row on the root (the prompt)
         self._parent = [-1]
         self._children: dict[tuple[int, int], int] = {}
@@ -133,7 +134,7 @@ class RowHistories:
         r, t = len(tokens), len(tokens[0])
         nodes = list(self.node)
         slot: dict[int, int] = {}  # trie node -> distinct row
-        order: list[tuple[int, int, int, int]] = []  # (first member, position, node, token)
+        order: list[tuple[int, int, int]] = []  # (first member, position, token)
         members: list[list[int]] = []
         grid = [0] * (r * t)  # distinct row (creation order) of each (row, position)
         for i in range(r):
@@ -142,19 +143,18 @@ class RowHistories:
                 u = slot.get(nodes[i])
                 if u is None:
                     u = slot[nodes[i]] = len(order)
-                    order.append((i, j, nodes[i], tokens[i][j]))
+                    order.append((i, j, tokens[i][j]))
                     members.append([])
                 members[u].append(i)
                 grid[i * t + j] = u
         # creation order is already (first member, position): row i creates its own
         # distinct rows in increasing position, after every row before it
-        u_count = len(order)
-        outputs = [not last_only or j == t - 1 for (_, j, _, _) in order]
+        outputs = [not last_only or j == t - 1 for (_, j, _) in order]
         plan = RowPlan(
             rows=r,
             width=t,
-            tokens=[tok for (_, _, _, tok) in order],
-            positions=[j for (_, j, _, _) in order],
+            tokens=[tok for (_, _, tok) in order],
+            positions=[j for (_, j, _) in order],
             members=members,
             outputs=outputs,
             expand=None,
@@ -162,9 +162,9 @@ class RowHistories:
             out_expand=None,
             nodes=nodes,
         )
-        if u_count < r * t:
+        if len(order) < r * t:
             plan.expand = torch.tensor(grid, dtype=torch.long)
-            plan.representative = torch.tensor([i * t + j for (i, j, _, _) in order])
+            plan.representative = torch.tensor([i * t + j for (i, j, _) in order])
             out_index, k = [], 0
             for want in outputs:
                 out_index.append(k if want else -1)

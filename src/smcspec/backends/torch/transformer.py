@@ -113,7 +113,8 @@ class Segment:
     ``rows x tokens`` new tokens appended to ``cache`` at suffix index ``start`` (``None``:
     a prefill of ``tokens`` prompt tokens into the shared prefix), computed as the
     ``distinct`` rows ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto
-    the ``[rows, tokens]`` grid (``None`` for a prefill).
+    the ``[rows, tokens]`` grid (``None`` for a prefill). Unless the segment is ``shared``
+    its rows are every (row, position), row-major.
     """
 
     cache: ParticleKVCache
@@ -123,6 +124,10 @@ class Segment:
     offset: int
     last_only: bool
     plan: RowPlan | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.plan is not None and self.plan.shared
 
     @property
     def distinct(self) -> int:
@@ -161,8 +166,7 @@ class Block(nn.Module):
         for seg in segments:  # attention is per request (own cache); everything else batched
             sl = slice(seg.offset, seg.offset + seg.distinct)
             qs, ks, vs = q[sl], k[sl], v[sl]
-            shared = seg.plan is not None and seg.plan.shared
-            if shared:  # distinct rows -> every (row, position) of the grid
+            if seg.shared:  # distinct rows -> every (row, position) of the grid
                 grid = seg.plan.expand
                 qs, ks, vs = qs[grid], ks[grid], vs[grid]
             qs = qs.view(seg.rows, seg.tokens, self.h, self.d).transpose(1, 2)
@@ -173,7 +177,7 @@ class Block(nn.Module):
             else:
                 out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
             out = out.reshape(seg.rows * seg.tokens, self.h * self.d)
-            if shared:  # back to the distinct rows: each one's first member
+            if seg.shared:  # back to the distinct rows: each one's first member
                 out = out[seg.plan.representative]
             outs.append(out)
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -306,7 +310,7 @@ class Transformer(nn.Module):
         flat = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
         pos, picks = [], []
         for seg in segments:
-            if seg.plan is None:  # a prefill, or every row computed
+            if not seg.shared:  # a prefill, or every row computed
                 base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
                 pos.append((torch.arange(seg.tokens) + base).repeat(seg.rows))
                 rows = torch.arange(seg.rows) * seg.tokens + seg.offset
@@ -329,7 +333,7 @@ class Transformer(nn.Module):
         for seg, pick in zip(segments, picks, strict=True):
             part = logits[at : at + pick.numel()]
             at += pick.numel()
-            if seg.plan is None:
+            if not seg.shared:
                 out.append(part.view(seg.rows, 1 if seg.last_only else seg.tokens, -1))
             else:
                 out.append(seg.plan.expand_logits(part, seg.last_only))
@@ -378,7 +382,7 @@ class Transformer(nn.Module):
         Raises:
             ContextLengthError: a cache has no room (no cache is modified then).
         """
-        segments, plans, distinct, offset = [], [], [], 0
+        segments, distinct, offset = [], [], 0
         for tokens, cache, _ in items:
             if tokens.shape[0] != cache.rows:
                 raise ValueError(f"{tokens.shape[0]} token rows for a cache of {cache.rows} rows")
@@ -390,13 +394,12 @@ class Transformer(nn.Module):
                 plan.expand = plan.expand.to(self.device)
                 plan.representative = plan.representative.to(self.device)
                 plan.out_expand = plan.out_expand.to(self.device)
-            seg = Segment(cache, r, t, start, offset, last_only, plan if plan.shared else None)
+            seg = Segment(cache, r, t, start, offset, last_only, plan)
             segments.append(seg)
-            plans.append(plan)
             distinct.append(torch.tensor(plan.tokens) if plan.shared else tokens.reshape(-1))
             offset += seg.distinct
         out = self._run(segments, distinct)
-        for (_, cache, _), plan in zip(items, plans, strict=True):
-            cache.end_step()
-            cache.histories.commit(plan)
+        for seg in segments:
+            seg.cache.end_step()
+            seg.cache.histories.commit(seg.plan)
         return out
