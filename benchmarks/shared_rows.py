@@ -31,6 +31,7 @@ from smcspec.eval.bench import run_bench
 from smcspec.eval.gsm8k import PROMPT_TEMPLATE, load_gsm8k
 from smcspec.eval.harness import MethodSpec
 from smcspec.eval.sharegpt import load_sharegpt_prompts
+from smcspec.tuning import TuningGrid, tune
 
 SETTINGS = [(n, k) for n in (4, 8, 16) for k in (4, 8)]
 TOKENS = 128
@@ -54,6 +55,9 @@ def _prompts(engine: Engine) -> list[str]:
 def run(out: Path, threads: int | None) -> None:
     engine = Engine.load(backend="llamacpp", threads=threads)
     base = GenerationConfig(max_new_tokens=TOKENS, ignore_eos=True, temperature=0.7)
+    # the predictions' costs: every shape of the settings (N=16 K=8 is above the CPU grid's
+    # cap) and the agreement profiles, measured once into the user's cost cache
+    tune(engine, GenerationConfig(), grid=TuningGrid(max_forward_tokens=144), log=print)
     prompts, specs = _prompts(engine), _specs(base)
     path = out / "runs.jsonl"
     done = set()
