@@ -32,6 +32,7 @@ from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
 from smcspec.potentials import Constraint
+from smcspec.tool_calls import ToolCalls
 
 # end-of-generation tokens of common chat templates, used when present in the vocabulary
 _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -212,16 +213,24 @@ class Engine:
         ids |= {vocab[t] for t in _EOG_TOKENS if t in vocab}
         return {i for i in ids if i < self.vocab}
 
-    def encode(self, prompt: Prompt, chat: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        chat: bool = True,
+        parse_special: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """Token ids of ``prompt``: chat-templated (a string is one user message) or raw.
 
         Message contents are tokenized as text: special-token text inside a message (e.g. a
         forged ``<|im_start|>system``) does not become control tokens
         (:func:`smcspec.chat.encode_chat`). A raw prompt's special-token text is parsed,
-        unless ``parse_special`` is False.
+        unless ``parse_special`` is False. ``tools`` (OpenAI-shaped function entries) are
+        rendered by the chat template.
 
         Raises:
-            ConfigError: empty prompt, or ``chat`` with a tokenizer that has no template.
+            ConfigError: empty prompt, ``chat`` with a tokenizer that has no template,
+                ``tools`` with a raw prompt or a template that cannot render them.
         """
         tok = self.tokenizer
         if isinstance(prompt, str) and not prompt.strip() and not chat:
@@ -231,7 +240,9 @@ class Engine:
                 raise ConfigError("this model has no chat template; use --no-chat")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             _check_messages(messages)
-            return encode_chat(tok, messages)
+            return encode_chat(tok, messages, tools)
+        if tools is not None:
+            raise ConfigError("tools need a chat prompt (the chat template renders them)")
         if not isinstance(prompt, str):
             raise ConfigError("a raw (--no-chat) prompt must be a string")
         _check_text(prompt, "the prompt")
@@ -338,9 +349,11 @@ class Engine:
         parse_special: bool = True,
         fit_context: bool = False,
     ) -> Job:
-        """Validate ``config``, tokenize ``prompt`` (see :meth:`encode`) and check the
-        context; fixes the seed. ``fit_context``: lower ``max_new_tokens`` to what the
-        context leaves after the prompt instead of refusing (a default cap, not the user's).
+        """Validate ``config``, tokenize ``prompt`` (see :meth:`encode`; a
+        :class:`~smcspec.tool_calls.ToolCalls` constraint's tools are rendered by the chat
+        template) and check the context; fixes the seed. ``fit_context``: lower
+        ``max_new_tokens`` to what the context leaves after the prompt instead of refusing
+        (a default cap, not the user's).
 
         Raises:
             ConfigError, ContextLengthError (see :meth:`generate`).
@@ -348,7 +361,11 @@ class Engine:
         cfg = (config or GenerationConfig()).validate()
         if cfg.method != "ar" and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
-        ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt, chat, parse_special)
+        tools = cfg.constraint.template_tools() if isinstance(cfg.constraint, ToolCalls) else None
+        if _is_token_list(prompt):
+            ids = list(prompt)
+        else:
+            ids = self.encode(prompt, chat, parse_special, tools)
         if not ids:
             raise ConfigError("the prompt is empty")
         if any(not 0 <= i < self.vocab for i in ids):

@@ -97,7 +97,12 @@ class Constraint(ABC):
         return LLGuidanceConstraint(self.grammar(), tokenizer, vocab_size, stop_ids)
 
 
-def _grammar_from(kind: str, text: str) -> str:
+def grammar_from(kind: str, text: str) -> str:
+    """llguidance's grammar for ``text`` of ``kind`` (``regex``, ``json_schema``, ``lark``).
+
+    Raises:
+        ConfigError: llguidance cannot parse it (its message, on one line).
+    """
     import llguidance
 
     try:
@@ -117,7 +122,7 @@ class Regex(Constraint):
             raise ConfigError(f"regex pattern must be a string, got {type(self.pattern).__name__}")
 
     def grammar(self) -> str:
-        return _grammar_from("regex", self.pattern)
+        return grammar_from("regex", self.pattern)
 
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,20}"
@@ -151,7 +156,7 @@ class JsonSchema(Constraint):
         schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-        return _grammar_from("json_schema", json.dumps(schema))
+        return grammar_from("json_schema", json.dumps(schema))
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,7 @@ class Grammar(Constraint):
             raise ConfigError(f"grammar must be a string, got {type(self.lark).__name__}")
 
     def grammar(self) -> str:
-        return _grammar_from("lark", self.lark)
+        return grammar_from("lark", self.lark)
 
 
 _LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}

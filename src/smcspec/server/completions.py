@@ -28,6 +28,7 @@ from smcspec.scheduler import Request as EngineRequest
 from smcspec.server.errors import ApiError, error_body
 from smcspec.server.schemas import CommonBody, constraint_spec, unsupported_fields
 from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
+from smcspec.tool_calls import ToolCalls
 
 MAX_N = 8
 DISCONNECT_POLL_S = 0.1  # how often a waiting non-streamed request checks its client
@@ -104,7 +105,8 @@ class Completion:
         ]
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [Choice(i, stops) for i in range(body.n)]
+        tools = isinstance(self.cfg.constraint, ToolCalls) and self.cfg.constraint.calls_allowed
+        self.choices = [Choice(i, stops, tools=chat and tools) for i in range(body.n)]
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
@@ -203,8 +205,8 @@ class Completion:
     async def respond(self, request: Request) -> dict[str, Any] | Response:
         """The whole response, after every choice is done (non-streamed request)."""
         try:
-            async for _ in self.events(request):
-                pass
+            async for what, c, text in self.events(request):
+                c.deltas(text, final=what == "done")  # splits content and tool calls
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the rows are freed
         finally:
@@ -244,7 +246,10 @@ class Completion:
                 if what == "done" and c.error is not None:
                     yield sse(error_body(f"generation failed: {c.error}", "server_error"))
                     continue
-                if text:
+                if chat:
+                    for delta in c.deltas(text, final=what == "done"):
+                        yield self._chunk([chunk_choice(c, chat, None, None, delta=delta)])
+                elif text:
                     yield self._chunk([chunk_choice(c, chat, text, None)])
                 if what == "done":
                     last = chunk_choice(c, chat, None, c.finish_reason())

@@ -9,15 +9,17 @@ send extras such as ``user``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+from smcspec.tool_calls import FunctionTool, ToolCalls
 
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class SmcOptions(BaseModel):
@@ -64,7 +66,8 @@ class CommonBody(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionBody(CommonBody):
@@ -85,10 +88,41 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    """An earlier call's function: its ``name`` and ``arguments`` (JSON text of an object)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments of {self.name!r} are not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"arguments of {self.name!r} must be a JSON object")
+        return value
+
+
+class ToolCallIn(BaseModel):
+    """One call of an assistant message in the history (OpenAI's ``tool_calls`` entry)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
+    """One message: ``content`` may be null only for an assistant message with
+    ``tool_calls``; a ``tool`` message answers the call named by ``tool_call_id``."""
+
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -97,17 +131,64 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
         return role
 
-    def as_template_message(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template: text parts joined by newlines
-        (as vLLM does), ``developer`` mapped to ``system``."""
-        content = self.content
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        for call in self.tool_calls or []:
+            call.function.parsed_arguments()  # raises for arguments that are not an object
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined by newlines (as vLLM does),
+        ``developer`` mapped to ``system``, null content as ``""``, and earlier calls'
+        arguments parsed (templates render them with ``tojson``)."""
+        content = self.content or ""
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": c.function.parsed_arguments(),
+                    },
+                }
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatBody(CommonBody):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_calls(self) -> ChatBody:
+        """Each ``tool`` message must answer a call of the assistant message before it
+        (directly, or after other tool messages answering the same turn)."""
+        open_ids: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.role == "tool":
+                if m.tool_call_id not in open_ids:
+                    raise ValueError(
+                        f"message {i} answers tool call {m.tool_call_id!r}, which the "
+                        "assistant message before it did not make"
+                    )
+                continue
+            open_ids = {c.id for c in m.tool_calls or []}
+        return self
 
 
 def constraint_spec(body: CommonBody) -> Constraint | None:
@@ -120,6 +201,9 @@ def constraint_spec(body: CommonBody) -> Constraint | None:
             that is not an object (the pattern/grammar itself is checked when compiled).
     """
     found: list[Constraint] = []
+    tools = tool_constraint(body)
+    if tools is not None:
+        found.append(tools)
     fmt = body.response_format or {}
     if fmt.get("type") == "json_object":
         found.append(JsonSchema({"type": "object"}))
@@ -134,8 +218,37 @@ def constraint_spec(body: CommonBody) -> Constraint | None:
     if body.smc is not None and body.smc.grammar is not None:
         found.append(Grammar(body.smc.grammar))
     if len(found) > 1:
-        raise ConfigError("give at most one of response_format json, smc.regex, smc.grammar")
+        raise ConfigError("give at most one of tools, response_format json, smc.regex, smc.grammar")
     return found[0] if found else None
+
+
+def tool_constraint(body: CommonBody) -> ToolCalls | None:
+    """The :class:`ToolCalls` constraint of a chat request with ``tools`` (None without).
+
+    ``tool_choice``: ``none``, ``auto`` (the default with tools), ``required``, or
+    ``{"type": "function", "function": {"name": ...}}``; ``parallel_tool_calls`` defaults to
+    true, as OpenAI's does.
+
+    Raises:
+        ConfigError: a malformed tool or tool_choice, duplicate or unknown function names,
+            a tool_choice that needs tools without any.
+    """
+    choice: Any = body.tool_choice
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ConfigError(
+                "tool_choice must be none, auto, required or "
+                "{'type': 'function', 'function': {'name': ...}}"
+            )
+        choice = fn["name"]
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise ConfigError(f"tool_choice {choice!r} needs tools")
+        return None
+    tools = tuple(FunctionTool.from_openai(t) for t in body.tools)
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    return ToolCalls(tools, choice or "auto", parallel)
 
 
 def unsupported_fields(body: CommonBody) -> list[str]:
@@ -153,11 +266,11 @@ def unsupported_fields(body: CommonBody) -> list[str]:
     fmt = body.response_format
     if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema"):
         bad.append("response_format")
-    if body.tools:
-        bad.append("tools")
-    if body.tool_choice not in (None, "none"):
-        bad.append("tool_choice")
     if isinstance(body, CompletionBody):
+        if body.tools:
+            bad.append("tools")  # tools need the chat template: /v1/chat/completions
+        if body.tool_choice not in (None, "none"):
+            bad.append("tool_choice")
         if body.echo:
             bad.append("echo")
         if body.best_of not in (None, 1):

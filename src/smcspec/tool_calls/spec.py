@@ -1,0 +1,194 @@
+"""Function tools and the constraint that makes a model's tool calls valid.
+
+OpenAI's ``tools`` / ``tool_choice`` (Chat Completions API) become a :class:`ToolCalls`
+constraint: a Lark grammar, compiled by llguidance like every other constraint
+(:mod:`smcspec.potentials`), whose language is the chat template's tool-call form with the
+function ``name`` limited to the offered tools and ``arguments`` to each tool's JSON schema.
+
+The form is the one Qwen2.5's template (and the Hermes templates it follows) renders for an
+assistant's ``tool_calls``::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``<tool_call>`` and ``</tool_call>`` are single tokens of those vocabularies, which
+llguidance treats as special tokens, so ordinary text (``TEXT``) can never contain them.
+Arguments use the separators of the template's ``tojson`` (``", "`` and ``": "``, no other
+whitespace), the text the model saw in training.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from smcspec.errors import ConfigError
+from smcspec.potentials import Constraint, TokenConstraint, grammar_from
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+CALL_HEAD = '\n{"name": "'
+ARGS_HEAD = '", "arguments": '
+CALL_TAIL = "}\n"
+CALL_SEPARATOR = "\n"
+"""The call form: ``CALL_OPEN + CALL_HEAD + name + ARGS_HEAD + arguments + CALL_TAIL +
+CALL_CLOSE``, calls joined by ``CALL_SEPARATOR`` (what Qwen2.5's template renders)."""
+
+ARGUMENT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options for arguments: ``json.dumps``'s separators, as ``tojson`` writes."""
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """One function the model may call.
+
+    Attributes:
+        name: ``[A-Za-z0-9_-]{1,64}`` (OpenAI's rule).
+        description: shown to the model through the chat template.
+        parameters: a JSON schema of an object (the arguments); ``{}`` means no arguments.
+    """
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME_PATTERN.match(self.name):
+            raise ConfigError(
+                f"function name {self.name!r} must be 1-64 letters, digits, '_' or '-'"
+            )
+        if not isinstance(self.parameters, dict):
+            raise ConfigError(f"parameters of {self.name!r} must be a JSON schema object")
+        kind = self.parameters.get("type", "object")
+        if kind != "object":
+            raise ConfigError(
+                f"parameters of {self.name!r} must describe an object (type 'object'), "
+                f"got type {kind!r}"
+            )
+
+    @classmethod
+    def from_openai(cls, tool: Any) -> FunctionTool:
+        """From one entry of OpenAI's ``tools``: ``{"type": "function", "function": {"name",
+        "description", "parameters", "strict"}}``. Raises :class:`ConfigError`."""
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ConfigError("each tool must be {'type': 'function', 'function': {...}}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ConfigError("a tool's 'function' must be an object with a 'name'")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ConfigError(f"the description of {fn.get('name')!r} must be a string")
+        params = fn.get("parameters")
+        return cls(fn.get("name"), description, {} if params is None else params)
+
+    def arguments_schema(self) -> dict:
+        """The arguments' schema as compiled: an object, json.dumps separators."""
+        schema = {"type": "object", **self.parameters}
+        if "properties" not in schema and "additionalProperties" not in schema:
+            schema["properties"] = {}
+        schema.setdefault("x-guidance", ARGUMENT_JSON)
+        return schema
+
+    def as_openai(self) -> dict:
+        """The OpenAI-shaped entry, as chat templates expect it in ``tools``."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal: double quotes, JSON escapes
+
+
+@dataclass(frozen=True)
+class ToolCalls(Constraint):
+    """The output constraint of a request with tools (see the module docstring).
+
+    Attributes:
+        tools: the offered functions (unique names, at least one).
+        choice: ``"none"`` (text only), ``"auto"`` (text, or text then calls: once the model
+            writes ``<tool_call>`` the call must be valid), ``"required"`` (calls only) or a
+            function's name (exactly one call of it).
+        parallel: whether several calls may follow each other (``parallel_tool_calls``).
+
+    Raises:
+        ConfigError: no tools, duplicate names, an unknown choice or function name.
+    """
+
+    tools: tuple[FunctionTool, ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.tools:
+            raise ConfigError("tool calls need at least one tool")
+        names = [t.name for t in self.tools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"tool names must be unique; {dup[0]!r} appears twice")
+        if self.choice not in TOOL_CHOICES and self.choice not in names:
+            raise ConfigError(
+                f"tool_choice {self.choice!r} is neither one of {', '.join(TOOL_CHOICES)} "
+                f"nor an offered function ({', '.join(names)})"
+            )
+
+    @property
+    def calls_allowed(self) -> bool:
+        return self.choice != "none"
+
+    def grammar(self) -> str:
+        """llguidance's Lark grammar (``<tool_call>`` written as a special token)."""
+        tools = self.tools
+        if self.choice not in TOOL_CHOICES:  # one named function, one call
+            tools = tuple(t for t in tools if t.name == self.choice)
+        lines = ["TEXT: /(?s:.+)/"]
+        start = {
+            "none": "TEXT",
+            "auto": "TEXT | TEXT? calls",
+            "required": "calls",
+        }.get(self.choice, "calls")
+        lines.insert(0, f"start: {start}")
+        many = self.parallel and self.choice in ("auto", "required")
+        sep = _literal(CALL_SEPARATOR)
+        # a newline may end the calls (the model ends "</tool_call>\n<|im_end|>")
+        lines.append(f"calls: call ({sep} call)* {sep}?" if many else f"calls: call {sep}?")
+        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+        for i, tool in enumerate(tools):
+            head = _literal(CALL_HEAD + tool.name + ARGS_HEAD)
+            lines.append(
+                f"call_{i}: {CALL_OPEN} {head} args_{i} {_literal(CALL_TAIL)} {CALL_CLOSE}"
+            )
+            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
+        return grammar_from("lark", "\n".join(lines) + "\n")
+
+    def compile(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> TokenConstraint:
+        """As :meth:`Constraint.compile`; first checks that the vocabulary has the call markers
+        as single tokens. Raises :class:`ConfigError` (with llguidance's message for a schema
+        it cannot compile)."""
+        check_call_tokens(tokenizer)
+        return super().compile(tokenizer, vocab_size, stop_ids)
+
+    def template_tools(self) -> list[dict]:
+        """``tools`` for the chat template (OpenAI-shaped entries)."""
+        return [t.as_openai() for t in self.tools]
+
+
+def check_call_tokens(tokenizer: Any) -> None:
+    """Raises :class:`ConfigError` unless ``<tool_call>`` and ``</tool_call>`` are single
+    added tokens of ``tokenizer`` (the grammar writes them as special tokens)."""
+    added = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
+    missing = [m for m in (CALL_OPEN, CALL_CLOSE) if m not in added]
+    if missing:
+        raise ConfigError(
+            f"this model's vocabulary has no {missing[0]} token: smcspec writes tool calls in "
+            "the <tool_call> JSON form of Qwen2.5 and Hermes templates"
+        )
