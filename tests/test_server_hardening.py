@@ -118,12 +118,43 @@ CASES = [
         "messages.0.role",
     ),  # fmt: skip
     (
-        "role-tool",
+        "role-tool-without-id",
         "POST",
         CC,
         chat(messages=[{"role": "tool", "content": "hi"}]),
         400,
-        "messages.0.role",
+        "messages.0",
+    ),  # fmt: skip
+    (
+        "tool-message-without-its-call",
+        "POST",
+        CC,
+        chat(messages=[*USER, {"role": "tool", "tool_call_id": "call_1", "content": "hi"}]),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        "assistant-call-arguments-not-json",
+        "POST",
+        CC,
+        chat(
+            messages=[
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+            ]
+        ),
+        400,
+        None,
     ),  # fmt: skip
     (
         "role-developer",
@@ -178,13 +209,52 @@ CASES = [
     ("presence-penalty", "POST", C, completion(presence_penalty=0.5), 400, "presence_penalty"),
     ("frequency-penalty-zero", "POST", C, completion(frequency_penalty=0), 200, None),
     ("logit-bias", "POST", C, completion(logit_bias={"1": 5}), 400, "logit_bias"),
-    (
-        "tools",
+    (  # the tiny models' template does not render tools: a clear 400
+        "tools-template-without-tools",
         "POST",
         CC,
         chat(tools=[{"type": "function", "function": {"name": "f"}}]),
         400,
+        None,
+    ),  # fmt: skip
+    (
+        "tools-on-completions",
+        "POST",
+        C,
+        completion(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
         "tools",
+    ),  # fmt: skip
+    ("tool-choice-required-no-tools", "POST", CC, chat(tool_choice="required"), 400, None),
+    ("tool-choice-none-no-tools", "POST", CC, chat(tool_choice="none"), 200, None),
+    (
+        "tool-choice-unknown-function",
+        "POST",
+        CC,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        "tool-bad-schema",
+        "POST",
+        CC,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "str"}}}]
+        ),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        "tool-bad-name",
+        "POST",
+        CC,
+        chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]),
+        400,
+        None,
     ),  # fmt: skip
     ("echo", "POST", C, completion(echo=True), 400, "echo"),
     ("best-of", "POST", C, completion(best_of=3), 400, "best_of"),

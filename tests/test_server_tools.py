@@ -1,0 +1,182 @@
+"""Tool calling through the OpenAI-compatible server on the real default pair, driven by the
+real ``openai`` client: a weather-and-calculator toolset, every method, streamed and not.
+
+Every returned call must parse and validate against its function's schema (``jsonschema_rs``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+from live_server import Server
+
+from smcspec import Engine, GenerationConfig
+from smcspec.server import create_app
+
+pytestmark = pytest.mark.slow
+MODEL = "smcspec-default"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CALCULATOR = {
+    "type": "object",
+    "properties": {"expression": {"type": "string", "maxLength": 40}},
+    "required": ["expression"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression",
+            "parameters": CALCULATOR,
+        },
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "calculator": CALCULATOR}
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine.load()
+    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=64), model_name=MODEL))
+    yield srv
+    srv.stop()
+
+
+def _valid(name: str, arguments: str) -> dict:
+    assert name in SCHEMAS, name
+    args = json.loads(arguments)
+    jsonschema_rs.validate(SCHEMAS[name], args)  # raises ValidationError
+    return args
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_required_gives_a_valid_call(server, method):
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0.7,
+        seed=1,
+        extra_body={"smc": {"method": method}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        _valid(call.function.name, call.function.arguments)
+    assert r.usage.completion_tokens > 0
+
+
+def test_a_named_function_gives_one_call_of_it(server):
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 17 times 23?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "calculator"}},
+        seed=2,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "calculator"
+    _valid("calculator", calls[0].function.arguments)
+
+
+def test_auto_answers_in_text_when_no_tool_is_needed(server):
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+        tools=TOOLS,
+        seed=0,
+    )
+    choice = r.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+    assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def _stream_turn(client, **kwargs):
+    """One streamed turn rebuilt from its deltas: (content, calls, finish_reason)."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.id is not None:  # the first delta of a call: id, type and name
+                assert tc.index not in calls and tc.function.name
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_two_turn_agent_loop(server, stream):
+    """Turn 1: a call (``required``: the 1.5B target rarely starts a call by itself); the
+    client runs it and sends the result back; turn 2 (``auto``) answers in text."""
+    client = server.client()
+    messages = [{"role": "user", "content": "What is 17 times 23? Use the calculator."}]
+    turn = {"messages": messages, "tools": TOOLS, "seed": 3}
+    if stream:
+        content, calls, finish = _stream_turn(client, tool_choice="required", **turn)
+    else:
+        msg = client.chat.completions.create(model=MODEL, tool_choice="required", **turn)
+        finish = msg.choices[0].finish_reason
+        content = msg.choices[0].message.content
+        calls = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in msg.choices[0].message.tool_calls
+        ]
+    assert finish == "tool_calls" and content is None and calls
+    for c in calls:
+        _valid(c["name"], c["arguments"])
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for c in calls
+            ],
+        }
+    )
+    for c in calls:
+        result = "391" if c["name"] == "calculator" else "12 degrees celsius, sunny"
+        messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+    if stream:
+        content, calls2, finish = _stream_turn(client, **turn)
+    else:
+        msg = client.chat.completions.create(model=MODEL, **turn)
+        content, finish = msg.choices[0].message.content, msg.choices[0].finish_reason
+        calls2 = msg.choices[0].message.tool_calls or []
+    assert finish in ("stop", "length", "tool_calls")
+    assert content or calls2  # an answer, or (model's choice) another valid call
+    for c in calls2:
+        name, args = (c["name"], c["arguments"]) if isinstance(c, dict) else (
+            c.function.name, c.function.arguments)  # fmt: skip
+        _valid(name, args)
