@@ -10,12 +10,17 @@ llama.cpp's quantized kernels).
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowHistories
+
+if TYPE_CHECKING:
+    from smcspec.backends.torch.config import ModelConfig
 
 
 class KVCache(Protocol):
@@ -79,3 +84,30 @@ class DecoderModel(Protocol):
 
     def decode_batch(self, items: list[tuple[torch.Tensor, KVCache, bool]]) -> list[torch.Tensor]:
         """:meth:`decode` of several requests' ``(tokens, cache, last_only)`` in one forward."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, with its tokenizer and where it came from.
+
+    ``model`` is the backend's model (:class:`~smcspec.backends.base.DecoderModel`);
+    ``tokenizer`` is a ``transformers`` tokenizer, or None for a llamacpp model loaded with
+    ``tokenizer=False`` (a draft: only the target's tokenizer is used, and the pair's shared
+    vocabulary is checked through llama.cpp); ``config`` is the architecture (torch backend
+    only); ``vocab_size`` and ``context_length`` are what the engine needs from either
+    backend.
+    """
+
+    model: DecoderModel
+    tokenizer: object | None  # transformers.PreTrainedTokenizerBase
+    path: Path
+    config: ModelConfig | None
+    name: str = ""  # the GGUF file's stem or the directory's name
+    backend: str = "torch"
+    vocab_size: int = 0
+    context_length: int = 0
+
+    def __post_init__(self) -> None:
+        if self.config is not None:
+            self.vocab_size = self.vocab_size or self.config.vocab_size
+            self.context_length = self.context_length or self.config.max_position_embeddings

@@ -12,47 +12,18 @@ pair is loaded without one (``tokenizer=False``: the target's serves the pair).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from smcspec.backends.base import LoadedModel  # noqa: F401  (re-exported)
 from smcspec.errors import ModelFileError
 
 if TYPE_CHECKING:
-    from smcspec.backends.base import DecoderModel
     from smcspec.backends.llamacpp import LlamaCppSettings
-    from smcspec.backends.torch.config import ModelConfig
 
 BACKENDS = ("auto", "torch", "llamacpp")
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to decode, with its tokenizer and where it came from.
-
-    ``model`` is the backend's model (:class:`~smcspec.backends.base.DecoderModel`);
-    ``tokenizer`` is a ``transformers`` tokenizer, or None for a llamacpp model loaded with
-    ``tokenizer=False`` (a draft: only the target's tokenizer is used, and the pair's shared
-    vocabulary is checked through llama.cpp); ``config`` is the architecture (torch backend
-    only); ``vocab_size`` and ``context_length`` are what the engine needs from either
-    backend.
-    """
-
-    model: DecoderModel
-    tokenizer: object | None  # transformers.PreTrainedTokenizerBase
-    path: Path
-    config: ModelConfig | None
-    name: str = ""  # the GGUF file's stem or the directory's name
-    backend: str = "torch"
-    vocab_size: int = 0
-    context_length: int = 0
-
-    def __post_init__(self) -> None:
-        if self.config is not None:
-            self.vocab_size = self.vocab_size or self.config.vocab_size
-            self.context_length = self.context_length or self.config.max_position_embeddings
 
 
 def cache_root() -> Path:

@@ -226,7 +226,7 @@ class Transformer(nn.Module):
 
     Args:
         cfg: architecture.
-    Weights are loaded with :func:`smcspec.models.loading.load_state_dict_into`.
+    Weights are loaded with :func:`smcspec.backends.torch.weights.load_weights`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.transformer import Transformer, rope_inv_freq
 from smcspec.errors import ConfigError, ModelFileError
-from smcspec.models.loading import LoadedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
