@@ -1,0 +1,77 @@
+"""The llama.cpp build chosen from faked hosts (``smcspec.backends.llamacpp_build``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from smcspec.backends.llamacpp_build import BuildHost, build_plan, detect_host
+
+AVX2_HOST = frozenset({"fpu", "avx", "avx2", "fma", "f16c", "bmi2"})
+AMX_HOST = AVX2_HOST | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+
+
+def host(flags=AVX2_HOST, system="Linux", machine="x86_64", smi=False, nvcc=False):
+    return BuildHost(frozenset(flags), system, machine, smi, nvcc)
+
+
+def args_of(plan) -> dict[str, str]:
+    return dict(a.removeprefix("-D").split("=", 1) for a in plan.cmake_args)
+
+
+def test_a_cpu_host_builds_for_its_instruction_sets_with_rpc():
+    plan = build_plan(host())
+    a = args_of(plan)
+    assert plan.accelerator == "cpu"
+    assert a["GGML_NATIVE"] == "OFF" and a["GGML_RPC"] == "ON"
+    assert a["GGML_AVX2"] == "ON" and a["GGML_AVX512"] == "OFF"
+    assert "GGML_CUDA" not in a and "GGML_METAL" not in a
+
+
+def test_amx_stays_off_even_where_the_cpu_has_it():
+    a = args_of(build_plan(host(AMX_HOST)))
+    assert a["GGML_AVX512"] == a["GGML_AVX512_BF16"] == "ON"
+    assert a["GGML_AMX_TILE"] == a["GGML_AMX_INT8"] == a["GGML_AMX_BF16"] == "OFF"
+
+
+@pytest.mark.parametrize("smi, nvcc, accelerator", [
+    (True, True, "cuda"),
+    (True, False, "cpu"),  # a driver without a toolkit cannot compile CUDA code
+    (False, True, "cpu"),  # a toolkit without a GPU
+])  # fmt: skip
+def test_cuda_needs_a_driver_and_a_toolkit(smi, nvcc, accelerator):
+    plan = build_plan(host(smi=smi, nvcc=nvcc))
+    a = args_of(plan)
+    assert plan.accelerator == accelerator
+    assert (a.get("GGML_CUDA") == "ON") == (accelerator == "cuda")
+    assert a["GGML_RPC"] == "ON" and a["GGML_AVX2"] == "ON"  # the CPU side still fits the CPU
+
+
+def test_apple_silicon_builds_metal_without_x86_flags():
+    plan = build_plan(host(frozenset(), system="Darwin", machine="arm64"))
+    a = args_of(plan)
+    assert plan.accelerator == "metal" and a["GGML_METAL"] == "ON" and a["GGML_RPC"] == "ON"
+    assert not any(k.startswith("GGML_AVX") for k in a)
+
+
+def test_linux_arm_builds_for_the_cpu_without_x86_flags():
+    plan = build_plan(host(frozenset({"neon"}), machine="aarch64"))
+    assert plan.accelerator == "cpu"
+    assert not any(k.startswith("GGML_AVX") for k in args_of(plan))
+
+
+def test_detect_host_reads_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags\t\t: fpu avx avx2\n\nprocessor : 1\nflags : fpu\n")
+    assert detect_host(info).cpu_flags == frozenset({"fpu", "avx", "avx2"})
+    assert detect_host(tmp_path / "missing").cpu_flags == frozenset()
+
+
+def test_the_command_prints_what_the_build_script_reads():
+    out = subprocess.run(
+        [sys.executable, "-m", "smcspec.backends.llamacpp_build"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert out[0] in ("cpu", "cuda", "metal") and "-DGGML_RPC=ON" in out[1].split()
