@@ -102,6 +102,25 @@ def test_a_named_function_gives_one_call_of_it(server):
     _valid("calculator", calls[0].function.arguments)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_calls_a_tool_when_the_question_needs_one(server, stream):
+    """The 1.5B target writes its call as a json block; auto reads it as a call, valid."""
+    kwargs = dict(
+        messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
+        tools=TOOLS, seed=1, temperature=0.7,
+    )  # fmt: skip
+    if stream:
+        content, calls, finish = _stream_turn(server.client(), **kwargs)
+    else:
+        r = server.client().chat.completions.create(model=MODEL, **kwargs)
+        finish, content = r.choices[0].finish_reason, r.choices[0].message.content
+        calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                 for c in r.choices[0].message.tool_calls or []]  # fmt: skip
+    assert finish == "tool_calls" and content is None and len(calls) == 1, (content, calls)
+    assert calls[0]["name"] == "get_weather"
+    assert _valid("get_weather", calls[0]["arguments"])["city"] == "Paris"
+
+
 def test_auto_answers_in_text_when_no_tool_is_needed(server):
     r = server.client().chat.completions.create(
         model=MODEL,

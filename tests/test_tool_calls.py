@@ -129,6 +129,33 @@ def test_none_and_auto(tok):
     }
 
 
+def test_auto_reads_a_json_block_opening_the_reply_as_a_call():
+    """The default pair writes calls as a Markdown json block: under auto such a block must
+    be a valid call (name offered, arguments valid, bounded whitespace); other text is free,
+    and so is a json block later in the reply."""
+    tok = make_tokenizer(V - 2, extra='{}":,_\u010a`')
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    c = ToolCalls((F, G), "auto").compile(tok, V, [tok.convert_tokens_to_ids("<|im_end|>")])
+
+    def ok(text: str) -> bool:
+        state = c.start()
+        try:
+            state.consume(tok.encode(text, add_special_tokens=False))
+        except Exception:
+            return False
+        return state.is_accepting()
+
+    good = '```json\n{\n  "name": "f",\n  "arguments": {\n    "a": "y"\n  }\n}\n```'
+    assert ok(good) and ok('```json\n{"name": "g", "arguments": {}}\n```')
+    assert not ok(good.replace('"f"', '"h"'))  # not an offered function
+    assert not ok(good.replace('"y"', '"z"'))  # arguments outside the schema
+    assert not ok('```json\n{"a": 1}\n```')  # a json block opening the reply is a call
+    assert ok('see ```json\n{"a": 1}\n```') and ok("```py\nx\n```")
+    content, calls = parse_tool_calls(good)
+    assert content is None and len(calls) == 1 and calls[0].complete
+    assert (calls[0].name, calls[0].arguments) == ("f", '{"a": "y"}')  # json.dumps form
+
+
 def accepted_from(state, tok):
     out = {}
 
@@ -196,6 +223,9 @@ REPLIES = [
     CALLS[0] + '\n<tool_call>\n{"na',  # a second call cut before its name: dropped
     "",
     "a < b and <tool_ or ```json {}``` are text",
+    '```json\n{\n  "name": "f",\n  "arguments": {"a": "x"}\n}\n```',  # auto's other form
+    '```json\n{"b": 1}\n```\nthen text',  # a json block that is no call: text
+    '```json\n{"name": "f", "argu',  # a json block cut short: text
 ]
 
 
@@ -240,6 +270,8 @@ def test_reading_back_examples():
     assert not calls[0].complete
     _, calls = parse_tool_calls(CALLS[0] + '\n<tool_call>\n{"na')
     assert len(calls) == 1
+    assert parse_tool_calls('```json\n{"b": 1}\n```') == ('```json\n{"b": 1}\n```', [])
+    assert parse_tool_calls('```json\n{"name": "f"') == ('```json\n{"name": "f"', [])
 
 
 # ----------------------------------------------------------------------------- SMC-SD

@@ -7,15 +7,29 @@ and its ``arguments`` are the text of ARGS (a JSON object: it holds no raw newli
 first ``}\\n</tool_call>`` after it ends the call). A call cut short (``max_tokens``, a stop
 string) keeps the arguments written so far, one cut before its name is dropped; its choice
 ends with ``finish_reason`` ``length`` or ``stop``, never ``tool_calls``.
+
+``auto``'s other form, one call as a ``json`` block opening the reply (``FENCE_OPEN`` JSON
+``FENCE_CLOSE``), is read when the block closes (its arguments arrive in one delta); a block
+cut short stays text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
 
-from smcspec.tool_calls.spec import ARGS_HEAD, CALL_CLOSE, CALL_HEAD, CALL_OPEN, CALL_TAIL
+from smcspec.tool_calls.spec import (
+    ARGS_HEAD,
+    CALL_CLOSE,
+    CALL_HEAD,
+    CALL_OPEN,
+    CALL_TAIL,
+    FENCE_CLOSE,
+    FENCE_OPEN,
+    NAME_PATTERN,
+)
 
 _HEAD = re.compile(
     re.escape(CALL_OPEN + CALL_HEAD) + r"([A-Za-z0-9_-]{1,64})" + re.escape(ARGS_HEAD)
@@ -102,6 +116,28 @@ class ToolCallParser:
 
     def _step(self, out: list[Event]) -> bool:  # one transition; True if it made progress
         buf = self._buf
+        if self._state == "text" and not self._content and not self.calls:
+            if buf.startswith(FENCE_OPEN):  # auto's other form: a call in a json block
+                self._state = "fenced"
+                return True
+            if FENCE_OPEN.startswith(buf):
+                return False  # may still become one
+        if self._state == "fenced":
+            at = buf.find(FENCE_CLOSE, len(FENCE_OPEN))
+            if at < 0:
+                return False
+            call = _fenced_call(buf[len(FENCE_OPEN) : at])
+            if call is None:  # not a call after all (not from the grammar): text
+                self._state = "text"
+                self._say(buf[: at + len(FENCE_CLOSE)], out)
+                self._buf = buf[at + len(FENCE_CLOSE) :]
+                return True
+            self.calls.append(call)
+            out.append(CallStart(len(self.calls) - 1, call))
+            self._arguments(call.arguments, out, fenced=True)
+            call.complete = True
+            self._buf, self._state = buf[at + len(FENCE_CLOSE) :], "between"
+            return True
         if self._state == "text":
             at = buf.find(CALL_OPEN)
             if at >= 0:
@@ -148,21 +184,38 @@ class ToolCallParser:
         self._buf, self._state = buf, "text"
         return True
 
-    def _arguments(self, text: str, out: list[Event]) -> None:
+    def _arguments(self, text: str, out: list[Event], fenced: bool = False) -> None:
         if text:
-            self.calls[-1].arguments += text
+            if not fenced:
+                self.calls[-1].arguments += text
             out.append(ArgumentsDelta(len(self.calls) - 1, text))
 
     def finish(self) -> list[Event]:
         """The events of what is still held back (the text has ended)."""
         out: list[Event] = []
         buf, self._buf = self._buf, ""
-        if self._state == "text":
+        if self._state in ("text", "fenced"):  # a json block cut short stays text
             self._say(buf, out)
         elif self._state == "args":
             self._arguments(buf, out)
         self._state = "text"
         return out
+
+
+def _fenced_call(text: str) -> ToolCall | None:
+    """The call a json block holds (``{"name": str, "arguments": object}``), else None;
+    arguments re-written with ``json.dumps``'s separators, as the template form has them."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
+        return None
+    name, args = obj["name"], obj["arguments"]
+    if not isinstance(name, str) or not NAME_PATTERN.match(name) or not isinstance(args, dict):
+        return None
+    arguments = json.dumps(args, ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

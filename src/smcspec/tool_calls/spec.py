@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smcspec.errors import ConfigError
-from smcspec.potentials import Constraint, TokenConstraint, grammar_from
+from smcspec.potentials import JSON_WHITESPACE, Constraint, TokenConstraint, grammar_from
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -105,6 +105,29 @@ class FunctionTool:
         return {"type": "function", "function": fn}
 
 
+FENCE_OPEN = "```json\n"
+FENCE_CLOSE = "\n```"
+"""The other form ``auto`` reads as a call: a reply that opens with a Markdown ``json`` block
+holding ``{"name": ..., "arguments": ...}`` (what the default 1.5B Coder target writes when
+it wants a tool: it almost never writes ``<tool_call>`` on its own)."""
+
+
+def fenced_schema(tools: Sequence[FunctionTool]) -> dict:
+    """JSON schema of a call in a ``json`` block: ``name`` first, one of the tools, and that
+    tool's ``arguments``; whitespace bounded as :class:`~smcspec.potentials.JsonSchema`'s."""
+    calls = []
+    for tool in tools:
+        args = {k: v for k, v in tool.arguments_schema().items() if k != "x-guidance"}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": args},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })  # fmt: skip
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+
+
 def _literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: double quotes, JSON escapes
 
@@ -116,7 +139,8 @@ class ToolCalls(Constraint):
     Attributes:
         tools: the offered functions (unique names, at least one).
         choice: ``"none"`` (text only), ``"auto"`` (text, or text then calls: once the model
-            writes ``<tool_call>`` the call must be valid), ``"required"`` (calls only) or a
+            writes ``<tool_call>`` the call must be valid; or one call as a ``json`` block
+            opening the reply, :data:`FENCE_OPEN`), ``"required"`` (calls only) or a
             function's name (exactly one call of it).
         parallel: whether several calls may follow each other (``parallel_tool_calls``).
 
@@ -150,13 +174,17 @@ class ToolCalls(Constraint):
         tools = self.tools
         if self.choice not in TOOL_CHOICES:  # one named function, one call
             tools = tuple(t for t in tools if t.name == self.choice)
-        lines = ["TEXT: /(?s:.+)/"]
-        start = {
-            "none": "TEXT",
-            "auto": "TEXT | TEXT? calls",
-            "required": "calls",
-        }.get(self.choice, "calls")
-        lines.insert(0, f"start: {start}")
+        if self.choice == "auto":  # text, calls, or one call in a ```json block
+            lines = [
+                "start: TEXT | TEXT? calls | FENCE fenced FENCE_END",
+                "TEXT: /(?s:.+)/ & ~/(?s:```json.*)/",  # a reply opening a json block is a call
+                f"FENCE: {_literal(FENCE_OPEN)}",
+                f"FENCE_END: {_literal(FENCE_CLOSE)}",
+                f"fenced: %json {json.dumps(fenced_schema(tools))}",
+            ]
+        else:
+            start = "TEXT" if self.choice == "none" else "calls"
+            lines = [f"start: {start}", "TEXT: /(?s:.+)/"]
         many = self.parallel and self.choice in ("auto", "required")
         sep = _literal(CALL_SEPARATOR)
         # a newline may end the calls (the model ends "</tool_call>\n<|im_end|>")
