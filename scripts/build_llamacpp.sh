@@ -24,5 +24,6 @@ if ! ls "$dir"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
         python -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
         -w "$dir" "llama-cpp-python==$VERSION"
 fi
-python -m pip install --quiet --no-deps "$dir"/llama_cpp_python-"$VERSION"-*.whl
+# --force-reinstall: a venv holding another build of the same version gets this one
+python -m pip install --quiet --no-deps --force-reinstall "$dir"/llama_cpp_python-"$VERSION"-*.whl
 python -m pip install --quiet "diskcache>=5.6" "jinja2>=2.11"  # its runtime needs

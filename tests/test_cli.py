@@ -38,6 +38,9 @@ def pair(tmp_path_factory):
         (["--min-p", "1.5"], "min_p must be in"),
         (["--target", "/nonexistent/model.gguf"], "does not exist"),
         (["--device", "cuda:7"], "CUDA"),
+        (["--rpc", "nohost"], "HOST:PORT"),
+        (["--rpc", "127.0.0.1:99999"], "HOST:PORT"),
+        (["--gpu-layers", "-5"], "gpu_layers must be"),
     ],
 )
 def test_bad_options_exit_with_a_clear_error(capsys, args, message):
@@ -46,6 +49,16 @@ def test_bad_options_exit_with_a_clear_error(capsys, args, message):
     assert code in (2, 3)
     assert err.startswith("error: ") and re.search(message, err)
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--port", "0"], "--port must be"), (["--threads", "0"], "--threads must be")],
+)
+def test_rpc_server_refuses_bad_options(capsys, args, message):
+    assert main(["rpc-server", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
 def test_truncation_options_reach_the_config():

@@ -75,3 +75,64 @@ def test_the_command_prints_what_the_build_script_reads():
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
     assert out[0] in ("cpu", "cuda", "metal") and "-DGGML_RPC=ON" in out[1].split()
+
+
+# ------------------------------------------------------------------ using the build's devices
+@pytest.mark.parametrize("gpus, backend, device, expected", [
+    ([], "auto", "cpu", "llamacpp"),
+    ([], "auto", "cuda", "torch"),  # a CPU build cannot run the GGUF on the GPU
+    (["CUDA0"], "auto", "cuda", "llamacpp"),
+    (["CUDA0"], "llamacpp", "cuda:0", "llamacpp"),
+])  # fmt: skip
+def test_auto_picks_llamacpp_where_its_build_runs(monkeypatch, tmp_path, gpus, backend, device,
+                                                 expected):  # fmt: skip
+    import importlib.util
+
+    import smcspec.models.loading as loading
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    monkeypatch.setattr(loading, "llamacpp_gpus", lambda: gpus)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert loading.resolve_backend(backend, gguf, device) == expected
+
+
+def test_llamacpp_on_a_gpu_its_build_does_not_see_is_refused(monkeypatch, tmp_path):
+    import smcspec.models.loading as loading
+    from smcspec.errors import ConfigError
+
+    monkeypatch.setattr(loading, "llamacpp_gpus", lambda: [])
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match="sees no GPU"):
+        loading.resolve_backend("llamacpp", gguf, "cuda")
+
+
+def test_offloaded_settings_key_their_costs_apart():
+    from smcspec.backends.llamacpp import LlamaCppSettings
+
+    assert LlamaCppSettings().offload() is None  # CPU only: the old cost key, unchanged
+    assert LlamaCppSettings(gpu_layers=-1).offload() == "gpu_layers=-1;rpc="
+    rpc = LlamaCppSettings(gpu_layers=-1, rpc_servers=("h:1", "h:2")).offload()
+    assert rpc == "gpu_layers=-1;rpc=h:1,h:2"
+
+
+def test_the_cost_key_names_what_is_offloaded(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from smcspec.tuning.cache import cost_key
+
+    f = tmp_path / "t.gguf"
+    f.write_bytes(b"x")
+
+    def pair(offload):
+        model = SimpleNamespace(device=torch.device("cpu"), threads=2, offload=offload)
+        side = SimpleNamespace(model=model, backend="llamacpp", path=f)
+        return SimpleNamespace(target=side, draft=side)
+
+    cpu, gpu = cost_key(pair(None), 64), cost_key(pair("gpu_layers=-1;rpc="), 64)
+    assert "offload" not in cpu  # CPU-only keys (and their cached costs) are unchanged
+    assert gpu["offload"] == ["gpu_layers=-1;rpc=", "gpu_layers=-1;rpc="]

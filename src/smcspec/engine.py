@@ -138,6 +138,8 @@ class Engine:
         threads: int | None = None,
         quantize_draft: str | None = None,
         log: Callable[[str], None] | None = None,
+        gpu_layers: int | None = None,
+        rpc: str | list[str] | None = None,
     ) -> Engine:
         """Load a pair. ``None`` selects the default model (installed from PyPI packages).
 
@@ -153,8 +155,14 @@ class Engine:
                 draft GGUF re-quantized to it, made once and cached
                 (:mod:`smcspec.models.quantize`; llamacpp backend only).
             log: called with one line before slow one-time work (re-quantizing).
+            gpu_layers: llamacpp layers offloaded to the build's GPU or the RPC servers
+                (-1 all, 0 none); default: all with ``device`` ``cuda`` or ``rpc``, else 0.
+            rpc: ``HOST:PORT[,HOST:PORT...]`` of llama.cpp RPC servers
+                (``smcspec rpc-server``) that take the **target**'s offloaded layers; the
+                draft stays local (llamacpp backend).
         Raises:
-            ModelFileError, ConfigError.
+            ModelFileError, ConfigError (an RPC server that cannot be reached, a build
+            without RPC).
         """
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but no CUDA device is available")
@@ -165,12 +173,27 @@ class Engine:
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         opts = dict(device=device, dtype=dtype, backend=backend)
-        opts["llamacpp"] = LlamaCppSettings(threads=threads)
+        offload = -1 if device != "cpu" else 0
+        if gpu_layers is not None and gpu_layers < -1:
+            raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {gpu_layers}")
+        local = gpu_layers if gpu_layers is not None else offload
+        opts["llamacpp"] = LlamaCppSettings(threads=threads, gpu_layers=local)
+        target_opts = dict(opts)
+        if rpc:
+            from smcspec.backends.llamacpp_rpc import parse_endpoints
+
+            servers = parse_endpoints(rpc)
+            layers = gpu_layers if gpu_layers is not None else -1
+            target_opts["llamacpp"] = LlamaCppSettings(
+                threads=threads, gpu_layers=layers, rpc_servers=servers
+            )
         if with_draft and quantize_draft is not None:
             draft = _requantized(draft, quantize_draft, backend, device, threads, log)
         if backend == "auto":
             _fallback_notice(target, device, log)
-        tgt = _load(target, DEFAULT_TARGET, **opts)
+        tgt = _load(target, DEFAULT_TARGET, **target_opts)
+        if rpc and tgt.backend != "llamacpp":
+            raise ConfigError("--rpc needs the llamacpp backend (a GGUF target)")
         # the target's tokenizer serves the pair; a llamacpp pair checks its vocabulary there
         opts["tokenizer"] = tgt.backend != "llamacpp"
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None

@@ -105,6 +105,10 @@ class LlamaCppSettings:
             least ``max_sequences``. llama.cpp keeps an output buffer of ``n_batch`` logit
             rows (311 MB at 512 for a 151,936-token vocabulary).
         kv_type: ``f16`` (llama.cpp's default) or ``f32`` KV storage.
+        gpu_layers: layers offloaded to the devices (llama.cpp's ``n_gpu_layers``; -1: all,
+            0: none, the CPU computes everything).
+        rpc_servers: ``HOST:PORT`` of llama.cpp RPC servers whose devices take the offloaded
+            layers, before any local GPU (:mod:`smcspec.backends.llamacpp_rpc`).
     """
 
     threads: int | None = None
@@ -112,6 +116,14 @@ class LlamaCppSettings:
     max_sequences: int = 256
     n_batch: int = 512
     kv_type: str = "f16"
+    gpu_layers: int = 0
+    rpc_servers: tuple[str, ...] = ()
+
+    def offload(self) -> str | None:
+        """What runs off this process's CPU, for the tuner's cost key (None: nothing)."""
+        if self.gpu_layers == 0:
+            return None
+        return f"gpu_layers={self.gpu_layers};rpc={','.join(self.rpc_servers)}"
 
 
 SPARE = -1  # the spare sequence of a copy plan
@@ -265,7 +277,17 @@ class LlamaCppModel:
             )
         if settings.threads is not None and settings.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {settings.threads}")
+        if settings.gpu_layers < -1:
+            raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {settings.gpu_layers}")
         mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = settings.gpu_layers
+        self._devices = None  # the device array must outlive the model
+        if settings.rpc_servers:
+            from smcspec.backends.llamacpp_rpc import local_gpus, rpc_devices
+
+            self._devices = rpc_devices(settings.rpc_servers, local_gpus())
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        self.offload = settings.offload()
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp cannot load {self.path}")
@@ -300,9 +322,18 @@ class LlamaCppModel:
             on_take=self._take_ids,
             on_release=self._give_back_ids,
         )
-        weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
+        self._free = weakref.finalize(
+            self, _free_context, lib, self._model, self._ctx, self._batch
+        )
 
     # ------------------------------------------------------------------ sequences
+
+    def release(self) -> None:
+        """Free the llama.cpp model and context now instead of at garbage collection
+        (idempotent; the model cannot be used afterwards). A model on RPC servers must be
+        released while they still run: freeing it talks to them, and llama.cpp aborts the
+        process if they are gone."""
+        self._free()
     def token_texts(self, n: int | None = None) -> list[bytes]:
         """The text llama.cpp holds for token ids ``0 .. n-1`` (default: the vocabulary),
         as stored in the GGUF file (byte-level BPE tokens in their ``Ġ`` form)."""

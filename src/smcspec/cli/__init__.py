@@ -1,18 +1,19 @@
-"""Command line: ``smcspec generate "PROMPT"``, ``serve``, ``eval TASK`` and ``bench``.
+"""Command line: ``smcspec generate "PROMPT"``, ``serve``, ``eval TASK``, ``bench`` and
+``rpc-server``.
 
 Errors a user can cause print one line ``error: ...`` and exit with a non-zero code
 (2: bad option or prompt, 3: model file problem, 4: numerical failure), never a traceback.
 
-One module per command (``generate``, ``serve``, ``bench``, ``evaluate``), the parser
-(``parser``), the shared options (``options``) and what the commands share once parsed
-(``common``).
+One module per command (``generate``, ``serve``, ``bench``, ``evaluate``, ``rpc_server``),
+the parser (``parser``), the shared options (``options``) and what the commands share once
+parsed (``common``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from smcspec.cli import bench, evaluate, generate, serve
+from smcspec.cli import bench, evaluate, generate, rpc_server, serve
 from smcspec.cli.parser import build_parser, parse_args
 from smcspec.errors import SmcspecError
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             return evaluate.run(args)
         if args.command == "bench":
             return bench.run(args)
+        if args.command == "rpc-server":
+            return rpc_server.run(args)
     except SmcspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

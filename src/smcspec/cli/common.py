@@ -25,6 +25,8 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
         threads=args.threads,
         quantize_draft=args.quantize_draft,
         log=note,
+        gpu_layers=args.gpu_layers,
+        rpc=args.rpc,
     )
 
 

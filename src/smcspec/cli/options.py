@@ -96,6 +96,21 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
         "--threads", type=int, default=None, help="llamacpp threads (default: physical cores)"
     )
     g.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="llamacpp layers offloaded to the build's GPU or the --rpc servers "
+        "(-1 all, 0 none; default: all with --device cuda or --rpc, else 0)",
+    )
+    g.add_argument(
+        "--rpc",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="llama.cpp RPC servers (smcspec rpc-server) that run the target's layers; "
+        "the draft stays local (llamacpp backend; trusted networks only)",
+    )
+    g.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],

@@ -32,6 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json-schema", metavar="FILE", help="output must be JSON valid under it")
     c.add_argument("--regex", metavar="PATTERN", help="output must match this regular expression")
     c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
+    r = sub.add_parser(
+        "rpc-server",
+        help="lend this machine to another's target (llama.cpp RPC; trusted networks only)",
+    )
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50052)
+    r.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    r.add_argument(
+        "--cache-dir", default=None, help="cache tensors sent by clients here (llama.cpp -c)"
+    )
     s = sub.add_parser(
         "serve",
         parents=common,
@@ -159,6 +169,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a command line, with the per-command defaults resolved (``-m``)."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
+    if args.command == "rpc-server":  # no models, no decoding options
+        return args
     args.max_new_tokens_given = args.max_new_tokens is not None  # else a default cap
     args.max_new_tokens = resolve_max_new_tokens(args)
     return args

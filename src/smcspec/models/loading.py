@@ -32,8 +32,9 @@ def cache_root() -> Path:
 
 
 def resolve_backend(backend: str, path: Path, device: str | torch.device) -> str:
-    """``auto`` -> ``llamacpp`` for a GGUF file on the CPU when llama-cpp-python is
-    installed, else ``torch``. Raises :class:`ConfigError` for a backend that cannot run it.
+    """``auto`` -> ``llamacpp`` for a GGUF file when llama-cpp-python is installed and runs
+    on ``device`` (the CPU, or a GPU its build sees), else ``torch``. Raises
+    :class:`ConfigError` for a backend that cannot run it.
     """
     from smcspec.errors import ConfigError
 
@@ -44,12 +45,27 @@ def resolve_backend(backend: str, path: Path, device: str | torch.device) -> str
         import importlib.util
 
         has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
-        return "llamacpp" if path.is_file() and on_cpu and has_llamacpp else "torch"
+        runs = has_llamacpp and (on_cpu or bool(llamacpp_gpus()))
+        return "llamacpp" if path.is_file() and runs else "torch"
     if backend == "llamacpp" and not path.is_file():
         raise ConfigError(f"the llamacpp backend runs GGUF files; {path} is a directory")
-    if backend == "llamacpp" and not on_cpu:
-        raise ConfigError("the llamacpp backend runs on the CPU here; use --backend torch")
+    if backend == "llamacpp" and not on_cpu and not llamacpp_gpus():
+        raise ConfigError(
+            f"the llama.cpp build installed here sees no GPU for --device {device}: "
+            "scripts/setup.sh builds it with CUDA where nvidia-smi and nvcc are found "
+            "(Metal on Apple Silicon); or use --backend torch"
+        )
     return backend
+
+
+def llamacpp_gpus() -> list[str]:
+    """The GPU devices of the installed llama.cpp build (none without llama-cpp-python)."""
+    try:
+        from smcspec.backends.llamacpp_rpc import gpu_devices
+
+        return gpu_devices()
+    except Exception:  # llama-cpp-python missing or unloadable: no GPU through it
+        return []
 
 
 LLAMACPP_FIX = (

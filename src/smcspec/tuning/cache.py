@@ -108,7 +108,7 @@ def _dtype(model: object) -> str:
 def cost_key(engine: TunablePair, context: int) -> dict[str, Any]:
     """The cache key of ``engine``'s pair on this machine (see the module notes)."""
     model = engine.target.model
-    return {
+    key = {
         "format": FORMAT_VERSION,
         "machine": machine_name(model.device),
         "threads": _threads(model),
@@ -119,6 +119,10 @@ def cost_key(engine: TunablePair, context: int) -> dict[str, Any]:
         "target": file_identity(engine.target.path),
         "draft": file_identity(engine.draft.path) if engine.draft is not None else None,
     }
+    offload = [getattr(m.model, "offload", None) for m in (engine.target, engine.draft) if m]
+    if any(offload):  # GPU layers or RPC servers: costs measured there, keyed apart
+        key["offload"] = offload
+    return key
 
 
 def cache_file(key: dict[str, Any], root: Path | None = None) -> Path:

@@ -1,0 +1,170 @@
+"""llama.cpp's RPC backend: lend this machine's compute to another, and load a target across
+machines (``ggml-rpc.h``; llama.cpp's ``tools/rpc``).
+
+An RPC server (:func:`serve_rpc`, ``smcspec rpc-server``) runs ggml's server loop on its CPU
+(or GPU) device; a client registers each ``HOST:PORT`` (:func:`rpc_devices`) and llama.cpp
+places model layers on those devices as on GPUs (``n_gpu_layers``). The protocol has no
+authentication: run servers on trusted networks only.
+
+Faults: llama.cpp's client aborts the process (``GGML_ABORT``, SIGABRT) when a server cannot
+be reached at registration or stops answering mid-forward (``ggml-rpc.cpp``,
+``RPC_STATUS_ASSERT``); it does not return an error. :func:`check_reachable` therefore
+connects to every server first, so a wrong address is a clear error instead of an abort;
+a server lost later ends the process (``smcspec serve`` exits for its supervisor).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from pathlib import Path
+
+from smcspec.errors import ConfigError
+
+DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU = 0, 1, 2  # enum ggml_backend_dev_type
+DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def parse_endpoints(spec: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"HOST:PORT[,HOST:PORT...]"`` (or a list) as a tuple of endpoints.
+
+    Raises:
+        ConfigError: an empty list, a missing host, or a port outside 1-65535.
+    """
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for part in (p.strip() for p in parts):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"RPC server {part!r} must be HOST:PORT (port 1-65535)")
+        out.append(f"{host}:{int(port)}")
+    if not out:
+        raise ConfigError("--rpc needs at least one HOST:PORT")
+    return tuple(out)
+
+
+def check_reachable(endpoint: str, timeout_s: float = 3.0) -> None:
+    """Raises :class:`ConfigError` unless a TCP connection to ``endpoint`` opens within
+    ``timeout_s`` (llama.cpp would abort the process instead)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot reach the RPC server {endpoint} ({exc}); start it with "
+            f"`smcspec rpc-server --host HOST --port PORT` on that machine"
+        ) from None
+
+
+def _ggml() -> ctypes.CDLL:
+    """libggml of the installed llama-cpp-python build (loaded by llama_cpp already)."""
+    if "ggml" not in _LIBS:
+        from smcspec.backends.llamacpp import _llama
+
+        llama_cpp = _llama()
+        libdir = Path(llama_cpp.__file__).parent / "lib"
+        names = sorted(libdir.glob("libggml.so*")) + sorted(libdir.glob("libggml.dylib"))
+        names += sorted(libdir.glob("ggml.dll"))
+        if not names:
+            raise ConfigError(f"libggml not found in {libdir}")
+        lib = ctypes.CDLL(str(names[0]))
+        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+        for name, args, res in (
+            ("ggml_backend_reg_by_name", [cp], vp),
+            ("ggml_backend_reg_get_proc_address", [vp, cp], vp),
+            ("ggml_backend_reg_dev_count", [vp], sz),
+            ("ggml_backend_reg_dev_get", [vp, sz], vp),
+            ("ggml_backend_dev_count", [], sz),
+            ("ggml_backend_dev_get", [sz], vp),
+            ("ggml_backend_dev_type", [vp], ctypes.c_int),
+            ("ggml_backend_dev_by_type", [ctypes.c_int], vp),
+            ("ggml_backend_dev_name", [vp], cp),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        _LIBS["ggml"] = lib
+    return _LIBS["ggml"]
+
+
+def _rpc_function(name: str, restype, argtypes):
+    lib = _ggml()
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    if not reg:
+        raise ConfigError(
+            "this llama-cpp-python build has no RPC backend; rebuild it with "
+            "`bash scripts/setup.sh` (its builds turn GGML_RPC on)"
+        )
+    addr = lib.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if not addr:
+        raise ConfigError(f"the RPC backend of this build lacks {name}")
+    return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+
+def supports_rpc() -> bool:
+    """Whether the installed llama.cpp build has the RPC backend."""
+    try:
+        return bool(_ggml().ggml_backend_reg_by_name(b"RPC"))
+    except ConfigError:
+        return False
+
+
+def local_gpus() -> list[int]:
+    """The GPU devices (discrete or integrated) of this process's llama.cpp build
+    (``ggml_backend_dev_t`` handles; none on a CPU build). RPC devices are not local."""
+    lib = _ggml()
+    devs = (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))
+    out = []
+    for d in devs:
+        name = lib.ggml_backend_dev_name(d).decode()
+        if lib.ggml_backend_dev_type(d) in (DEVICE_GPU, DEVICE_IGPU) and not name.startswith("RPC"):
+            out.append(d)
+    return out
+
+
+def gpu_devices() -> list[str]:
+    """Names of the local GPU devices the llama.cpp build sees (see :func:`local_gpus`)."""
+    lib = _ggml()
+    return [lib.ggml_backend_dev_name(d).decode() for d in local_gpus()]
+
+
+def rpc_devices(endpoints: tuple[str, ...], local: list[int] | None = None) -> ctypes.Array:
+    """A NULL-terminated ``ggml_backend_dev_t[]``: every device of every server, then the
+    ``local`` GPU devices (llama.cpp's own order: RPC first, to send less over the network),
+    for ``llama_model_params.devices`` (keep the array alive as long as the model).
+
+    Raises:
+        ConfigError: a server that cannot be reached, or a build without RPC.
+    """
+    for ep in endpoints:
+        check_reachable(ep)
+    add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
+    lib = _ggml()
+    devices: list[int] = []
+    for ep in endpoints:
+        reg = add_server(ep.encode())
+        devices += [lib.ggml_backend_reg_dev_get(reg, i) for i in
+                    range(lib.ggml_backend_reg_dev_count(reg))]  # fmt: skip
+    devices += list(local or [])
+    return (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+
+
+def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None) -> None:
+    """Serve this machine's GPUs (or its CPU when it has none) to RPC clients on
+    ``host:port``; blocks until the process is stopped. llama.cpp's ``rpc-server`` does the
+    same. Raises :class:`ConfigError` for a build without RPC."""
+    start = _rpc_function(
+        "ggml_backend_rpc_start_server",
+        None,
+        [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
+    )
+    lib = _ggml()
+    devs = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    devs = [d for d in devs if lib.ggml_backend_dev_type(d) in (DEVICE_GPU, DEVICE_IGPU)]
+    if not devs:
+        devs = [lib.ggml_backend_dev_by_type(DEVICE_CPU)]
+    arr = (ctypes.c_void_p * len(devs))(*devs)
+    endpoint = f"{host}:{port}".encode()
+    cache = cache_dir.encode() if cache_dir else None
+    start(endpoint, cache, threads, len(devs), ctypes.cast(arr, ctypes.c_void_p))

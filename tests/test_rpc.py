@@ -1,0 +1,215 @@
+"""A target spread over llama.cpp RPC servers on loopback (``smcspec rpc-server``, ``--rpc``).
+
+Two real ``smcspec rpc-server`` processes on 127.0.0.1 serve a tiny GGUF target; its logits
+through them must equal the local ones, every method must run through them, exact SD must
+still match the target's enumerated distribution, and a server killed mid-request must end
+the client process (llama.cpp aborts) instead of hanging it. Needs a llama-cpp-python build
+with RPC (``scripts/setup.sh`` builds one); under CI a build without it is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from enumerable import chisquare_p, total_variation
+from live_server import free_port
+from test_statistical_llamacpp import LENGTH, PROMPT, SD_CFG, V, _sample, exact_log_probs
+from tiny_models import make_tiny_gguf
+
+from smcspec import ConfigError
+from smcspec.decoding import decode_sd
+
+pytest.importorskip("llama_cpp")
+from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402
+from smcspec.backends.llamacpp_rpc import parse_endpoints, supports_rpc  # noqa: E402
+
+if not supports_rpc():
+    if os.environ.get("CI"):
+        raise RuntimeError("CI is set but the llama.cpp build has no RPC: setup.sh must build it")
+    pytest.skip("this llama.cpp build has no RPC backend", allow_module_level=True)
+
+QUIET = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # ggml's abort would print a gdb backtrace
+SETTINGS = LlamaCppSettings(threads=1, kv_cells=1024, kv_type="f32", max_sequences=64, n_batch=256)
+
+
+def start_rpc_server() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smcspec", "rpc-server", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    endpoint = f"127.0.0.1:{port}"
+    deadline = time.time() + 60
+    import socket
+
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, endpoint
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode()) from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("rpc-server did not start")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = [start_rpc_server() for _ in range(2)]
+    yield [ep for _, ep in started]
+    for proc, _ in started:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, servers):
+    root = tmp_path_factory.mktemp("rpc")
+    target_file = make_tiny_gguf(root, "qwen2", V, seed=1, num_hidden_layers=2)[0]
+    draft_file = make_tiny_gguf(root, "qwen2", V, seed=2, num_hidden_layers=1)[0]
+    local = LlamaCppModel(target_file, SETTINGS)
+    remote = LlamaCppModel(
+        target_file, LlamaCppSettings(**{**SETTINGS.__dict__, "gpu_layers": -1,
+                                         "rpc_servers": tuple(servers)})
+    )  # fmt: skip
+    draft = LlamaCppModel(draft_file, SETTINGS)
+    yield local, remote, draft, (target_file, draft_file)
+    remote.release()  # before the servers stop: freeing it talks to them
+
+
+def test_endpoints_are_parsed_and_checked():
+    assert parse_endpoints("127.0.0.1:1,h:2") == ("127.0.0.1:1", "h:2")
+    for bad in ("", "host", ":5", "h:0", "h:70000", "h:x"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            parse_endpoints(bad)
+
+
+def test_an_unreachable_server_is_a_clear_error_not_an_abort(tmp_path):
+    path = make_tiny_gguf(tmp_path, "qwen2", V, seed=1, num_hidden_layers=1)[0]
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match="cannot reach the RPC server"):
+        LlamaCppModel(path, LlamaCppSettings(threads=1, gpu_layers=-1, rpc_servers=(dead,)))
+
+
+def test_logits_through_two_servers_equal_local_logits(models):
+    local, remote, _, _ = models
+    assert remote.offload and "rpc=" in remote.offload and local.offload is None
+    ids = torch.tensor([3, 1, 2, 0, 1])
+    rows = torch.tensor([[1, 2, 3], [0, 0, 1], [3, 3, 3]])
+    out = []
+    for model in (local, remote):
+        cache = model.new_cache(3, 8)
+        first = model.prefill(ids, cache)
+        out.append((first, model.decode(rows, cache)))
+    # the same ggml CPU kernels on both sides; llamacpp tests bound logits by 5e-2
+    assert torch.allclose(out[0][0], out[1][0], atol=5e-2)
+    assert torch.allclose(out[0][1], out[1][1], atol=5e-2)
+    assert float((out[0][1] - out[1][1]).abs().max()) < 5e-2
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_every_method_runs_through_rpc(models, method):
+    from smcspec.config import GenerationConfig
+    from smcspec.decoding import decode_ar, decode_smc
+
+    _, remote, draft, _ = models
+    cfg = GenerationConfig(method=method, max_new_tokens=12, particles=4, draft_tokens=3)
+    decode = {"ar": decode_ar, "sd": decode_sd, "smc": decode_smc}[method]
+    models_ = (remote,) if method == "ar" else (remote, draft)
+    out = decode(*models_, PROMPT, cfg, frozenset(), V, torch.Generator().manual_seed(0))
+    assert len(out.tokens) >= 12 and all(0 <= t < V for t in out.tokens)
+
+
+def test_exact_sd_through_rpc_matches_the_local_target(models):
+    local, remote, draft, _ = models
+    exact = exact_log_probs(local)  # enumerated locally: the RPC target must sample it
+    runs = 1000
+    counts = _sample(decode_sd, remote, draft, SD_CFG, runs)
+    assert sum(counts.values()) == runs and all(len(k) == LENGTH for k in counts)
+    # chi-square over the 64 sequences, p-value bound 1e-3; TV at 1000 runs' noise (~0.1)
+    assert chisquare_p(exact, counts, runs) > 1e-3
+    assert total_variation(exact, counts, runs) < 0.15
+
+
+def test_a_server_lost_mid_request_ends_the_client_instead_of_hanging(models, tmp_path):
+    _, _, _, (target_file, _) = models
+    proc, endpoint = start_rpc_server()
+    client = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, torch
+            from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings
+            m = LlamaCppModel({str(target_file)!r}, LlamaCppSettings(
+                threads=1, kv_cells=1024, gpu_layers=-1, rpc_servers=({endpoint!r},)))
+            print("ready", flush=True)
+            while True:
+                c = m.new_cache(4, 64)
+                m.prefill(torch.tensor([1, 2, 3]), c)
+                for _ in range(60):
+                    m.decode(torch.tensor([[1], [2], [3], [0]]), c)
+                c.close()
+        """)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=QUIET,
+    )  # fmt: skip
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # decoding through the server
+        proc.send_signal(signal.SIGKILL)
+        code = client.wait(timeout=60)  # a hang fails here
+    finally:
+        proc.kill()
+        client.kill()
+    # llama.cpp's RPC client aborts (GGML_ABORT: SIGABRT) when its server goes away
+    assert code == -signal.SIGABRT, (code, client.stderr.read()[-2000:])
+
+
+def test_serve_with_a_lost_rpc_server_exits_for_its_supervisor(tmp_path):
+    """``smcspec serve --rpc``: the in-flight stream is cut (no hang) and the process exits
+    with SIGABRT, for a supervisor to restart it; llama.cpp gives no error to turn into a
+    5xx (see :mod:`smcspec.backends.llamacpp_rpc`)."""
+    import httpx
+
+    target_file, draft_file = (  # 96 tokens: the end token is rare, the stream runs on
+        make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, num_hidden_layers=1)[0] for s in (1, 2)
+    )
+    proc, endpoint = start_rpc_server()
+    port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "smcspec", "serve", "--target", str(target_file),
+         "--draft", str(draft_file), "--backend", "llamacpp", "--rpc", endpoint,
+         "--threads", "1", "--method", "smc", "-N", "4", "-K", "2", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**QUIET, "SMCSPEC_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert serve.poll() is None, serve.stderr.read()[-2000:]
+                time.sleep(0.2)
+        body = {"prompt": "ab", "max_tokens": 200, "stream": True, "seed": 0}
+        cut = False
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            try:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i == 3:
+                        proc.send_signal(signal.SIGKILL)
+            except httpx.HTTPError:  # the connection dropped mid-stream
+                cut = True
+        code = serve.wait(timeout=60)  # a hang fails here
+    finally:
+        proc.kill()
+        serve.kill()
+    assert cut and code == -signal.SIGABRT, (cut, code, serve.stderr.read()[-2000:])
