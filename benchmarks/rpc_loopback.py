@@ -34,6 +34,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from shared_forward_cost import time_decode
 
 from smcspec import Engine, GenerationConfig
 from smcspec.eval.gsm8k import build_messages, load_gsm8k
@@ -105,18 +106,7 @@ class DelayProxy:
 def forward_ms(model, rows: int, tokens: int, reps: int = 7) -> float:
     prompt = (torch.arange(100) + 1000) % model.vocab_size
     batch = (torch.arange(rows * tokens).reshape(rows, tokens) * 7 + 500) % model.vocab_size
-    cache = model.new_cache(rows, tokens + 1, shared_rows=False)
-    try:
-        model.prefill(prompt, cache)
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            model.decode(batch, cache)
-            times.append(time.perf_counter() - t0)
-            cache.truncate(0)
-        return statistics.median(times[1:]) * 1e3
-    finally:
-        cache.close()
+    return time_decode(model, prompt, rows, batch, shared=False, reps=reps)
 
 
 def load(rpc: list[str] | None, threads: int, with_draft: bool = False) -> Engine:

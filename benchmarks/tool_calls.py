@@ -28,12 +28,13 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
 import jsonschema_rs
 import torch
-from structured_outputs import target_log_likelihood
+from structured_outputs import _configs, target_log_likelihood
 
 from smcspec import Engine, GenerationConfig
 from smcspec.tool_calls import FunctionTool, ToolCalls, parse_tool_calls
@@ -89,26 +90,14 @@ def check_calls(text: str) -> tuple[bool, str | None]:
 
 
 def configs(args: argparse.Namespace) -> dict[str, GenerationConfig]:
-    base = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                draft_temperature=args.temperature)  # fmt: skip
-    required = ToolCalls(TOOLS, "required")
-    return {
-        "ar": GenerationConfig(method="ar", constraint=required, **base),
-        f"sd-k{args.k}": GenerationConfig(
-            method="sd", draft_tokens=args.k, constraint=required, **base
-        ),
-        f"smc-n{args.n}-k{args.k}": GenerationConfig(
-            method="smc", particles=args.n, draft_tokens=args.k, constraint=required, **base
-        ),
-        "auto-ar": GenerationConfig(method="ar", constraint=ToolCalls(TOOLS, "auto"), **base),
-        f"auto-smc-n{args.n}-k{args.k}": GenerationConfig(
-            method="smc",
-            particles=args.n,
-            draft_tokens=args.k,
-            constraint=ToolCalls(TOOLS, "auto"),
-            **base,
-        ),  # fmt: skip
-    }
+    """ar, sd and smc under ``required`` (structured_outputs' three), then ar and smc under
+    ``auto``."""
+    cfgs = _configs(args, ToolCalls(TOOLS, "required"))
+    auto = ToolCalls(TOOLS, "auto")
+    cfgs["auto-ar"] = replace(cfgs["ar"], constraint=auto)
+    smc = f"smc-n{args.n}-k{args.k}"
+    cfgs[f"auto-{smc}"] = replace(cfgs[smc], constraint=auto)
+    return cfgs
 
 
 def main(argv: list[str] | None = None) -> int:

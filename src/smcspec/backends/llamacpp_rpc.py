@@ -159,11 +159,7 @@ def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None) 
         None,
         [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     )
-    lib = _ggml()
-    devs = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
-    devs = [d for d in devs if lib.ggml_backend_dev_type(d) in (DEVICE_GPU, DEVICE_IGPU)]
-    if not devs:
-        devs = [lib.ggml_backend_dev_by_type(DEVICE_CPU)]
+    devs = local_gpus() or [_ggml().ggml_backend_dev_by_type(DEVICE_CPU)]
     arr = (ctypes.c_void_p * len(devs))(*devs)
     endpoint = f"{host}:{port}".encode()
     cache = cache_dir.encode() if cache_dir else None

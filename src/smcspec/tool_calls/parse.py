@@ -29,11 +29,10 @@ from smcspec.tool_calls.spec import (
     FENCE_CLOSE,
     FENCE_OPEN,
     NAME_PATTERN,
+    NAME_RE,
 )
 
-_HEAD = re.compile(
-    re.escape(CALL_OPEN + CALL_HEAD) + r"([A-Za-z0-9_-]{1,64})" + re.escape(ARGS_HEAD)
-)
+_HEAD = re.compile(re.escape(CALL_OPEN + CALL_HEAD) + f"({NAME_RE})" + re.escape(ARGS_HEAD))
 _HEAD_MAX = len(CALL_OPEN + CALL_HEAD + ARGS_HEAD) + 64
 _END = CALL_TAIL + CALL_CLOSE
 
@@ -132,10 +131,9 @@ class ToolCallParser:
                 self._say(buf[: at + len(FENCE_CLOSE)], out)
                 self._buf = buf[at + len(FENCE_CLOSE) :]
                 return True
-            self.calls.append(call)
-            out.append(CallStart(len(self.calls) - 1, call))
-            self._arguments(call.arguments, out, fenced=True)
-            call.complete = True
+            self._start_call(call[0], out)
+            self._arguments(call[1], out)
+            self.calls[-1].complete = True
             self._buf, self._state = buf[at + len(FENCE_CLOSE) :], "between"
             return True
         if self._state == "text":
@@ -152,9 +150,7 @@ class ToolCallParser:
         if self._state == "head":
             m = _HEAD.match(buf)
             if m:
-                call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", m.group(1))
-                self.calls.append(call)
-                out.append(CallStart(len(self.calls) - 1, call))
+                self._start_call(m.group(1), out)
                 self._buf, self._state = buf[m.end() :], "args"
                 return True
             if len(buf) > _HEAD_MAX:  # not a call after all: it is text
@@ -184,10 +180,14 @@ class ToolCallParser:
         self._buf, self._state = buf, "text"
         return True
 
-    def _arguments(self, text: str, out: list[Event], fenced: bool = False) -> None:
+    def _start_call(self, name: str, out: list[Event]) -> None:
+        call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", name)
+        self.calls.append(call)
+        out.append(CallStart(len(self.calls) - 1, call))
+
+    def _arguments(self, text: str, out: list[Event]) -> None:
         if text:
-            if not fenced:
-                self.calls[-1].arguments += text
+            self.calls[-1].arguments += text
             out.append(ArgumentsDelta(len(self.calls) - 1, text))
 
     def finish(self) -> list[Event]:
@@ -202,9 +202,10 @@ class ToolCallParser:
         return out
 
 
-def _fenced_call(text: str) -> ToolCall | None:
-    """The call a json block holds (``{"name": str, "arguments": object}``), else None;
-    arguments re-written with ``json.dumps``'s separators, as the template form has them."""
+def _fenced_call(text: str) -> tuple[str, str] | None:
+    """``(name, arguments)`` of the call a json block holds (``{"name": str, "arguments":
+    object}``), else None; arguments re-written with ``json.dumps``'s separators, as the
+    template form has them."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -214,8 +215,7 @@ def _fenced_call(text: str) -> ToolCall | None:
     name, args = obj["name"], obj["arguments"]
     if not isinstance(name, str) or not NAME_PATTERN.match(name) or not isinstance(args, dict):
         return None
-    arguments = json.dumps(args, ensure_ascii=False)
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+    return name, json.dumps(args, ensure_ascii=False)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -41,7 +41,8 @@ CALL_CLOSE``, calls joined by ``CALL_SEPARATOR`` (what Qwen2.5's template render
 ARGUMENT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options for arguments: ``json.dumps``'s separators, as ``tojson`` writes."""
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+NAME_RE = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for function names
+NAME_PATTERN = re.compile(f"^{NAME_RE}$")
 TOOL_CHOICES = ("none", "auto", "required")
 
 
