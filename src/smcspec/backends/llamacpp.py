@@ -322,9 +322,7 @@ class LlamaCppModel:
             on_take=self._take_ids,
             on_release=self._give_back_ids,
         )
-        self._free = weakref.finalize(
-            self, _free_context, lib, self._model, self._ctx, self._batch
-        )
+        self._free = weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
 
     # ------------------------------------------------------------------ sequences
 
@@ -334,6 +332,7 @@ class LlamaCppModel:
         released while they still run: freeing it talks to them, and llama.cpp aborts the
         process if they are gone."""
         self._free()
+
     def token_texts(self, n: int | None = None) -> list[bytes]:
         """The text llama.cpp holds for token ids ``0 .. n-1`` (default: the vocabulary),
         as stored in the GGUF file (byte-level BPE tokens in their ``Ġ`` form)."""
