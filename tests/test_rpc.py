@@ -3,12 +3,14 @@
 Two real ``smcspec rpc-server`` processes on 127.0.0.1 serve a tiny GGUF target; its logits
 through them must equal the local ones, every method must run through them, exact SD must
 still match the target's enumerated distribution, and a server killed mid-request must end
-the client process (llama.cpp aborts) instead of hanging it. Needs a llama-cpp-python build
+the client process (llama.cpp aborts) instead of hanging it; under ``smcspec serve`` its
+requests first get errors and the process exits with 1. Needs a llama-cpp-python build
 with RPC (``scripts/setup.sh`` builds one); under CI a build without it is an error.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -170,10 +172,12 @@ def test_a_server_lost_mid_request_ends_the_client_instead_of_hanging(models, tm
     assert code == -signal.SIGABRT, (code, client.stderr.read()[-2000:])
 
 
-def test_serve_with_a_lost_rpc_server_exits_for_its_supervisor(tmp_path):
-    """``smcspec serve --rpc``: the in-flight stream is cut (no hang) and the process exits
-    with SIGABRT, for a supervisor to restart it; llama.cpp gives no error to turn into a
-    5xx (see :mod:`smcspec.backends.llamacpp_rpc`)."""
+def test_serve_with_a_lost_rpc_server_fails_its_requests_then_exits_for_its_supervisor(tmp_path):
+    """``smcspec serve --rpc``: when the server is lost mid-request, llama.cpp aborts; the
+    abort hook (:mod:`smcspec.server.backend_faults`) first gives the running stream an
+    error event and ``[DONE]`` (test_backend_faults.py checks the other shapes: 500, 503,
+    ``/health``), then the process exits with status 1 (not a signal), for a supervisor to
+    restart it. Nothing hangs."""
     import httpx
 
     target_file, draft_file = (  # 96 tokens: the end token is rare, the stream runs on
@@ -198,18 +202,23 @@ def test_serve_with_a_lost_rpc_server_exits_for_its_supervisor(tmp_path):
             except httpx.HTTPError:
                 assert serve.poll() is None, serve.stderr.read()[-2000:]
                 time.sleep(0.2)
-        body = {"prompt": "ab", "max_tokens": 200, "stream": True, "seed": 0}
-        cut = False
+        body = {"prompt": "ab", "max_tokens": 200, "seed": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200, r.read()
-            try:
-                for i, _ in enumerate(r.iter_lines()):
-                    if i == 3:
-                        proc.send_signal(signal.SIGKILL)
-            except httpx.HTTPError:  # the connection dropped mid-stream
-                cut = True
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    proc.send_signal(signal.SIGKILL)
         code = serve.wait(timeout=60)  # a hang fails here
     finally:
         proc.kill()
         serve.kill()
-    assert cut and code == -signal.SIGABRT, (cut, code, serve.stderr.read()[-2000:])
+    err = serve.stderr.read()[-3000:]
+    assert events[-1] == "[DONE]", (events[-3:], err)
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "backend failed" in error["message"], error
+    assert "RPC" in error["message"]  # ggml's own reason reaches the client
+    assert code == 1, (code, err)
+    assert "failed fatally" in err

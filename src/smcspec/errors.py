@@ -36,3 +36,9 @@ class NumericalError(SmcspecError, ArithmeticError):
     """A model produced NaN logits, or a distribution could not be normalised."""
 
     exit_code = 4
+
+
+class BackendFailure(SmcspecError):
+    """A model's backend failed fatally and the process cannot go on: llama.cpp aborted
+    (``GGML_ABORT``: an RPC server lost mid-forward, a GPU error). The server fails its
+    requests with this (HTTP 5xx) before the process exits."""

@@ -128,6 +128,7 @@ class BatchScheduler:
         self._running: list[Request] = []
         self._cv = threading.Condition()
         self._stop = False
+        self.stopping = threading.Event()  # set by stop()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -140,6 +141,7 @@ class BatchScheduler:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        self.stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -182,6 +184,31 @@ class BatchScheduler:
                 )
             self._waiting.append(request)
             self._cv.notify_all()
+
+    def abandon(self, exc: BaseException) -> None:
+        """The models cannot run any more (their backend failed fatally, e.g. llama.cpp is
+        aborting the process): fail every queued and running request with ``exc`` and stop
+        serving (:attr:`alive` turns false, :meth:`submit` raises SchedulerStoppedError).
+
+        Callable from any thread, including the worker's own from inside a forward (the
+        lock is re-entrant). Programs are not closed and reservations not released: that
+        would call into the failed backend, and the process is about to end.
+        """
+        locked = self._cv.acquire(timeout=2.0)  # never wait forever on a wedged holder
+        try:
+            self.error = self.error or exc
+            left = [*self._running, *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+        finally:
+            if locked:
+                self._cv.release()
+        for req in left:
+            req.pending = None
+            try:
+                req.on_done(exc)
+            except Exception:
+                log.exception("a request's on_done callback failed")
 
     # ------------------------------------------------------------------ worker
     def _loop(self) -> None:

@@ -10,7 +10,8 @@ Faults: llama.cpp's client aborts the process (``GGML_ABORT``, SIGABRT) when a s
 be reached at registration or stops answering mid-forward (``ggml-rpc.cpp``,
 ``RPC_STATUS_ASSERT``); it does not return an error. :func:`check_reachable` therefore
 connects to every server first, so a wrong address is a clear error instead of an abort;
-a server lost later ends the process (``smcspec serve`` exits for its supervisor).
+a server lost later ends the process. ``smcspec serve`` sees that abort first
+(:mod:`smcspec.backends.llamacpp_faults`): its requests get errors, then it exits with 1.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def check_reachable(endpoint: str, timeout_s: float = 3.0) -> None:
         ) from None
 
 
-def _ggml() -> ctypes.CDLL:
+def ggml_library() -> ctypes.CDLL:
     """libggml of the installed llama-cpp-python build (loaded by llama_cpp already)."""
     if "ggml" not in _LIBS:
         from smcspec.backends.llamacpp import _llama
@@ -89,7 +90,7 @@ def _ggml() -> ctypes.CDLL:
 
 
 def _rpc_function(name: str, restype, argtypes):
-    lib = _ggml()
+    lib = ggml_library()
     reg = lib.ggml_backend_reg_by_name(b"RPC")
     if not reg:
         raise ConfigError(
@@ -105,7 +106,7 @@ def _rpc_function(name: str, restype, argtypes):
 def supports_rpc() -> bool:
     """Whether the installed llama.cpp build has the RPC backend."""
     try:
-        return bool(_ggml().ggml_backend_reg_by_name(b"RPC"))
+        return bool(ggml_library().ggml_backend_reg_by_name(b"RPC"))
     except ConfigError:
         return False
 
@@ -113,7 +114,7 @@ def supports_rpc() -> bool:
 def local_gpus() -> list[int]:
     """The GPU devices (discrete or integrated) of this process's llama.cpp build
     (``ggml_backend_dev_t`` handles; none on a CPU build). RPC devices are not local."""
-    lib = _ggml()
+    lib = ggml_library()
     devs = (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))
     out = []
     for d in devs:
@@ -125,7 +126,7 @@ def local_gpus() -> list[int]:
 
 def gpu_devices() -> list[str]:
     """Names of the local GPU devices the llama.cpp build sees (see :func:`local_gpus`)."""
-    lib = _ggml()
+    lib = ggml_library()
     return [lib.ggml_backend_dev_name(d).decode() for d in local_gpus()]
 
 
@@ -140,7 +141,7 @@ def rpc_devices(endpoints: tuple[str, ...], local: list[int] | None = None) -> c
     for ep in endpoints:
         check_reachable(ep)
     add_server = _rpc_function("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
-    lib = _ggml()
+    lib = ggml_library()
     devices: list[int] = []
     for ep in endpoints:
         reg = add_server(ep.encode())
@@ -159,7 +160,7 @@ def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None) 
         None,
         [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     )
-    devs = local_gpus() or [_ggml().ggml_backend_dev_by_type(DEVICE_CPU)]
+    devs = local_gpus() or [ggml_library().ggml_backend_dev_by_type(DEVICE_CPU)]
     arr = (ctypes.c_void_p * len(devs))(*devs)
     endpoint = f"{host}:{port}".encode()
     cache = cache_dir.encode() if cache_dir else None

@@ -15,6 +15,7 @@ from smcspec.engine import Engine
 from smcspec.errors import ConfigError
 from smcspec.metrics import ServerMetrics
 from smcspec.scheduler import BatchScheduler
+from smcspec.server.backend_faults import fail_requests_on_abort
 from smcspec.server.completions import ServerState, create_completion
 from smcspec.server.errors import ApiError, install_error_handlers
 from smcspec.server.guards import ApiKeyAuth, BodySizeLimit
@@ -161,6 +162,9 @@ def serve(
 
     Returns the process exit code: 0 after a signal, 1 if the worker died (a bug), so a
     supervisor restarts the server. In-flight requests get ``shutdown_timeout_s`` to finish.
+    If llama.cpp fails fatally (a lost RPC server, a GPU error), requests get a 5xx,
+    ``/health`` 503, and the process exits with 1 from inside llama.cpp's abort
+    (:mod:`smcspec.server.backend_faults`); this function does not return then.
     """
     import uvicorn
 
@@ -187,6 +191,11 @@ def serve(
         log.critical("the scheduler's worker died (%s: %s); stopping", type(exc).__name__, exc)
         server.should_exit = True
 
+    def stop_server() -> None:
+        server.should_exit = True
+
     scheduler.on_fatal = on_fatal
-    server.run()
+    grace_s = settings.shutdown_timeout_s + 5.0
+    with fail_requests_on_abort(engine, scheduler, stop_server, grace_s):
+        server.run()
     return 1 if scheduler.error is not None else 0
