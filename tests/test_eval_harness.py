@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from tiny_models import make_tiny_chat_pair
@@ -190,3 +191,30 @@ def test_budget_note_states_the_stored_budget():
     assert harness.budget_note(recs, 512) == (
         "max_new_tokens 8; max_new_tokens of 1 older answers not stored (this command's: 512)"
     )
+
+
+def test_summary_pairs_accuracy_and_nll_with_the_baseline(tmp_path):
+    """On shared items only: lost/gained counts, the verdict against the 3-point margin, the
+    pairs needed, and the paired NLL difference (hand-computed)."""
+    recs = []
+    for i in range(80):  # ar right on all; smc wrong on q0-q15: -20 points, not met
+        recs.append({**_record("ar", f"q{i}", False), "correct": True, "target_nll": 0.2})
+        smc = {**_record("smc", f"q{i}", False), "correct": i >= 16}
+        recs.append({**smc, "target_nll": 0.2 + i / 1000})
+    recs.append({**_record("smc", "only-smc", False), "correct": True, "target_nll": 9.0})
+    rows = {r["method"]: r for r in harness.summarize(recs)}
+    smc = rows["smc"]
+    assert smc["n"] == 81 and smc["paired_n"] == 80  # the unpaired item is not compared
+    assert (smc["lost"], smc["gained"]) == (16, 0)
+    assert smc["diff_vs_baseline"] == pytest.approx(-0.20)
+    assert smc["diff_high"] < -0.03 and smc["verdict"] == "not met"
+    # differences: 16 of -1, 64 of 0 -> s^2 = (16 - 80 * 0.2^2) / 79; ceil((z s / 0.03)^2)
+    need = math.ceil(1.959963984540054**2 * 12.8 / 79 / 0.03**2)
+    assert smc["pairs_for_margin"] == need == 692
+    assert smc["nll_paired_n"] == 80
+    assert smc["nll_diff"] == pytest.approx(sum(range(80)) / 1000 / 80)  # 0.0395
+    assert smc["nll_diff_low"] > 0 and smc["nll_wilcoxon_p"] < 1e-6  # every pair higher
+    assert "paired_n" not in rows["ar"] and "nll_diff" not in rows["ar"]
+    text = harness.write_report(list(rows.values()), tmp_path, "gsm8k accuracy").read_text()
+    assert "| 16/0 | not met | 692 |" in text
+    assert "| 80 | +0.0395 (" in text

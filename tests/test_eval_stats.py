@@ -10,9 +10,12 @@ import pytest
 from smcspec.eval.stats import (
     empirical,
     kl_divergence,
+    margin_verdict,
     mcnemar_pvalue,
     paired_bootstrap_diff,
+    pairs_for_half_width,
     total_variation,
+    wilcoxon_pvalue,
     wilson_interval,
 )
 
@@ -109,3 +112,44 @@ def test_empirical() -> None:
         empirical({"x": 0})
     with pytest.raises(ValueError):
         empirical({"x": -1, "y": 2})
+
+
+def test_wilcoxon_hand_computed() -> None:
+    # five positive differences 1..5: the exact two-sided p is 2 / 2^5
+    a = [0.0, 0.0, 0.0, 0.0, 0.0]
+    b = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert wilcoxon_pvalue(a, b) == pytest.approx(2 / 32, abs=1e-12)
+    assert wilcoxon_pvalue(b, a) == pytest.approx(2 / 32, abs=1e-12)
+    # signs +1, -2, +3, -4, +5: W- = 6; 13 of the 32 sign patterns have a rank sum <= 6
+    # (sums 0..6 of subsets of {1..5}: 1+1+1+2+2+3+3), so the two-sided p is 2 * 13/32
+    assert wilcoxon_pvalue(a, [1.0, -2.0, 3.0, -4.0, 5.0]) == pytest.approx(26 / 32, abs=1e-12)
+    assert wilcoxon_pvalue([0.1, 0.2], [0.1, 0.2]) == 1.0
+    with pytest.raises(ValueError):
+        wilcoxon_pvalue([1.0], [1.0, 2.0])
+
+
+def test_pairs_for_half_width_gives_the_interval_it_promises() -> None:
+    # 10% discordant pairs, all one way: s^2 = (d - diff^2) * n / (n - 1)
+    a = np.zeros(200, dtype=bool)
+    b = a.copy()
+    b[:20] = True
+    z = 1.959963984540054
+    need = pairs_for_half_width(a, b, 0.03)
+    assert need == math.ceil(z**2 * (0.10 - 0.01) * 200 / 199 / 0.03**2)  # 387
+    # the same pattern at that many pairs: the bootstrap interval is about +-3 points wide
+    reps = int(np.ceil(need / 200))
+    big_a, big_b = np.tile(a, reps)[:need], np.tile(b, reps)[:need]
+    _, low, high = paired_bootstrap_diff(big_a, big_b, n_boot=4000, seed=0)
+    assert (high - low) / 2 == pytest.approx(0.03, rel=0.1)
+    assert pairs_for_half_width([1, 1], [1, 1], 0.03) == 2  # no spread: nothing to plan from
+    with pytest.raises(ValueError):
+        pairs_for_half_width(a, b, 0.0)
+
+
+def test_margin_verdict() -> None:
+    assert margin_verdict(-0.02, 0.05, 0.03) == "met"
+    assert margin_verdict(-0.03, 0.05, 0.03) == "met"  # the bound itself counts
+    assert margin_verdict(-0.10, -0.04, 0.03) == "not met"
+    assert margin_verdict(-0.10, 0.01, 0.03) == "not decidable"
+    with pytest.raises(ValueError):
+        margin_verdict(0.1, -0.1, 0.03)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import mannwhitneyu
 from tqdm import tqdm
 
 from smcspec.config import GenerationConfig
@@ -26,7 +25,16 @@ from smcspec.errors import ConfigError
 from smcspec.eval import gsm8k, humaneval
 from smcspec.eval.fidelity import target_nll
 from smcspec.eval.results import ResultFile
-from smcspec.eval.stats import mcnemar_pvalue, paired_bootstrap_diff, wilson_interval
+from smcspec.eval.stats import (
+    margin_verdict,
+    mcnemar_pvalue,
+    paired_bootstrap_diff,
+    pairs_for_half_width,
+    wilcoxon_pvalue,
+    wilson_interval,
+)
+
+MARGIN = 0.03  # the SMC-SD paper's fidelity claim: "within 3% of the target's accuracy"
 
 
 @dataclass(frozen=True)
@@ -243,8 +251,12 @@ def budget_note(records: list[dict[str, Any]], configured: int) -> str:
 
 def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
     """Accuracy with a 95% Wilson interval per method, the answers cut by the token budget
-    (:func:`cap_counts`), and the paired difference to ``baseline`` (bootstrap 95% interval
-    and exact McNemar p-value) on shared items."""
+    (:func:`cap_counts`), the target NLL's quantiles, and, on the items shared with
+    ``baseline``: the paired accuracy difference (bootstrap 95% interval, exact McNemar p,
+    discordant counts, the verdict on "within :data:`MARGIN` of the baseline"
+    (:func:`~smcspec.eval.stats.margin_verdict`) and the pairs a +-MARGIN interval would need
+    at the observed spread), and the paired NLL difference (bootstrap 95% interval,
+    Wilcoxon signed-rank p)."""
     by_method: dict[str, dict[str, dict]] = {}
     for rec in records:
         by_method.setdefault(rec["method"], {})[rec["item"]] = rec
@@ -273,23 +285,50 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
                 nll_median=float(q[1]),
                 nll_p90=float(q[2]),
             )
-            base_nll = [r["target_nll"] for r in base.values() if r.get("target_nll") is not None]
-            if method != baseline and len(base_nll) >= 2 and len(nll) >= 2:
-                row["nll_mannwhitney_p"] = float(mannwhitneyu(nll, base_nll).pvalue)
-        shared = sorted(set(recs) & set(base))
-        if method != baseline and len(shared) >= 2:
-            a = [bool(base[i]["correct"]) for i in shared]
-            b = [bool(recs[i]["correct"]) for i in shared]
-            diff, dl, dh = paired_bootstrap_diff(a, b)
-            row.update(
-                diff_vs_baseline=diff,
-                diff_low=dl,
-                diff_high=dh,
-                mcnemar_p=mcnemar_pvalue(a, b),
-                paired_n=len(shared),
-            )
+        if method != baseline:
+            row.update(_paired_accuracy(base, recs), **_paired_nll(base, recs))
         rows.append(row)
     return rows
+
+
+def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
+    shared = sorted(set(recs) & set(base))
+    if len(shared) < 2:
+        return {}
+    a = [bool(base[i]["correct"]) for i in shared]
+    b = [bool(recs[i]["correct"]) for i in shared]
+    diff, dl, dh = paired_bootstrap_diff(a, b)
+    return {
+        "paired_n": len(shared),
+        "diff_vs_baseline": diff,
+        "diff_low": dl,
+        "diff_high": dh,
+        "mcnemar_p": mcnemar_pvalue(a, b),
+        "lost": sum(x and not y for x, y in zip(a, b, strict=True)),  # baseline right only
+        "gained": sum(y and not x for x, y in zip(a, b, strict=True)),
+        "verdict": margin_verdict(dl, dh, MARGIN),
+        "pairs_for_margin": pairs_for_half_width(a, b, MARGIN),
+    }
+
+
+def _paired_nll(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
+    shared = sorted(
+        i
+        for i in set(recs) & set(base)
+        if recs[i].get("target_nll") is not None and base[i].get("target_nll") is not None
+    )
+    if len(shared) < 2:
+        return {}
+    a = [float(base[i]["target_nll"]) for i in shared]
+    b = [float(recs[i]["target_nll"]) for i in shared]
+    diff, dl, dh = paired_bootstrap_diff(a, b)
+    return {
+        "nll_paired_n": len(shared),
+        "nll_diff": diff,
+        "nll_diff_low": dl,
+        "nll_diff_high": dh,
+        "nll_wilcoxon_p": wilcoxon_pvalue(a, b),
+    }
 
 
 def write_report(
@@ -319,9 +358,16 @@ def write_report(
         "capped: answers cut by the new-token budget (max_new_tokens reached without an end "
         'token), of all answers; "-" or "unknown": records written before this was stored.',
         "",
+        f'"within {100 * MARGIN:g} pts": the paired 95% interval of the difference to ar lies '
+        f"above -{100 * MARGIN:g} points (met), below it (not met), or across it (not "
+        f"decidable); pairs for +-{100 * MARGIN:g}: how many paired questions an interval that "
+        "narrow needs at the spread observed so far (a planning figure). lost/gained: "
+        "questions only ar / only this method answered right.",
+        "",
         "| method | n | accuracy | 95% CI | capped | median tokens/s | diff vs ar (95% CI) "
-        "| McNemar p |" + (" bench tokens/s |" if speeds else ""),
-        "|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
+        f"| McNemar p | lost/gained | within {100 * MARGIN:g} pts | pairs for +-{100 * MARGIN:g} |"
+        + (" bench tokens/s |" if speeds else ""),
+        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
     ]
     for r in rows:
         diff = (
@@ -330,28 +376,40 @@ def write_report(
             if "diff_vs_baseline" in r
             else "-"
         )
-        p = f"{r['mcnemar_p']:.3f}" if "mcnemar_p" in r else "-"
+        paired = "diff_vs_baseline" in r
+        p = f"{r['mcnemar_p']:.3f}" if paired else "-"
+        lost = f"{r['lost']}/{r['gained']}" if paired else "-"
+        verdict = f"{r['verdict']} | {r['pairs_for_margin']}" if paired else "- | -"
         lines.append(
             f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
             f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | {format_capped(r)} | "
-            f"{r['median_tokens_per_second']:.2f} | {diff} | {p} |"
+            f"{r['median_tokens_per_second']:.2f} | {diff} | {p} | {lost} | {verdict} |"
             + (f" {speeds[r['method']]:.2f} |" if speeds and r["method"] in speeds else "")
             + (" - |" if speeds and r["method"] not in speeds else "")
         )
     if any("nll_mean" in r for r in rows):
         lines += [
             "",
-            "Target NLL of the outputs (nats/token, temperature 1; Mann-Whitney U against ar):",
+            "Target NLL of the outputs (nats/token, temperature 1), and paired against ar on "
+            "the questions both answered: the mean difference (bootstrap 95% interval; "
+            "positive = less likely under the target than ar's answers) and the Wilcoxon "
+            "signed-rank p:",
             "",
-            "| method | mean | p10 | median | p90 | p vs ar |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| method | mean | p10 | median | p90 | paired n | diff vs ar (95% CI) | Wilcoxon p |",
+            "|---|---:|---:|---:|---:|---:|---|---:|",
         ]
         for r in rows:
             if "nll_mean" in r:
-                p = f"{r['nll_mannwhitney_p']:.3f}" if "nll_mannwhitney_p" in r else "-"
+                if "nll_diff" in r:
+                    paired = (
+                        f"{r['nll_paired_n']} | {r['nll_diff']:+.4f} ({r['nll_diff_low']:+.4f}, "
+                        f"{r['nll_diff_high']:+.4f}) | {r['nll_wilcoxon_p']:.3f}"
+                    )
+                else:
+                    paired = "- | - | -"
                 lines.append(
                     f"| {r['method']} | {r['nll_mean']:.3f} | {r['nll_p10']:.3f} | "
-                    f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {p} |"
+                    f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {paired} |"
                 )
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -14,9 +14,12 @@ from scipy.special import rel_entr
 __all__ = [
     "empirical",
     "kl_divergence",
+    "margin_verdict",
     "mcnemar_pvalue",
     "paired_bootstrap_diff",
+    "pairs_for_half_width",
     "total_variation",
+    "wilcoxon_pvalue",
     "wilson_interval",
 ]
 
@@ -120,6 +123,70 @@ def mcnemar_pvalue(a: Sequence[bool], b: Sequence[bool]) -> float:
     if n01 + n10 == 0:
         return 1.0
     return float(stats.binomtest(n01, n01 + n10, 0.5, alternative="two-sided").pvalue)
+
+
+def wilcoxon_pvalue(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided Wilcoxon signed-rank test of paired values (Wilcoxon 1945, Biometrics
+    Bulletin 1:80): do the differences ``b - a`` centre on zero? ``scipy.stats.wilcoxon``
+    (zero differences dropped, Wilcoxon's rule; exact or normal-approximated as scipy
+    chooses for the sample size). All differences zero gives 1.0.
+
+    Raises:
+        ValueError: on unequal lengths or empty input.
+    """
+    x, y = _paired(a, b)
+    if np.all(y == x):
+        return 1.0
+    return float(stats.wilcoxon(y, x, zero_method="wilcox").pvalue)
+
+
+def pairs_for_half_width(
+    a: Sequence[bool | float],
+    b: Sequence[bool | float],
+    half_width: float,
+    confidence: float = 0.95,
+) -> int:
+    """How many pairs a normal-approximation interval for ``mean(b - a)`` needs to be
+    ``+-half_width`` wide, at the spread of the differences observed: ``ceil((z s / h)^2)``
+    with ``s`` the sample standard deviation of ``b - a`` and ``z`` the normal quantile.
+
+    For binary outcomes ``s^2 ~ d - diff^2`` (``d`` the discordant fraction), so this is the
+    usual sample size of a paired-proportion (McNemar) interval. A planning figure: with few
+    pairs ``s`` itself is uncertain. No spread (fewer than 2 pairs, or all equal) gives the
+    number of pairs already at hand.
+
+    Raises:
+        ValueError: on unequal lengths, empty input, ``half_width <= 0`` or ``confidence``
+            outside (0, 1).
+    """
+    x, y = _paired(a, b)
+    if not half_width > 0:
+        raise ValueError(f"half_width must be > 0, got {half_width}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    d = y - x
+    if d.size < 2 or np.all(d == d[0]):
+        return int(d.size)
+    z = float(stats.norm.ppf((1 + confidence) / 2))
+    return int(np.ceil((z * float(d.std(ddof=1)) / half_width) ** 2))
+
+
+def margin_verdict(low: float, high: float, margin: float) -> str:
+    """A claim "``b`` is within ``margin`` of ``a``" (a non-inferiority margin, as the SMC-SD
+    paper's "within 3% of the target's accuracy") judged on an interval ``[low, high]`` for
+    ``b - a``: ``"met"`` when ``low >= -margin``, ``"not met"`` when ``high < -margin``,
+    otherwise ``"not decidable"`` (the interval straddles ``-margin``).
+
+    Raises:
+        ValueError: if ``low > high`` or ``margin < 0``.
+    """
+    if low > high or margin < 0:
+        raise ValueError(f"need low <= high and margin >= 0, got {low}, {high}, {margin}")
+    if low >= -margin:
+        return "met"
+    if high < -margin:
+        return "not met"
+    return "not decidable"
 
 
 def _aligned(
