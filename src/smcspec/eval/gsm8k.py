@@ -44,6 +44,11 @@ _NUMBER_RE = re.compile(
 _HASH_RE = re.compile(r"####([^\n]*)")
 _BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
 _CANONICAL_INPUT_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+ANSWER_RULE = (  # what extract_answer and the scorer do, for reports
+    "the first number on the last `####` line that has one, else the last number inside a "
+    "`\\boxed{}`, else the last number in the answer; thousands separators, `$`, units and a "
+    "trailing period dropped; compared to the reference as normalised numbers."
+)
 
 PROMPT_TEMPLATE = (
     "Solve the following grade-school math problem. Reason step by step, showing your "
