@@ -359,3 +359,19 @@ def test_generate_at_temperature_0_is_greedy_on_every_method(pair, capsys, metho
     assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["greedy"] is True and result["text"] == text
+
+
+def test_provenance_names_what_computed():
+    """A llamacpp run's reports name llama.cpp's version and threads, not torch's dtype."""
+    import argparse
+    from importlib.metadata import version
+
+    from smcspec.cli.common import provenance
+
+    pytest.importorskip("llama_cpp")
+    ns = argparse.Namespace(backend="llamacpp", threads=1, device="cpu", dtype="float32")
+    line = provenance(ns)
+    assert f"llama-cpp-python {version('llama_cpp_python')}" in line
+    assert "1 llama.cpp threads" in line and "float32" not in line
+    ns = argparse.Namespace(backend="torch", threads=None, device="cpu", dtype="bfloat16")
+    assert provenance(ns).endswith("; bfloat16") and "torch threads" in provenance(ns)

@@ -89,16 +89,28 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
 
 
 def provenance(args: argparse.Namespace) -> str:
-    """Date, machine (CPU model and threads, or the GPU's name), torch version and dtype."""
+    """Date, machine (CPU model and threads, or the GPU's name) and the software that
+    computed: llama-cpp-python's version and threads for ``--backend llamacpp``, else torch's
+    version and dtype."""
     from datetime import date
 
     import torch
 
+    from smcspec.tuning.cache import cpu_model
+
+    today = date.today().isoformat()
+    if getattr(args, "backend", None) == "llamacpp":
+        from importlib.metadata import version
+
+        threads = args.threads or "physical-core"
+        return (
+            f"{today}; {cpu_model()} CPU, {os.cpu_count()} cores, {threads} llama.cpp "
+            f"threads; llama-cpp-python {version('llama_cpp_python')}, weights as the GGUF "
+            "files store them"
+        )
     if args.device.startswith("cuda") and torch.cuda.is_available():
         machine = torch.cuda.get_device_name(torch.device(args.device))
     else:
-        from smcspec.tuning.cache import cpu_model
-
         cores = f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
         machine = f"{cpu_model()} CPU, {cores}"
-    return f"{date.today().isoformat()}; {machine}; torch {torch.__version__}; {args.dtype}"
+    return f"{today}; {machine}; torch {torch.__version__}; {args.dtype}"
