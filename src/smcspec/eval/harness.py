@@ -291,15 +291,22 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
     return rows
 
 
+def _pairs(base: dict[str, dict], recs: dict[str, dict], key: str) -> tuple[list, list]:
+    """``record[key]`` of the baseline and of the method on the items both have a value for."""
+    shared = sorted(
+        i for i in set(recs) & set(base) if None not in (recs[i].get(key), base[i].get(key))
+    )
+    return [base[i][key] for i in shared], [recs[i][key] for i in shared]
+
+
 def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
-    shared = sorted(set(recs) & set(base))
-    if len(shared) < 2:
+    a, b = _pairs(base, recs, "correct")
+    if len(a) < 2:
         return {}
-    a = [bool(base[i]["correct"]) for i in shared]
-    b = [bool(recs[i]["correct"]) for i in shared]
+    a, b = [bool(x) for x in a], [bool(y) for y in b]
     diff, dl, dh = paired_bootstrap_diff(a, b)
     return {
-        "paired_n": len(shared),
+        "paired_n": len(a),
         "diff_vs_baseline": diff,
         "diff_low": dl,
         "diff_high": dh,
@@ -312,18 +319,12 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
 
 
 def _paired_nll(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
-    shared = sorted(
-        i
-        for i in set(recs) & set(base)
-        if recs[i].get("target_nll") is not None and base[i].get("target_nll") is not None
-    )
-    if len(shared) < 2:
+    a, b = _pairs(base, recs, "target_nll")
+    if len(a) < 2:
         return {}
-    a = [float(base[i]["target_nll"]) for i in shared]
-    b = [float(recs[i]["target_nll"]) for i in shared]
     diff, dl, dh = paired_bootstrap_diff(a, b)
     return {
-        "nll_paired_n": len(shared),
+        "nll_paired_n": len(a),
         "nll_diff": diff,
         "nll_diff_low": dl,
         "nll_diff_high": dh,
