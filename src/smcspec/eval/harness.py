@@ -339,80 +339,91 @@ def write_report(
     note: str = "",
     speeds: dict[str, float] | None = None,
 ) -> Path:
-    """``summary.md`` (table) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars).
+    """``summary.md`` (tables) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars).
 
     ``speeds`` (method name -> tokens/s, e.g. medians of a ``smcspec bench`` run on the
     same machine) replaces the run's own per-answer medians on the plot's x axis and adds a
     column; methods missing from it are left off the plot.
     """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title}", "", note, "", *_accuracy_table(rows, speeds), *_nll_table(rows)]
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    _pareto_plot(rows, speeds, title, out_dir / "pareto.png")
+    return out_dir / "summary.md"
+
+
+def _accuracy_table(rows: list[dict[str, Any]], speeds: dict[str, float] | None) -> list[str]:
+    m = f"{100 * MARGIN:g}"
+    lines = [
+        "capped: answers cut by the new-token budget (max_new_tokens reached without an end "
+        'token), of all answers; "-" or "unknown": records written before this was stored.',
+        "",
+        f'"within {m} pts": the paired 95% interval of the difference to ar lies above -{m} '
+        f"points (met), below it (not met), or across it (not decidable); pairs for +-{m}: how "
+        "many paired questions an interval that narrow needs at the spread observed so far (a "
+        "planning figure). lost/gained: questions only ar / only this method answered right.",
+        "",
+        "| method | n | accuracy | 95% CI | capped | median tokens/s | diff vs ar (95% CI) "
+        f"| McNemar p | lost/gained | within {m} pts | pairs for +-{m} |"
+        + (" bench tokens/s |" if speeds else ""),
+        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
+    ]
+    for r in rows:
+        if "diff_vs_baseline" in r:
+            paired = (
+                f"{100 * r['diff_vs_baseline']:+.1f} pts ({100 * r['diff_low']:+.1f}, "
+                f"{100 * r['diff_high']:+.1f}) | {r['mcnemar_p']:.3f} | {r['lost']}/{r['gained']}"
+                f" | {r['verdict']} | {r['pairs_for_margin']}"
+            )
+        else:
+            paired = "- | - | - | - | -"
+        bench = ""
+        if speeds:
+            bench = f" {speeds[r['method']]:.2f} |" if r["method"] in speeds else " - |"
+        lines.append(
+            f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
+            f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | {format_capped(r)} | "
+            f"{r['median_tokens_per_second']:.2f} | {paired} |{bench}"
+        )
+    return lines
+
+
+def _nll_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not any("nll_mean" in r for r in rows):
+        return []
+    lines = [
+        "",
+        "Target NLL of the outputs (nats/token, temperature 1), and paired against ar on "
+        "the questions both answered: the mean difference (bootstrap 95% interval; "
+        "positive = less likely under the target than ar's answers) and the Wilcoxon "
+        "signed-rank p:",
+        "",
+        "| method | mean | p10 | median | p90 | paired n | diff vs ar (95% CI) | Wilcoxon p |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in (r for r in rows if "nll_mean" in r):
+        if "nll_diff" in r:
+            paired = (
+                f"{r['nll_paired_n']} | {r['nll_diff']:+.4f} ({r['nll_diff_low']:+.4f}, "
+                f"{r['nll_diff_high']:+.4f}) | {r['nll_wilcoxon_p']:.3f}"
+            )
+        else:
+            paired = "- | - | -"
+        lines.append(
+            f"| {r['method']} | {r['nll_mean']:.3f} | {r['nll_p10']:.3f} | "
+            f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {paired} |"
+        )
+    return lines
+
+
+def _pareto_plot(
+    rows: list[dict[str, Any]], speeds: dict[str, float] | None, title: str, path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"# {title}",
-        "",
-        note,
-        "",
-        "capped: answers cut by the new-token budget (max_new_tokens reached without an end "
-        'token), of all answers; "-" or "unknown": records written before this was stored.',
-        "",
-        f'"within {100 * MARGIN:g} pts": the paired 95% interval of the difference to ar lies '
-        f"above -{100 * MARGIN:g} points (met), below it (not met), or across it (not "
-        f"decidable); pairs for +-{100 * MARGIN:g}: how many paired questions an interval that "
-        "narrow needs at the spread observed so far (a planning figure). lost/gained: "
-        "questions only ar / only this method answered right.",
-        "",
-        "| method | n | accuracy | 95% CI | capped | median tokens/s | diff vs ar (95% CI) "
-        f"| McNemar p | lost/gained | within {100 * MARGIN:g} pts | pairs for +-{100 * MARGIN:g} |"
-        + (" bench tokens/s |" if speeds else ""),
-        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
-    ]
-    for r in rows:
-        diff = (
-            f"{100 * r['diff_vs_baseline']:+.1f} pts ({100 * r['diff_low']:+.1f}, "
-            f"{100 * r['diff_high']:+.1f})"
-            if "diff_vs_baseline" in r
-            else "-"
-        )
-        paired = "diff_vs_baseline" in r
-        p = f"{r['mcnemar_p']:.3f}" if paired else "-"
-        lost = f"{r['lost']}/{r['gained']}" if paired else "-"
-        verdict = f"{r['verdict']} | {r['pairs_for_margin']}" if paired else "- | -"
-        lines.append(
-            f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
-            f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | {format_capped(r)} | "
-            f"{r['median_tokens_per_second']:.2f} | {diff} | {p} | {lost} | {verdict} |"
-            + (f" {speeds[r['method']]:.2f} |" if speeds and r["method"] in speeds else "")
-            + (" - |" if speeds and r["method"] not in speeds else "")
-        )
-    if any("nll_mean" in r for r in rows):
-        lines += [
-            "",
-            "Target NLL of the outputs (nats/token, temperature 1), and paired against ar on "
-            "the questions both answered: the mean difference (bootstrap 95% interval; "
-            "positive = less likely under the target than ar's answers) and the Wilcoxon "
-            "signed-rank p:",
-            "",
-            "| method | mean | p10 | median | p90 | paired n | diff vs ar (95% CI) | Wilcoxon p |",
-            "|---|---:|---:|---:|---:|---:|---|---:|",
-        ]
-        for r in rows:
-            if "nll_mean" in r:
-                if "nll_diff" in r:
-                    paired = (
-                        f"{r['nll_paired_n']} | {r['nll_diff']:+.4f} ({r['nll_diff_low']:+.4f}, "
-                        f"{r['nll_diff_high']:+.4f}) | {r['nll_wilcoxon_p']:.3f}"
-                    )
-                else:
-                    paired = "- | - | -"
-                lines.append(
-                    f"| {r['method']} | {r['nll_mean']:.3f} | {r['nll_p10']:.3f} | "
-                    f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {paired} |"
-                )
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         x = speeds.get(r["method"]) if speeds else r["median_tokens_per_second"]
@@ -421,16 +432,11 @@ def write_report(
         err = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
         ax.errorbar(x, r["accuracy"], yerr=err, fmt="o", capsize=3)
         ax.annotate(
-            r["method"],
-            (x, r["accuracy"]),
-            textcoords="offset points",
-            xytext=(5, 5),
-            fontsize=8,
+            r["method"], (x, r["accuracy"]), textcoords="offset points", xytext=(5, 5), fontsize=8
         )
     ax.set_xlabel("median tokens/s per request" + (" (bench run)" if speeds else ""))
     ax.set_ylabel("accuracy (95% Wilson interval)")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out_dir / "pareto.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return out_dir / "summary.md"
