@@ -25,6 +25,8 @@ forward, so a round costs K draft forwards.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
@@ -135,53 +137,28 @@ def _sd_rounds(
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_tokens: list[int] = []
-        d_probs = []
+        d_probs: list[torch.Tensor] = []
         d_len0 = dcache.length
         # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
         masks = [_allowed(state, vocab, dev)] if state is not None else []
         if state is not None and not bool(masks[0].any()):
             raise DeadEndError("no token allowed by the constraint can follow (dead end)")
         if k > 0:
-            x = torch.tensor([pending_d], device=dev)
-            for _ in range(k):
-                logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
-                t_d = 0 if greedy else cfg.draft_temperature
-                q = truncate_log_probs(step_log_probs(logits, t_d), *trunc)
-                if state is not None:
-                    q = _masked_draft(q, masks[-1])
-                q = (point_mass_log_probs(q) if greedy else q).exp()
-                d = int(sample_categorical(q, generator))
-                d_tokens.append(d)
-                d_probs.append(q)
-                if state is not None:  # a stop token or a dead end ends the block early
-                    if d in stop_ids:
-                        masks.append(torch.ones(vocab, dtype=torch.bool, device=dev))
-                        break
-                    state.consume([d])
-                    masks.append(_allowed(state, vocab, dev))
-                    if not bool(masks[-1].any()):
-                        break
-                x = torch.tensor([[d]], device=dev)
+            d_tokens, d_probs = yield from _draft_block(
+                draft, dcache, pending_d, k, cfg, state, masks, stop_ids, vocab, generator
+            )
             k = len(d_tokens)
         t_len0 = tcache.length
         block = torch.tensor([[pending_t, *d_tokens]], device=dev)
         t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-        t_lp = truncate_log_probs(step_log_probs(t_logits, cfg.temperature), *trunc)
-        if state is not None:
-            dead = not bool(masks[-1].any())  # fatal only if every drafted token is accepted
-            if dead:
-                masks[-1] = torch.ones_like(masks[-1])
-            t_lp = torch.stack([_masked_target(t_lp[j], masks[j]) for j in range(k + 1)])
-        if greedy:
-            t_lp = point_mass_log_probs(t_lp)
-        t_probs = t_lp.exp()
+        t_probs, dead = _target_probs(t_logits, cfg, masks)
         if k > 0:
             n, nxt = speculative_verify(
                 torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator
             )
         else:
             n, nxt = 0, int(sample_categorical(t_probs[0], generator))
-        if state is not None and dead and n == k:
+        if dead and n == k:
             raise DeadEndError("no token allowed by the constraint can follow (dead end)")
         rounds += 1
         drafted += k
@@ -216,6 +193,68 @@ def _sd_rounds(
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _draft_block(
+    draft: DecoderModel,
+    dcache: KVCache,
+    pending: list[int],
+    k: int,
+    cfg: GenerationConfig,
+    state: ConstraintState | None,
+    masks: list[torch.Tensor],
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Forward, torch.Tensor, tuple[list[int], list[torch.Tensor]]]:
+    """Draft up to ``k`` tokens after feeding ``pending`` (tokens the draft has not seen):
+    returns the tokens and their draft distributions (``[V]`` float probabilities each).
+    With a constraint, ``state`` consumes each token and ``masks`` gains the mask after it;
+    a stop token or a dead end ends the block early."""
+    dev, greedy = draft.device, cfg.temperature == 0
+    t_d = 0 if greedy else cfg.draft_temperature
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    x = torch.tensor([pending], device=dev)
+    for _ in range(k):
+        logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
+        q = truncate_log_probs(step_log_probs(logits, t_d), cfg.top_k, cfg.top_p, cfg.min_p)
+        if state is not None:
+            q = _masked_draft(q, masks[-1])
+        q = (point_mass_log_probs(q) if greedy else q).exp()
+        d = int(sample_categorical(q, generator))
+        tokens.append(d)
+        probs.append(q)
+        if state is not None:
+            if d in stop_ids:
+                masks.append(torch.ones(vocab, dtype=torch.bool, device=dev))
+                break
+            state.consume([d])
+            masks.append(_allowed(state, vocab, dev))
+            if not bool(masks[-1].any()):
+                break
+        x = torch.tensor([[d]], device=dev)
+    return tokens, probs
+
+
+def _target_probs(
+    logits: torch.Tensor, cfg: GenerationConfig, masks: list[torch.Tensor]
+) -> tuple[torch.Tensor, bool]:
+    """The target's sampling distributions ``[k+1, V]`` for a scored block (``logits``
+    ``[k+1, V]``), masked by ``masks[j]`` at row ``j`` when a constraint runs. Also returns
+    whether the last mask allows nothing (a dead end: fatal only if every drafted token is
+    accepted; that row is left unmasked meanwhile)."""
+    lp = truncate_log_probs(step_log_probs(logits, cfg.temperature), cfg.top_k, cfg.top_p,
+                            cfg.min_p)  # fmt: skip
+    dead = False
+    if masks:
+        dead = not bool(masks[-1].any())
+        if dead:
+            masks[-1] = torch.ones_like(masks[-1])
+        lp = torch.stack([_masked_target(lp[j], masks[j]) for j in range(len(lp))])
+    if cfg.temperature == 0:
+        lp = point_mass_log_probs(lp)
+    return lp.exp(), dead
 
 
 def _allowed(state: ConstraintState, vocab: int, dev: torch.device) -> torch.Tensor:
