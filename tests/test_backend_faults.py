@@ -3,7 +3,7 @@
 - :func:`smcspec.backends.llamacpp_faults.on_abort` is checked against ggml's real
   ``ggml_abort`` in child processes: the handler runs first with the short message, its own
   exit status wins, an exception in it still ends in SIGABRT, and leaving the block restores
-  ggml's default (message on stderr, SIGABRT).
+  ggml's default (message on stderr, SIGABRT); the CLI prints it as one ``error:`` line.
 - :meth:`BatchScheduler.abandon`, called from inside a forward as the hook does, gives the
   running stream an error event and ``[DONE]``, the queued request a 500 in the one error
   shape, later requests 503, and turns ``/health`` to 503.
@@ -75,6 +75,24 @@ def test_leaving_the_block_restores_ggmls_own_abort():
     assert out.returncode == -signal.SIGABRT
     assert "handler" not in out.stdout
     assert "/a/dir/x.c:12: boom 7" in out.stderr  # ggml's default print
+
+
+def test_the_cli_turns_an_abort_into_one_error_line():
+    """generate, bench and eval run inside ``llamacpp_aborts_as_errors``: ggml's abort
+    becomes ``error: ...`` and exit status 1, like every other CLI error."""
+    pytest.importorskip("llama_cpp")
+    code = (
+        "import ctypes\n"
+        "from smcspec.cli import llamacpp_aborts_as_errors\n"
+        "from smcspec.backends.llamacpp_rpc import ggml_library\n"
+        "with llamacpp_aborts_as_errors():\n"
+        "    ggml_library().ggml_abort(b'/src/ggml-rpc.cpp', 9, b'Remote RPC server crashed')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=QUIET, timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    line = "error: the model's backend failed: ggml-rpc.cpp:9: Remote RPC server crashed"
+    assert out.stderr.strip() == line
 
 
 @pytest.fixture(scope="module")
