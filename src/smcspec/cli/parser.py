@@ -14,11 +14,21 @@ from smcspec.cli.options import (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``smcspec`` parser: one subparser per command."""
     parser = argparse.ArgumentParser(
         prog="smcspec", description="LLM inference with SMC speculative decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     common = [model_options(), tuning_options()]
+    _generate(sub, common)
+    _rpc_server(sub)
+    _serve(sub, common)
+    _eval(sub)
+    _bench(sub)
+    return parser
+
+
+def _generate(sub, common: list[argparse.ArgumentParser]) -> None:
     g = sub.add_parser("generate", parents=common, help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
     g.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
@@ -32,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json-schema", metavar="FILE", help="output must be JSON valid under it")
     c.add_argument("--regex", metavar="PATTERN", help="output must match this regular expression")
     c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
+
+
+def _rpc_server(sub) -> None:
     r = sub.add_parser(
         "rpc-server",
         help="lend this machine to another's target (llama.cpp RPC; trusted networks only)",
@@ -42,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--cache-dir", default=None, help="cache tensors sent by clients here (llama.cpp -c)"
     )
+
+
+def _serve(sub, common: list[argparse.ArgumentParser]) -> None:
     s = sub.add_parser(
         "serve",
         parents=common,
@@ -81,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 5)",
     )
+
+
+def _eval(sub) -> None:
     e = sub.add_parser(
         "eval", parents=[model_options(EVAL_M_HELP)], help="task accuracy of several methods"
     )
@@ -128,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fidelity: skip the constraint and reward sections (masked AR, SMC-SD with them)",
     )
+
+
+def _bench(sub) -> None:
     b = sub.add_parser(
         "bench",
         parents=[model_options(BENCH_M_HELP), tuning_options()],
@@ -162,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--no-roofline", action="store_true", help="skip the forward-cost roofline")
     b.add_argument("--out", default="bench-out", help="directory for runs.jsonl and reports")
-    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
