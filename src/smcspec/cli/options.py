@@ -82,7 +82,12 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
         f"{ANSWER_MAX_NEW_TOKENS})"
     )
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("models")
+    _model_group(p.add_argument_group("models"))
+    _decoding_group(p.add_argument_group("decoding"), m_help)
+    return p
+
+
+def _model_group(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
     g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -124,7 +129,9 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
         help="run the GGUF draft re-quantized to this llama.cpp type, made once and cached "
         f"({', '.join(quantize_types())}; llamacpp backend)",
     )
-    d = p.add_argument_group("decoding")
+
+
+def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
     d.add_argument(
         "--method",
         choices=(*METHODS, "auto"),
@@ -187,7 +194,6 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
         help="compute every particle row of a forward, also those that repeat another "
         "particle's prefix (default: each distinct row once; the output is the same)",
     )
-    return p
 
 
 def tuning_options() -> argparse.ArgumentParser:
