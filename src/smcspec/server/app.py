@@ -187,12 +187,12 @@ def serve(
     )
     scheduler: BatchScheduler = app.state.scheduler
 
-    def on_fatal(exc: BaseException) -> None:
-        log.critical("the scheduler's worker died (%s: %s); stopping", type(exc).__name__, exc)
-        server.should_exit = True
-
     def stop_server() -> None:
         server.should_exit = True
+
+    def on_fatal(exc: BaseException) -> None:
+        log.critical("the scheduler's worker died (%s: %s); stopping", type(exc).__name__, exc)
+        stop_server()
 
     scheduler.on_fatal = on_fatal
     grace_s = settings.shutdown_timeout_s + 5.0

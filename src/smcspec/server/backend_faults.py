@@ -1,8 +1,8 @@
 """What ``smcspec serve`` does when llama.cpp fails fatally (see
 :mod:`smcspec.backends.llamacpp_faults`): a lost RPC server or a GPU error ends the process,
-but first every request in flight gets an OpenAI-shaped 5xx (a streamed one an error event
-and ``[DONE]``), queued and later requests a 503, ``/health`` turns 503, and the HTTP server
-shuts down gracefully; then the process exits with status 1 for its supervisor to restart it.
+but first every request running or queued gets an OpenAI-shaped 500 (a streamed one an error
+event and ``[DONE]``), later requests a 503, ``/health`` turns 503, and the HTTP server shuts
+down gracefully; then the process exits with status 1 for its supervisor to restart it.
 """
 
 from __future__ import annotations
