@@ -373,5 +373,8 @@ def test_provenance_names_what_computed():
     line = provenance(ns)
     assert f"llama-cpp-python {version('llama_cpp_python')}" in line
     assert "1 llama.cpp threads" in line and "float32" not in line
+    chosen = argparse.Namespace(backend="auto", resolved_backend="llamacpp", threads=None,
+                                device="cpu", dtype="float32")  # fmt: skip
+    assert "physical-core llama.cpp threads" in provenance(chosen)  # what auto chose
     ns = argparse.Namespace(backend="torch", threads=None, device="cpu", dtype="bfloat16")
     assert provenance(ns).endswith("; bfloat16") and "torch threads" in provenance(ns)

@@ -12,10 +12,11 @@ from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
 
 def load_engine(args: argparse.Namespace, with_draft: bool = True):
     """Engine.load with the model options of ``args``; imported lazily so that
-    `smcspec --help` and option errors are fast."""
+    `smcspec --help` and option errors are fast. Sets ``args.resolved_backend`` (the
+    target's backend) for :func:`provenance`."""
     from smcspec.engine import Engine
 
-    return Engine.load(
+    engine = Engine.load(
         args.target,
         args.draft,
         device=args.device,
@@ -28,6 +29,8 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
         gpu_layers=args.gpu_layers,
         rpc=args.rpc,
     )
+    args.resolved_backend = engine.target.backend  # what --backend auto chose, for reports
+    return engine
 
 
 def note(line: str) -> None:
@@ -90,8 +93,9 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
 
 def provenance(args: argparse.Namespace) -> str:
     """Date, machine (CPU model and threads, or the GPU's name) and the software that
-    computed: llama-cpp-python's version and threads for ``--backend llamacpp``, else torch's
-    version and dtype."""
+    computed: llama-cpp-python's version and threads where the llamacpp backend runs (as
+    given, or as ``--backend auto`` chose it in :func:`load_engine`), else torch's version
+    and dtype."""
     from datetime import date
 
     import torch
@@ -99,7 +103,8 @@ def provenance(args: argparse.Namespace) -> str:
     from smcspec.tuning.cache import cpu_model
 
     today = date.today().isoformat()
-    if getattr(args, "backend", None) == "llamacpp":
+    backend = getattr(args, "resolved_backend", None) or getattr(args, "backend", None)
+    if backend == "llamacpp":
         from importlib.metadata import version
 
         threads = args.threads or "physical-core"
