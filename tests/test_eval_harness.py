@@ -126,9 +126,10 @@ def test_hit_token_cap_rule():
 def test_run_task_records_the_budget_and_whether_it_was_hit(engine, tmp_path):
     specs = harness.method_specs("ar,smc", GenerationConfig(max_new_tokens=6))
     rf = ResultFile(tmp_path / "r.jsonl")
-    records = harness.run_task(engine, "gsm8k", ITEMS, specs, rf, progress=False)
+    records = harness.run_task(engine, "gsm8k", ITEMS, specs, rf, progress=False, machine="M")
     for r in records:
         assert r["max_new_tokens"] == 6 and isinstance(r["hit_cap"], bool)
+        assert r["machine"] == "M"
         if r["new_tokens"] < 6:
             assert not r["hit_cap"]  # ended on its own before the budget
     again = harness.rescore("gsm8k", records, ITEMS)
@@ -191,6 +192,15 @@ def test_budget_note_states_the_stored_budget():
     assert harness.budget_note(recs, 512) == (
         "max_new_tokens 8; max_new_tokens of 1 older answers not stored (this command's: 512)"
     )
+
+
+def test_machines_note_counts_the_machines_behind_the_records():
+    one = [{**_record("ar", "q0", False), "machine": "A CPU"}]
+    assert harness.machines_note(one) == ""  # one machine: the provenance line says it
+    mixed = [*one, {**_record("ar", "q1", False), "machine": "B CPU"}, _record("smc", "q0", False)]
+    note = harness.machines_note(mixed)
+    assert note.startswith("Records by machine: A CPU (1); B CPU (1); not stored")
+    assert "(1). Median tokens/s pools" in note
 
 
 def test_summary_pairs_accuracy_and_nll_with_the_baseline(tmp_path):

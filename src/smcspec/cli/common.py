@@ -92,24 +92,27 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
 
 
 def provenance(args: argparse.Namespace) -> str:
-    """Date, machine (CPU model and threads, or the GPU's name) and the software that
-    computed: llama-cpp-python's version and threads where the llamacpp backend runs (as
-    given, or as ``--backend auto`` chose it in :func:`load_engine`), else torch's version
-    and dtype."""
+    """Today's date and :func:`machine_line`: ``"<YYYY-MM-DD>; <machine and software>"``."""
     from datetime import date
 
+    return f"{date.today().isoformat()}; {machine_line(args)}"
+
+
+def machine_line(args: argparse.Namespace) -> str:
+    """The machine (CPU model and threads, or the GPU's name) and the software that computed:
+    llama-cpp-python's version and threads where the llamacpp backend runs (as given, or as
+    ``--backend auto`` chose it in :func:`load_engine`), else torch's version and dtype."""
     import torch
 
     from smcspec.tuning.cache import cpu_model
 
-    today = date.today().isoformat()
     backend = getattr(args, "resolved_backend", None) or getattr(args, "backend", None)
     if backend == "llamacpp":
         from importlib.metadata import version
 
         threads = args.threads or "physical-core"
         return (
-            f"{today}; {cpu_model()} CPU, {os.cpu_count()} cores, {threads} llama.cpp "
+            f"{cpu_model()} CPU, {os.cpu_count()} cores, {threads} llama.cpp "
             f"threads; llama-cpp-python {version('llama_cpp_python')}, weights as the GGUF "
             "files store them"
         )
@@ -118,4 +121,4 @@ def provenance(args: argparse.Namespace) -> str:
     else:
         cores = f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
         machine = f"{cpu_model()} CPU, {cores}"
-    return f"{today}; {machine}; torch {torch.__version__}; {args.dtype}"
+    return f"{machine}; torch {torch.__version__}; {args.dtype}"

@@ -135,6 +135,7 @@ def run_task(
     seed: int = 0,
     progress: bool = True,
     score_nll: bool = False,
+    machine: str | None = None,
 ) -> list[dict[str, Any]]:
     """Answer ``items`` with every method in ``specs``; append one record per answer.
 
@@ -142,7 +143,9 @@ def run_task(
     ``output``, ``extracted``, ``correct``, ``new_tokens``, ``max_new_tokens`` (the budget),
     ``hit_cap`` (cut by the budget, see :func:`smcspec.decoding.common.hit_token_cap`), ``seconds``,
     ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
-    token of the output under the target at temperature 1). Returns all records of the file.
+    token of the output under the target at temperature 1) and, if given, ``machine`` (what
+    generated it, e.g. :func:`smcspec.cli.common.machine_line`: a resumed run may span
+    machines, see :func:`machines_note`). Returns all records of the file.
     """
     if task not in ("gsm8k", "humaneval"):
         raise ConfigError(f"unknown task {task!r}")
@@ -184,6 +187,7 @@ def run_task(
                 "seconds": round(r.seconds, 3),
                 "tokens_per_second": round(r.tokens_per_second, 3),
                 "stats": r.stats,
+                **({"machine": machine} if machine else {}),
             }
         )
         bar.update(1)
@@ -247,6 +251,25 @@ def budget_note(records: list[dict[str, Any]], configured: int) -> str:
             f"max_new_tokens of {unknown} older answers not stored (this command's: {configured})"
         )
     return "; ".join(parts)
+
+
+def machines_note(records: list[dict[str, Any]]) -> str:
+    """Which machines generated the records, with counts (records written before the field
+    existed are counted apart), and a warning that tokens/s pools them when there are several;
+    ``""`` when every record names one machine."""
+    counts: dict[str, int] = {}
+    for r in records:
+        key = r.get("machine", "")
+        counts[key] = counts.get(key, 0) + 1
+    if len(counts) == 1 and "" not in counts:
+        return ""
+    parts = [f"{m} ({n})" for m, n in sorted(counts.items()) if m]
+    if "" in counts:
+        parts.append(f"not stored, written before the field existed ({counts['']})")
+    return (
+        "Records by machine: " + "; ".join(parts) + ". Median tokens/s pools the records of "
+        "all of them; accuracy and NLL do not depend on the machine."
+    )
 
 
 def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
