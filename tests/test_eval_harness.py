@@ -25,6 +25,9 @@ def test_method_specs_and_grid():
     assert [s.name for s in named] == ["ar", "smc-n8-k2", "smc-n4-k8", "sd-k3"]
     assert (named[1].config.particles, named[1].config.draft_tokens) == (8, 2)
     assert named[3].config.method == "sd" and named[3].config.draft_tokens == 3
+    assert named[1].config.finished_particles == "bank"
+    (keep,) = harness.method_specs("smc-n8-k2-keep", base)
+    assert keep.name == "smc-n8-k2-keep" and keep.config.finished_particles == "keep"
     for bad in ("ar,beam", "smc-n0-k2", "smc-n4"):
         with pytest.raises(ConfigError):
             harness.method_specs(bad, base)

@@ -10,6 +10,7 @@ from smcspec.potentials import Constraint, Reward, TokenConstraint
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
+FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 MAX_PARTICLES = 256
 MAX_DRAFT_TOKENS = 64
 
@@ -34,6 +35,15 @@ class GenerationConfig:
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
         ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
         resampler: ``systematic`` | ``stratified`` | ``multinomial`` | ``residual``.
+        finished_particles: what SMC-SD does with a particle that ends (EOS, a stop token
+            or the budget): ``"bank"`` (default) sets it aside with its share of the round's
+            weight and refills the N slots from the running particles, so particles that end
+            at different rounds are never compared through weights accumulated over
+            different numbers of tokens; ``"keep"`` is the paper's rule (the particle keeps
+            its weight among the running ones until every particle has ended). ``"bank"``
+            applies where the target's prefix marginals are its own next-token
+            distributions (alpha = 1, no constraint or reward); elsewhere ``"keep"`` runs.
+            See :mod:`smcspec.decoding.smc`.
         seed: random seed, any integer (used modulo 2**64, the range of
             ``torch.Generator`` seeds); ``None`` draws a fresh one.
         return_particles: also return every particle with its normalised weight (smc).
@@ -68,6 +78,7 @@ class GenerationConfig:
     alpha: float = 1.0
     ess_threshold: float = 0.5
     resampler: str = "systematic"
+    finished_particles: str = "bank"
     seed: int | None = None
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -120,6 +131,11 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        if self.finished_particles not in FINISHED_PARTICLES:
+            raise ConfigError(
+                f"unknown finished_particles {self.finished_particles!r}; choose from "
+                f"{', '.join(FINISHED_PARTICLES)}"
+            )
         if self.resampler not in RESAMPLERS:
             raise ConfigError(
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"

@@ -67,6 +67,7 @@ from smcspec.sampling.resampling import (
 )
 from smcspec.sampling.smc_weights import (
     bonus_log_normalizer,
+    finished_shares,
     incremental_log_weights,
     power_log_probs,
 )
@@ -168,6 +169,7 @@ class _Setting:
     reward: Reward | None
     ess_threshold: float
     resampler: str
+    bank: bool  # finished particles are banked (see _bank_finished)
 
     @property
     def potential(self) -> bool:
@@ -197,6 +199,9 @@ class _Particles:
     ess_trace: list[float] = field(default_factory=list)
     equal_start: bool = True  # the round being run began with equal weights
     fresh_ess: list[float] = field(default_factory=list)  # ESS of such rounds
+    # banking: ended particles (tokens, log probability mass) and the running particles' mass
+    banked: list[tuple[list[int], float]] = field(default_factory=list)
+    log_running: float = 0.0
 
 
 @dataclass
@@ -327,7 +332,9 @@ def _smc_rounds(
         reward=cfg.reward,
         ess_threshold=cfg.ess_threshold,
         resampler=cfg.resampler,
-    )
+        bank=cfg.finished_particles == "bank" and cfg.alpha == 1 and cfg.constraint is None
+        and cfg.reward is None,
+    )  # fmt: skip
     cap = cache_capacity(cfg.max_new_tokens, st.k)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
     p = as_prompt_tensor(prompt, dev)
@@ -338,8 +345,11 @@ def _smc_rounds(
     while not bool(ps.finished.all()):
         block = yield from _draft_block(st, ps, draft, dcache)  # 3a
         yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
-        _advance(st, ps, block)  # 3c, 3e, 4
-        _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
+        newly_finished = _advance(st, ps, block)  # 3c, 3e, 4
+        if st.bank and bool(newly_finished.any()):
+            _bank_finished(st, ps, newly_finished, tcache, dcache)
+        else:
+            _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
         emitted = _emit(ps, emitted, on_tokens)
     out = _output(st, ps, cfg.return_particles, emitted, on_tokens, clock)
     out.stats.update(distinct_row_stats(target=tcache, draft=dcache))
@@ -456,11 +466,11 @@ def _score_block(
         b.dead_pos[bad] = k + 1
 
 
-def _advance(st: _Setting, ps: _Particles, b: _Block) -> None:
+def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
     """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
     ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
-    twist ``phi(new) / phi(old)``, and the new tokens. Raises :class:`DeadEndError` when
-    every particle is dead."""
+    twist ``phi(new) / phi(old)``, and the new tokens. Returns bool ``[N]``: the particles
+    that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
     k = st.k
     block = torch.cat((b.drafted, b.bonus[:, None]), 1)  # [N, K+1]
     block_pos = torch.arange(1, k + 2, device=st.dev)
@@ -496,6 +506,44 @@ def _advance(st: _Setting, ps: _Particles, b: _Block) -> None:
     ps.pending_t = b.bonus[:, None]
     ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
     ps.rounds += 1
+    return ps.finished & ~was_finished
+
+
+def _bank_finished(
+    st: _Setting, ps: _Particles, ended: torch.Tensor, tcache: KVCache, dcache: KVCache
+) -> None:
+    """Bank the particles that ended this round (``ended``: bool ``[N]``) and refill all N
+    slots from the running ones.
+
+    Each ended particle is set aside with probability mass ``running mass x its normalised
+    weight`` (:func:`~smcspec.sampling.smc_weights.finished_shares`); the running mass shrinks
+    to its own share; the running particles are resampled into all N slots (an unbiased
+    resampling among them, so the SMC estimate stays consistent) and restart at equal
+    weights. When no running particle has weight left, the request ends. The output is later
+    drawn from the banked particles in proportion to their mass (:func:`_output`)."""
+    ps.ess_trace.append(effective_sample_size(ps.logw))
+    if ps.equal_start:
+        ps.fresh_ess.append(ps.ess_trace[-1])
+    log_shares, log_run = finished_shares(ps.logw, ended)
+    for i in ended.nonzero()[:, 0].tolist():
+        if math.isfinite(float(log_shares[i])):
+            seq = ps.tokens[i, : int(ps.lengths[i])].tolist()
+            ps.banked.append((seq, ps.log_running + float(log_shares[i])))
+    ps.log_running += log_run
+    running = ~ps.finished
+    if not math.isfinite(log_run) or not bool(running.any()):
+        ps.finished = torch.ones_like(ps.finished)  # nothing left to run
+        return
+    logw = torch.where(running, ps.logw, torch.full_like(ps.logw, -math.inf))
+    anc = RESAMPLERS[st.resampler](logw, st.generator)
+    ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
+    ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
+    tcache.reorder(anc)
+    dcache.reorder(anc)
+    ps.phi = ps.phi[anc]
+    ps.logw = torch.zeros_like(ps.logw)
+    ps.equal_start = True
+    ps.resamples += 1
 
 
 def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
@@ -526,15 +574,28 @@ def _emit(
     ps: _Particles,
     emitted: int,
     on_tokens: TokenCallback | None,
-    upto: int | None = None,
-    row: int = 0,
+    final: list[int] | None = None,
 ) -> int:
-    """Stream the tokens every particle holds (final: resampling only copies particles), or
-    ``row``'s tokens up to ``upto``; returns how many tokens have been emitted."""
-    upto = _common_prefix_len(ps.tokens, ps.lengths) if upto is None else upto
+    """Stream the tokens every particle holds, banked ones included (final: resampling only
+    copies particles), or the rest of the ``final`` output; returns how many tokens have
+    been emitted."""
+    if final is None:
+        upto = _common_prefix_len(ps.tokens, ps.lengths)
+        if ps.banked:
+            held = ps.tokens[0, :upto].tolist()
+            for seq, _ in ps.banked:
+                upto = min(upto, _shared_len(seq, held))
+        seq = ps.tokens[0, :upto].tolist()
+    else:
+        upto, seq = len(final), final
     if upto > emitted and on_tokens:
-        on_tokens(ps.tokens[row, emitted:upto].tolist())
+        on_tokens(seq[emitted:upto])
     return max(emitted, upto)
+
+
+def _shared_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _output(
@@ -546,18 +607,25 @@ def _output(
     clock: ConstraintClock | None,
 ) -> DecodeOutput:
     """Step 5: a reward without twist enters the final weights; one particle is drawn in
-    proportion to its weight and streamed to the end; stats and (optionally) all particles."""
+    proportion to its weight (banked particles: to their mass) and streamed to the end;
+    stats and (optionally) all particles."""
     n = st.n
     if st.reward is not None and not st.twisted:  # the whole reward at the end
         alive = torch.isfinite(ps.logw)
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
         final = st.reward.log_potential(seqs, prefix=False).to(st.dev)
         ps.logw = torch.where(alive, ps.logw + final, ps.logw)
-    w, all_inf = normalized_weights(ps.logw)
-    if not all_inf:
-        ps.log_z += log_mean_weight(ps.logw)
-    choice = int(sample_categorical(w, st.generator)) if n > 1 else 0
-    _emit(ps, emitted, on_tokens, upto=int(ps.lengths[choice]), row=choice)
+    if ps.banked:  # every particle was banked when it ended: the candidates are those
+        seqs = [seq for seq, _ in ps.banked]
+        w, all_inf = normalized_weights(torch.tensor([m for _, m in ps.banked]))
+        ps.log_z = 0.0  # alpha = 1 without potentials: the target is normalised (Z = 1)
+    else:
+        seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
+        w, all_inf = normalized_weights(ps.logw)
+        if not all_inf:
+            ps.log_z += log_mean_weight(ps.logw)
+    choice = int(sample_categorical(w.to(st.dev), st.generator)) if len(seqs) > 1 else 0
+    _emit(ps, emitted, on_tokens, final=seqs[choice])
     trace = ps.ess_trace
     stats: dict[str, float | int] = {
         "rounds": ps.rounds,
@@ -569,6 +637,7 @@ def _output(
         "degenerate_rounds": sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
         # the ESS of rounds that began with equal weights (what the tuner predicts)
         "mean_round_ess": sum(ps.fresh_ess) / len(ps.fresh_ess) if ps.fresh_ess else float(n),
+        "banked": len(ps.banked),
     }
     if st.potential:
         stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)
@@ -576,12 +645,9 @@ def _output(
         stats["constraint_seconds"] = clock.seconds
     particles = None
     if return_particles:
-        particles = [
-            ParticleOutput(ps.tokens[i, : int(ps.lengths[i])].tolist(), float(w[i]))
-            for i in range(n)
-        ]
+        particles = [ParticleOutput(seq, float(wi)) for seq, wi in zip(seqs, w, strict=True)]
     return DecodeOutput(
-        tokens=ps.tokens[choice, : int(ps.lengths[choice])].tolist(),
+        tokens=seqs[choice],
         stats=stats,
         particles=particles,
         log_normalizer=ps.log_z if math.isfinite(ps.log_z) else None,

@@ -47,7 +47,9 @@ class MethodSpec:
 
 def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) -> list[MethodSpec]:
     """Parse ``"ar,sd,smc"`` (and a grid like ``"N=2,4,8;K=2,4,8"`` for smc and sd), or
-    settings named as the reports name them (``"ar,smc-n8-k2,smc-n4-k8,sd-k4"``).
+    settings named as the reports name them (``"ar,smc-n8-k2,smc-n4-k8,sd-k4"``); an smc
+    name ending in ``-keep`` (``"smc-n8-k2-keep"``) keeps finished particles among the
+    running ones (the paper's rule, ``finished_particles="keep"``) instead of banking them.
 
     ``smc`` without a grid uses ``base``'s N and K; with a grid, one spec per (N, K) pair
     (sd: one per K). Raises :class:`ConfigError` for an unknown method or a bad grid.
@@ -69,11 +71,11 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
             specs += [
                 MethodSpec(f"sd-k{k}", replace(base, method="sd", draft_tokens=k)) for k in ks
             ]
-        elif m := re.fullmatch(r"smc-n(\d+)-k(\d+)", method):
+        elif m := re.fullmatch(r"smc-n(\d+)-k(\d+)(-keep)?", method):
             n, k = int(m.group(1)), int(m.group(2))
-            specs.append(
-                MethodSpec(method, replace(base, method="smc", particles=n, draft_tokens=k))
-            )
+            rule = "keep" if m.group(3) else "bank"
+            smc = replace(base, method="smc", particles=n, draft_tokens=k)
+            specs.append(MethodSpec(method, replace(smc, finished_particles=rule)))
         elif m := re.fullmatch(r"sd-k(\d+)", method):
             k = int(m.group(1))
             specs.append(MethodSpec(method, replace(base, method="sd", draft_tokens=k)))
@@ -87,7 +89,8 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
             ]
         else:
             raise ConfigError(
-                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, smc-nN-kK"
+                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, smc-nN-kK, "
+                "smc-nN-kK-keep"
             )
     for s in specs:
         s.config.validate()
