@@ -70,7 +70,7 @@ def test_truncation_options_reach_the_config():
 
 
 def test_unknown_resampler_and_method_are_usage_errors(capsys):
-    for args in (["--resampler", "bogus"], ["--method", "bogus"]):
+    for args in (["--resampler", "bogus"], ["--method", "bogus"], ["--finished-particles", "x"]):
         with pytest.raises(SystemExit) as exc:
             main(["generate", "hello", *args])
         assert exc.value.code == 2

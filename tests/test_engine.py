@@ -67,7 +67,11 @@ def test_eos_stops_generation(engine):
     it, and with ``ignore_eos`` the same seed goes on to the budget."""
     eos = engine.tokenizer.eos_token_id
     for seed in (14, 24):
-        r = engine.generate("ab", cfg("smc", max_new_tokens=40, seed=seed), chat=False)
+        pieces: list[str] = []
+        r = engine.generate(
+            "ab", cfg("smc", max_new_tokens=40, seed=seed), chat=False, on_text=pieces.append
+        )
+        assert "".join(pieces) == r.text and r.stats["banked"] >= 4  # streamed with banking
         assert eos in r.token_ids, seed
         assert r.token_ids.index(eos) == len(r.token_ids) - 1
         assert r.finish_reason == "stop" and len(r.token_ids) < 40

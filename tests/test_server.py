@@ -185,6 +185,7 @@ def test_disconnect_frees_the_rows(server):
         ({"model": MODEL, "prompt": "ab", "smc": {"draft_tokens": 1000}}, None),
         ({"model": MODEL, "prompt": "ab", "temperature": -0.5}, None),
         ({"model": MODEL, "prompt": "ab", "smc": {"resampler": "bogus"}}, None),
+        ({"model": MODEL, "prompt": "ab", "smc": {"finished_particles": "drop"}}, None),
         ({"model": MODEL, "prompt": list(range(1, 90)) * 50, "max_tokens": 10}, None),
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL}, "prompt"),
@@ -254,6 +255,20 @@ def test_metrics_count_distinct_rows(server):
             f"smcspec_forward_distinct_rows_total{label}", 0
         )
         assert 0 < computed < fed, (role, computed, fed)
+
+
+def test_finished_particles_rule_is_a_request_option(server):
+    """``smc.finished_particles`` picks the rule per request; the stats say how many particles
+    were banked (none under the paper's "keep" rule)."""
+    c = server.client()
+    stats = {}
+    for rule in ("bank", "keep"):
+        r = c.completions.create(
+            model=MODEL, prompt="ab", max_tokens=8, seed=1,
+            extra_body={"smc": {"method": "smc", "finished_particles": rule}},
+        )  # fmt: skip
+        stats[rule] = r.choices[0].model_extra["smcspec"]
+    assert stats["bank"]["banked"] >= 1 and stats["keep"]["banked"] == 0
 
 
 def test_overload_gets_429(engine):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
+    FINISHED_PARTICLES,
     METHODS,
     GenerationConfig,
     check_min_ess,
@@ -186,6 +187,13 @@ def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
         help="kappa: resample when ESS < kappa*N (0 disables)",
     )
     d.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
+    d.add_argument(
+        "--finished-particles",
+        choices=list(FINISHED_PARTICLES),
+        default="bank",
+        help="smc: bank a particle that ends with its share of the round's weight (default), "
+        "or keep it among the running ones (the paper's rule)",
+    )
     d.add_argument("--seed", type=int, default=None)
     d.add_argument(
         "--no-shared-rows",
@@ -234,6 +242,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
         alpha=args.alpha,
         ess_threshold=args.ess_threshold,
         resampler=args.resampler,
+        finished_particles=args.finished_particles,
         seed=args.seed,
         top_k=args.top_k,
         top_p=args.top_p,

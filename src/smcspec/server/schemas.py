@@ -33,6 +33,7 @@ class SmcOptions(BaseModel):
     alpha: float | None = None
     ess_threshold: float | None = None
     resampler: str | None = None
+    finished_particles: str | None = None  # "bank" (default) or "keep" (the paper's rule)
     regex: str | None = None  # the output must match this regular expression
     grammar: str | None = None  # the output must follow this Lark grammar
 
