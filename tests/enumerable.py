@@ -9,7 +9,11 @@ import numpy as np
 import torch
 
 from smcspec.backends.torch.transformer import Transformer
-from smcspec.eval.fidelity import sequence_log_probs, tiny_transformer
+from smcspec.eval.fidelity import (
+    sequence_log_probs,
+    stopped_sequence_log_probs,
+    tiny_transformer,
+)
 
 __all__ = [
     "chisquare_p",
@@ -93,26 +97,4 @@ def processed_sequence_log_probs(
                 keep = reference_kept(probs[t], top_k, top_p, min_p)
                 total += math.log(probs[t, tok] / probs[t, keep].sum()) if keep[tok] else -math.inf
             out[seq] = total
-    return out
-
-
-def stopped_sequence_log_probs(
-    model: Transformer, prompt: list[int], length: int, temperature: float, stop: int
-) -> dict[tuple[int, ...], float]:
-    """Exact ``log p_T`` of every output of at most ``length`` tokens that ends at ``stop``
-    (included) or at the budget: the outputs' distribution when ``stop`` ends generation.
-    The probabilities sum to 1. One forward per prefix (a depth-first walk)."""
-    out: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: list[int], lp: float) -> None:
-        if len(prefix) == length or (prefix and prefix[-1] == stop):
-            out[tuple(prefix)] = lp
-            return
-        cache = model.new_cache(1, len(prompt) + length + 1)
-        logits = model.prefill(torch.tensor(prompt + prefix), cache)
-        step = torch.log_softmax(logits.double() / temperature, -1)
-        for v in range(model.cfg.vocab_size):
-            walk([*prefix, v], lp + float(step[v]))
-
-    walk([], 0.0)
     return out

@@ -10,6 +10,15 @@ and a bonus token from the target; nothing is rejected, so every particle advanc
 tokens. When ``ESS < kappa * N`` the particles are resampled (tokens and both KV caches).
 At the end one particle is drawn in proportion to its weight.
 
+Finished particles (``cfg.finished_particles``): by default a particle that ends (EOS, a
+stop token, the budget) is *banked*: set aside with its share of the round's weight times
+the mass still running, while all N slots are refilled from the running particles; the
+output is drawn from the banked particles by mass. The paper's rule (``"keep"``) leaves it
+among the running ones with its weight frozen, which at small N lets early endings win
+against running weights whose logarithm drifts down round after round
+(``docs/benchmarks/finished-particles/``). Banking needs normalised prefix targets, so it
+runs at alpha = 1 without constraint or reward; elsewhere ``"keep"`` runs.
+
 With top-k / top-p / min-p set (``docs/sampling.md``) the target is truncated and
 renormalised (``p~``) at every step and the sampler targets ``prod_t p~(x_t | x_<t)^alpha``:
 the weight is ``sum_k alpha log p~(d_k) - log q_T(d_k)`` (``-inf`` when a drafted token is

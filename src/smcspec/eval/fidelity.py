@@ -87,6 +87,28 @@ def sequence_log_probs(
     return out
 
 
+def stopped_sequence_log_probs(
+    model: Transformer, prompt: list[int], length: int, temperature: float, stop: int
+) -> dict[tuple[int, ...], float]:
+    """Exact ``log p_T`` of every output of at most ``length`` tokens that ends at ``stop``
+    (included) or at the budget: the outputs' distribution when ``stop`` ends generation.
+    The probabilities sum to 1. One forward per prefix (a depth-first walk)."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: list[int], lp: float) -> None:
+        if len(prefix) == length or (prefix and prefix[-1] == stop):
+            out[tuple(prefix)] = lp
+            return
+        cache = model.new_cache(1, len(prompt) + length + 1)
+        logits = model.prefill(torch.tensor(prompt + prefix), cache)
+        step = torch.log_softmax(logits.double() / temperature, -1)
+        for v in range(model.cfg.vocab_size):
+            walk([*prefix, v], lp + float(step[v]))
+
+    walk([], 0.0)
+    return out
+
+
 def exact_distribution(model: Transformer, prompt: list[int], length: int, temperature: float):
     """Probabilities (dict sequence -> p) of the first ``length`` tokens under ``model``."""
     return {
