@@ -534,10 +534,9 @@ def _bank_finished(
     if ps.equal_start:
         ps.fresh_ess.append(ps.ess_trace[-1])
     log_shares, log_run = finished_shares(ps.logw, ended)
-    for i in ended.nonzero()[:, 0].tolist():
-        if math.isfinite(float(log_shares[i])):
-            seq = ps.tokens[i, : int(ps.lengths[i])].tolist()
-            ps.banked.append((seq, ps.log_running + float(log_shares[i])))
+    for i in ended.nonzero()[:, 0].tolist():  # zero-weight ones too (mass -inf): listed
+        seq = ps.tokens[i, : int(ps.lengths[i])].tolist()
+        ps.banked.append((seq, ps.log_running + float(log_shares[i])))
     ps.log_running += log_run
     running = ~ps.finished
     if not math.isfinite(log_run) or not bool(running.any()):
