@@ -206,6 +206,17 @@ def test_machines_note_counts_the_machines_behind_the_records():
     assert "(1). Median tokens/s pools" in note
 
 
+def test_no_discordant_pair_gives_no_verdict():
+    """Five questions both methods got right: the bootstrap interval is the point 0, which
+    must not read as "within 3 points"."""
+    recs = [
+        {**_record(m, f"q{i}", False), "correct": True} for m in ("ar", "smc") for i in range(5)
+    ]
+    row = next(r for r in harness.summarize(recs) if r["method"] == "smc")
+    assert (row["diff_low"], row["diff_high"]) == (0.0, 0.0)
+    assert row["verdict"] == "not decidable" and row["pairs_for_margin"] == "-"
+
+
 def test_summary_pairs_accuracy_and_nll_with_the_baseline(tmp_path):
     """On shared items only: lost/gained counts, the verdict against the 3-point margin, the
     pairs needed, and the paired NLL difference (hand-computed)."""

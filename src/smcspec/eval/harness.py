@@ -331,16 +331,21 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
         return {}
     a, b = [bool(x) for x in a], [bool(y) for y in b]
     diff, dl, dh = paired_bootstrap_diff(a, b)
+    lost = sum(x and not y for x, y in zip(a, b, strict=True))  # baseline right only
+    gained = sum(y and not x for x, y in zip(a, b, strict=True))
+    # no discordant pair: every bootstrap resample gives 0, an interval of one point that
+    # says nothing about the margin (and no spread to plan from)
+    seen = lost + gained > 0
     return {
         "paired_n": len(a),
         "diff_vs_baseline": diff,
         "diff_low": dl,
         "diff_high": dh,
         "mcnemar_p": mcnemar_pvalue(a, b),
-        "lost": sum(x and not y for x, y in zip(a, b, strict=True)),  # baseline right only
-        "gained": sum(y and not x for x, y in zip(a, b, strict=True)),
-        "verdict": margin_verdict(dl, dh, MARGIN),
-        "pairs_for_margin": pairs_for_half_width(a, b, MARGIN),
+        "lost": lost,
+        "gained": gained,
+        "verdict": margin_verdict(dl, dh, MARGIN) if seen else "not decidable",
+        "pairs_for_margin": pairs_for_half_width(a, b, MARGIN) if seen else "-",
     }
 
 
