@@ -106,7 +106,7 @@ def finished_shares(
     ones instead compares a weight frozen when the particle ended with running weights whose
     logarithm drifts down by about the draft-target KL divergence per drafted token
     (their mean stays 1 but their median falls): at small N an early ending then wins almost
-    always (measured on GSM8K: ``docs/benchmarks/finished-particles.md``).
+    always (measured on GSM8K: ``docs/benchmarks/finished-particles/``).
 
     Args:
         log_weights: float64 ``[N]`` log-weights since the last resampling (NaN: zero).
