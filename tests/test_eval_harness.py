@@ -242,3 +242,33 @@ def test_summary_pairs_accuracy_and_nll_with_the_baseline(tmp_path):
     text = harness.write_report(list(rows.values()), tmp_path, "gsm8k accuracy").read_text()
     assert "| 16/0 | not met | 692 |" in text
     assert "| 80 | +0.0395 (" in text
+
+
+def test_report_pairs_against_any_baseline(tmp_path):
+    """``summarize(baseline=...)`` pairs every other method with that one, and the report's
+    tables name it instead of ar (used to compare two settings, e.g. bank vs keep)."""
+    recs = [
+        {**_record(m, f"q{i}", False), "correct": m == "new" or i % 2 == 0, "target_nll": 0.1}
+        for m in ("old", "new")
+        for i in range(10)
+    ]
+    rows = harness.summarize(recs, baseline="old")
+    new = next(r for r in rows if r["method"] == "new")
+    assert (new["lost"], new["gained"]) == (0, 5) and new["diff_vs_baseline"] == 0.5
+    text = harness.write_report(rows, tmp_path, "t", baseline="old").read_text()
+    assert "| diff vs old (95% CI) |" in text and "questions only old / only" in text
+    assert "paired against old on" in text and "vs ar" not in text
+
+
+def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree():
+    """18 questions, the method gains 2 and loses none: the bootstrap interval starts at 0
+    ("met" on its own), McNemar's exact interval reaches -7.6 points: not decidable."""
+    recs = [
+        {**_record(m, f"q{i}", False), "correct": i < 5 or (m == "smc" and i < 7)}
+        for m in ("ar", "smc")
+        for i in range(18)
+    ]
+    row = next(r for r in harness.summarize(recs) if r["method"] == "smc")
+    assert (row["lost"], row["gained"], row["diff_low"]) == (0, 2, 0.0)
+    assert row["exact_low"] == pytest.approx(-0.0760, abs=1e-4)
+    assert row["verdict"] == "not decidable"

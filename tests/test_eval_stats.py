@@ -13,6 +13,7 @@ from smcspec.eval.stats import (
     margin_verdict,
     mcnemar_pvalue,
     paired_bootstrap_diff,
+    paired_exact_interval,
     pairs_for_half_width,
     total_variation,
     wilcoxon_pvalue,
@@ -153,3 +154,21 @@ def test_margin_verdict() -> None:
     assert margin_verdict(-0.10, 0.01, 0.03) == "not decidable"
     with pytest.raises(ValueError):
         margin_verdict(0.1, -0.1, 0.03)
+
+
+def test_paired_exact_interval_hand_computed() -> None:
+    """2 discordant pairs, both gained, 18 pairs: Clopper-Pearson for 2 of 2 is
+    [0.025^(1/2), 1], so the difference lies in [2/18 (2 sqrt(0.025) - 1), 2/18]: it crosses
+    0, where the paired bootstrap's interval is [0, 2/18 + ...] (no resample goes below 0)."""
+    low, high = paired_exact_interval(0, 2, 18)
+    assert low == pytest.approx(2 / 18 * (2 * math.sqrt(0.025) - 1))  # -0.0760
+    assert high == pytest.approx(2 / 18)
+    _, boot_low, _ = paired_bootstrap_diff([0] * 18, [1, 1] + [0] * 16)
+    assert boot_low == 0.0 and low < -0.03
+    # symmetric: 3 lost of 3 mirrors 3 gained of 3
+    assert paired_exact_interval(3, 0, 50) == pytest.approx(
+        tuple(-x for x in reversed(paired_exact_interval(0, 3, 50)))
+    )
+    assert paired_exact_interval(0, 0, 10) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        paired_exact_interval(5, 6, 10)

@@ -29,6 +29,7 @@ from smcspec.eval.stats import (
     margin_verdict,
     mcnemar_pvalue,
     paired_bootstrap_diff,
+    paired_exact_interval,
     pairs_for_half_width,
     wilcoxon_pvalue,
     wilson_interval,
@@ -334,8 +335,10 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
     lost = sum(x and not y for x, y in zip(a, b, strict=True))  # baseline right only
     gained = sum(y and not x for x, y in zip(a, b, strict=True))
     # no discordant pair: every bootstrap resample gives 0, an interval of one point that
-    # says nothing about the margin (and no spread to plan from)
+    # says nothing about the margin (and no spread to plan from); with few, all one way,
+    # the bootstrap never crosses 0: the verdict also needs McNemar's exact interval
     seen = lost + gained > 0
+    el, eh = paired_exact_interval(lost, gained, len(a))
     return {
         "paired_n": len(a),
         "diff_vs_baseline": diff,
@@ -344,7 +347,9 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
         "mcnemar_p": mcnemar_pvalue(a, b),
         "lost": lost,
         "gained": gained,
-        "verdict": margin_verdict(dl, dh, MARGIN) if seen else "not decidable",
+        "exact_low": el,
+        "exact_high": eh,
+        "verdict": margin_verdict(min(dl, el), max(dh, eh), MARGIN) if seen else "not decidable",
         "pairs_for_margin": pairs_for_half_width(a, b, MARGIN) if seen else "-",
     }
 
@@ -369,34 +374,43 @@ def write_report(
     title: str,
     note: str = "",
     speeds: dict[str, float] | None = None,
+    baseline: str = "ar",
 ) -> Path:
     """``summary.md`` (tables) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars).
 
     ``speeds`` (method name -> tokens/s, e.g. medians of a ``smcspec bench`` run on the
     same machine) replaces the run's own per-answer medians on the plot's x axis and adds a
-    column; methods missing from it are left off the plot.
+    column; methods missing from it are left off the plot. ``baseline`` names the method
+    the rows were paired against (:func:`summarize`'s ``baseline``) in the tables' text.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {title}", "", note, "", *_accuracy_table(rows, speeds), *_nll_table(rows)]
+    tables = [*_accuracy_table(rows, speeds, baseline), *_nll_table(rows, baseline)]
+    lines = [f"# {title}", "", note, "", *tables]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     _pareto_plot(rows, speeds, title, out_dir / "pareto.png")
     return out_dir / "summary.md"
 
 
-def _accuracy_table(rows: list[dict[str, Any]], speeds: dict[str, float] | None) -> list[str]:
+def _accuracy_table(
+    rows: list[dict[str, Any]], speeds: dict[str, float] | None, baseline: str
+) -> list[str]:
     m = f"{100 * MARGIN:g}"
     lines = [
         "capped: answers cut by the new-token budget (max_new_tokens reached without an end "
         'token), of all answers; "-" or "unknown": records written before this was stored.',
         "",
-        f'"within {m} pts": the paired 95% interval of the difference to ar lies above -{m} '
-        f"points (met), below it (not met), or across it (not decidable); pairs for +-{m}: how "
+        f'"within {m} pts": the difference to {baseline} lies above -{m} points (met), below '
+        "it (not met), or across it (not decidable) by its paired 95% interval: the bootstrap "
+        "one shown, widened to McNemar's exact interval (Clopper-Pearson over the discordant "
+        "pairs) where that is wider, as when few discordant pairs all go one way; "
+        f"pairs for +-{m}: how "
         "many paired questions an interval that narrow needs at the spread observed so far (a "
-        "planning figure). lost/gained: questions only ar / only this method answered right.",
+        f"planning figure). lost/gained: questions only {baseline} / only this method answered "
+        "right.",
         "",
-        "| method | n | accuracy | 95% CI | capped | median tokens/s | diff vs ar (95% CI) "
-        f"| McNemar p | lost/gained | within {m} pts | pairs for +-{m} |"
-        + (" bench tokens/s |" if speeds else ""),
+        "| method | n | accuracy | 95% CI | capped | median tokens/s "
+        f"| diff vs {baseline} (95% CI) | McNemar p | lost/gained | within {m} pts "
+        f"| pairs for +-{m} |" + (" bench tokens/s |" if speeds else ""),
         "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
     ]
     for r in rows:
@@ -419,17 +433,18 @@ def _accuracy_table(rows: list[dict[str, Any]], speeds: dict[str, float] | None)
     return lines
 
 
-def _nll_table(rows: list[dict[str, Any]]) -> list[str]:
+def _nll_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
     if not any("nll_mean" in r for r in rows):
         return []
     lines = [
         "",
-        "Target NLL of the outputs (nats/token, temperature 1), and paired against ar on "
-        "the questions both answered: the mean difference (bootstrap 95% interval; "
-        "positive = less likely under the target than ar's answers) and the Wilcoxon "
+        f"Target NLL of the outputs (nats/token, temperature 1), and paired against {baseline} "
+        "on the questions both answered: the mean difference (bootstrap 95% interval; "
+        f"positive = less likely under the target than {baseline}'s answers) and the Wilcoxon "
         "signed-rank p:",
         "",
-        "| method | mean | p10 | median | p90 | paired n | diff vs ar (95% CI) | Wilcoxon p |",
+        "| method | mean | p10 | median | p90 | paired n "
+        f"| diff vs {baseline} (95% CI) | Wilcoxon p |",
         "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in (r for r in rows if "nll_mean" in r):

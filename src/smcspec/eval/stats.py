@@ -17,6 +17,7 @@ __all__ = [
     "margin_verdict",
     "mcnemar_pvalue",
     "paired_bootstrap_diff",
+    "paired_exact_interval",
     "pairs_for_half_width",
     "total_variation",
     "wilcoxon_pvalue",
@@ -123,6 +124,40 @@ def mcnemar_pvalue(a: Sequence[bool], b: Sequence[bool]) -> float:
     if n01 + n10 == 0:
         return 1.0
     return float(stats.binomtest(n01, n01 + n10, 0.5, alternative="two-sided").pvalue)
+
+
+def paired_exact_interval(
+    lost: int, gained: int, n: int, confidence: float = 0.95
+) -> tuple[float, float]:
+    """Exact interval for a paired accuracy difference ``(gained - lost) / n``, conditional
+    on the ``lost + gained`` discordant pairs: the interval McNemar's exact test inverts.
+
+    Given ``d = lost + gained``, ``gained ~ Binomial(d, pi)`` and the difference is
+    ``d (2 pi - 1) / n``; the Clopper-Pearson interval for ``pi`` (Clopper & Pearson 1934,
+    Biometrika 26:404; ``scipy.stats.binomtest(gained, d).proportion_ci(method="exact")``) is
+    mapped through it. Unlike the paired bootstrap it crosses 0 when every discordant pair
+    goes one way and there are few of them (the bootstrap's resamples then never do).
+
+    Returns:
+        ``(low, high)`` in accuracy units; ``(0.0, 0.0)`` when ``d == 0``.
+
+    Raises:
+        ValueError: if a count is negative, ``lost + gained > n``, or ``confidence`` is
+            outside (0, 1).
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if min(lost, gained) < 0 or lost + gained > n or n < 1:
+        raise ValueError(
+            f"need 0 <= lost, gained and lost + gained <= n, got {lost}, {gained}, {n}"
+        )
+    d = lost + gained
+    if d == 0:
+        return (0.0, 0.0)
+    ci = stats.binomtest(int(gained), int(d)).proportion_ci(
+        confidence_level=confidence, method="exact"
+    )
+    return (d * (2 * float(ci.low) - 1) / n, d * (2 * float(ci.high) - 1) / n)
 
 
 def wilcoxon_pvalue(a: Sequence[float], b: Sequence[float]) -> float:
