@@ -280,20 +280,41 @@ def run_completion(
     ]
     argv = [sys.executable, "-I", "-c", _BOOTSTRAP]
     argv += [str(v) for triple in limits for v in triple]
+    run = _run_child(argv, program, timeout_s, fsize, workdir_parent)
+    return _classify(run, sentinel, timeout_s, cpu_s)
 
+
+@dataclass
+class _ChildRun:
+    returncode: int
+    timed_out: bool
+    seconds: float
+    stdout: bytes
+    stderr: str
+
+
+def _run_child(
+    argv: list[str],
+    program: str,
+    timeout_s: float,
+    fsize: int,
+    workdir_parent: str | os.PathLike[str] | None,
+) -> _ChildRun:
+    """Writes ``program`` into a fresh temporary directory, runs ``argv + [its path]`` there
+    in a new session with a bare environment, kills the whole group at the end (or at
+    ``timeout_s``), and reads back at most ``fsize + 1`` bytes of each output."""
     with tempfile.TemporaryDirectory(
         prefix="smcspec-humaneval-", dir=workdir_parent, ignore_cleanup_errors=True
     ) as tmp:
         work = Path(tmp)
         prog_path = work / "program.py"
         prog_path.write_text(program, encoding="utf-8")
-        argv.append(str(prog_path))
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
         timed_out = False
         start = time.monotonic()
         with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
             proc = subprocess.Popen(
-                argv,
+                [*argv, str(prog_path)],
                 cwd=tmp,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -312,15 +333,21 @@ def run_completion(
         seconds = time.monotonic() - start
         stdout = _read_capped(work / "stdout", fsize + 1)
         stderr = _read_capped(work / "stderr", fsize + 1).decode("utf-8", "replace")
-    rc = proc.returncode
+    return _ChildRun(proc.returncode, timed_out, seconds, stdout, stderr)
 
-    if timed_out:
+
+def _classify(run: _ChildRun, sentinel: str, timeout_s: float, cpu_s: int) -> ExecResult:
+    """The outcome of a child run: passed only with exit status 0 and the sentinel printed
+    after the tests; a timeout by the wall clock or the CPU limit; an assertion as failed;
+    anything else as an error with the last line of stderr."""
+    rc, seconds = run.returncode, run.seconds
+    if run.timed_out:
         return ExecResult(False, "timeout", f"wall-clock limit of {timeout_s:g} s", seconds)
     if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and seconds >= cpu_s):
         return ExecResult(False, "timeout", f"CPU-time limit of {cpu_s} s", seconds)
-    if rc == 0 and sentinel.encode() in stdout:
+    if rc == 0 and sentinel.encode() in run.stdout:
         return ExecResult(True, "passed", "all tests passed", seconds)
-    last = _last_line(stderr[-_OUTPUT_TAIL_CHARS:])
+    last = _last_line(run.stderr[-_OUTPUT_TAIL_CHARS:])
     if rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.valid_signals() else str(-rc)
         return ExecResult(False, "error", f"killed by signal {name}; {last}".strip(), seconds)
