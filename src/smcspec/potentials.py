@@ -1,9 +1,9 @@
 """Potentials: hard constraints (token masks) and rewards for the decoders.
 
-The sequence-level target becomes ``pi(x) ∝ p_T(x)^alpha * Psi(x)`` (``shared/docs/smc-sd.md``,
-"Potentials: constraints and rewards"; Lew et al. 2023, "Sequential Monte Carlo Steering of
-Large Language Models using Probabilistic Programs"; Park et al. 2024, "Grammar-Aligned
-Decoding"; twisting: Naesseth et al. 2019, "Elements of Sequential Monte Carlo").
+The sequence-level target becomes ``pi(x) ∝ p_T(x)^alpha * Psi(x)`` (``docs/constraints.md``;
+Lew et al. 2023, "Sequential Monte Carlo Steering of Large Language Models using
+Probabilistic Programs"; Park et al. 2024, "Grammar-Aligned Decoding"; twisting: Naesseth
+et al. 2019, "Elements of Sequential Monte Carlo").
 
 - A hard constraint ``Psi = 1[x in A]`` is applied through token masks ``m_t(v)`` (1 when the
   prefix followed by ``v`` can still be completed inside A; EOS only where the prefix is in A).

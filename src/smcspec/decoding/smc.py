@@ -1,7 +1,7 @@
 """SMC speculative decoding (SMC-SD).
 
 Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604.15672);
-the steps below follow ``shared/docs/smc-sd.md`` (numbers refer to its sections).
+the steps below follow ``docs/smc-sd.md`` (the step numbers are its).
 
 N particles share the prompt's KV. Each round every particle drafts K tokens from the draft
 (one batched forward per token), the target scores all N x (K+1) positions in one forward,
@@ -127,8 +127,8 @@ def _masked_power_target(
     """Probabilities ``∝ p~(v)^alpha m(v)`` (float32 ``[R, V]``) and the bonus log-weight
     ``logsumexp_v(alpha*log p~(v) + log m(v))`` (float64 ``[R]``; ``-inf`` where nothing the
     mask allows has target mass: that row is uniform, for sampling only, and the particle
-    must get weight zero if it keeps the token). Source: ``shared/docs/smc-sd.md``,
-    "Potentials"."""
+    must get weight zero if it keeps the token). Source: ``docs/constraints.md``,
+    "Hard constraints"."""
     lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
     log_r, log_z = masked_power_log_probs(lp, alpha, mask)
     bad = ~torch.isfinite(log_z)

@@ -118,7 +118,7 @@ def exact_distribution(model: Transformer, prompt: list[int], length: int, tempe
 
 # ------------------------------------------------------------------ exact potentials
 # The sequence-level target with a potential is ``pi(x) ∝ p(x) Psi(x)`` (the notes
-# ``shared/docs/smc-sd.md``, "Potentials"; Lew et al. 2023; Park et al. 2024). Over the
+# ``docs/constraints.md``; Lew et al. 2023; Park et al. 2024). Over the
 # first L tokens of an enumerable model every quantity below is a finite sum.
 
 CONSTRAINT_TABLE: dict[int | None, set[int]] = {

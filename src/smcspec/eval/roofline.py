@@ -1,6 +1,6 @@
 """Measured forward costs and the roofline prediction of SMC-SD's speed-up.
 
-From ``shared/docs/smc-sd.md`` ("Why it can be faster"): one SMC-SD round costs K draft
+From ``docs/smc-sd.md`` ("Cost, and how N and K are chosen"): one SMC-SD round costs K draft
 forwards over N rows (the first with 2 tokens per row: deferred bonus) plus one target
 forward over N(K+1) tokens, and yields K+1 tokens; autoregressive decoding costs one target
 forward per token. In the memory-bound regime the speed-up is ``(K+1) / ((K+1) c + 1)``

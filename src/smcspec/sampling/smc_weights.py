@@ -1,7 +1,7 @@
 """Incremental importance weights of SMC speculative decoding.
 
 Emara et al. 2026, "Faster LLM Inference via Sequential Monte Carlo" (arXiv:2604.15672);
-see ``shared/docs/smc-sd.md`` step 3c and 4. The sequence-level target is
+see ``docs/smc-sd.md`` steps 3c and 4. The sequence-level target is
 ``pi(x) ∝ prod_t p_T(x_t | x_<t)^alpha`` and the proposal is the draft at temperature T_d
 for K tokens followed by the bonus token from ``softmax(alpha * l / T_t)``.
 

@@ -14,8 +14,8 @@ A *round* of each method, in the forwards the decoders issue (``smcspec.decoding
 * ``smc`` (N, K): K draft forwards of N rows (the first with 2 tokens a row: the deferred
   bonus), one target forward of N x (K+1) tokens; every particle advances K+1 tokens, so a
   round yields K+1 tokens (Emara et al. 2026, "Faster LLM Inference via Sequential Monte
-  Carlo", arXiv:2604.15672, and the method notes ``shared/docs/smc-sd.md``, "Why it can be
-  faster": the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
+  Carlo", arXiv:2604.15672, and ``docs/smc-sd.md``, "Cost, and how N and K are chosen":
+  the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
 
 **Distinct rows** (:mod:`smcspec.backends.shared_rows`): a forward computes only the
 distinct particle prefixes of its N x (K+1) rows, so an smc round costs what forwards of the
