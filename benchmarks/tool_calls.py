@@ -18,6 +18,7 @@ call's, tokens/s, and the target's log-likelihood of the reply (temperature 1, n
 
 Usage:
   python benchmarks/tool_calls.py --out docs/benchmarks/tool-calls-cpu
+  python benchmarks/tool_calls.py --methods auto-ar,auto-smc-n8-k2 --out OUT
 """
 
 from __future__ import annotations
@@ -109,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default=None, help="comma-separated subset, e.g. auto-ar")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    cfgs = configs(args)
+    names = args.methods.split(",") if args.methods else list(cfgs)
+    unknown = sorted(set(names) - set(cfgs))
+    if unknown:
+        p.error(f"unknown method {unknown[0]!r}; choose from {', '.join(cfgs)}")
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine.load(threads=args.threads)
     items = [json.loads(line) for line in PROMPTS.read_text().splitlines()][: args.prompts]
-    cfgs = configs(args)
-    names = list(cfgs)
     runs = []
     with open(args.out / "runs.jsonl", "w") as f:
         for i, item in enumerate(items):

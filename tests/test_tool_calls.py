@@ -154,6 +154,14 @@ def test_auto_reads_a_json_block_opening_the_reply_as_a_call():
     content, calls = parse_tool_calls(good)
     assert content is None and len(calls) == 1 and calls[0].complete
     assert (calls[0].name, calls[0].arguments) == ("f", '{"a": "y"}')  # json.dumps form
+    # a reply opening with "{" is a bare call: valid, and then the reply ends
+    bare = '{"name": "f", "arguments": {"a": "x"}}'
+    assert ok(bare) and ok('{\n  "name": "g",\n  "arguments": {}\n}')
+    assert not ok('{{"name": "f", "arguments": {"a": "x"}}}')  # doubled braces: no JSON
+    assert not ok('{"a": 1}') and not ok(bare + " and text")
+    assert ok('see {"a": 1}') and ok(' {"a": 1}')  # not opening the reply: text
+    assert parse_tool_calls(bare)[0] is None
+    assert [(c.name, c.arguments) for c in parse_tool_calls(bare)[1]] == [("f", '{"a": "x"}')]
 
 
 def accepted_from(state, tok):
@@ -226,6 +234,9 @@ REPLIES = [
     '```json\n{\n  "name": "f",\n  "arguments": {"a": "x"}\n}\n```',  # auto's other form
     '```json\n{"b": 1}\n```\nthen text',  # a json block that is no call: text
     '```json\n{"name": "f", "argu',  # a json block cut short: text
+    '{"name": "f", "arguments": {"a": "x"}}',  # auto's bare form
+    '{"name": "f", "argu',  # cut short: text
+    '{"b": 1} is no call',  # (not from the grammar) text
 ]
 
 
@@ -272,6 +283,12 @@ def test_reading_back_examples():
     assert len(calls) == 1
     assert parse_tool_calls('```json\n{"b": 1}\n```') == ('```json\n{"b": 1}\n```', [])
     assert parse_tool_calls('```json\n{"name": "f"') == ('```json\n{"name": "f"', [])
+    assert parse_tool_calls('{"name": "f"') == ('{"name": "f"', [])
+    assert parse_tool_calls('{"b": 1}') == ('{"b": 1}', [])
+    content, calls = parse_tool_calls('{"name": "g", "arguments": {}}\n')
+    assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [
+        ("g", "{}", True)
+    ]
 
 
 # ----------------------------------------------------------------------------- SMC-SD

@@ -8,9 +8,10 @@ first ``}\\n</tool_call>`` after it ends the call). A call cut short (``max_toke
 string) keeps the arguments written so far, one cut before its name is dropped; its choice
 ends with ``finish_reason`` ``length`` or ``stop``, never ``tool_calls``.
 
-``auto``'s other form, one call as a ``json`` block opening the reply (``FENCE_OPEN`` JSON
-``FENCE_CLOSE``), is read when the block closes (its arguments arrive in one delta); a block
-cut short stays text.
+``auto``'s other forms, one call as a ``json`` block opening the reply (``FENCE_OPEN`` JSON
+``FENCE_CLOSE``) or as a bare JSON object that is the whole reply, are read when the block
+closes or the reply ends (the arguments arrive in one delta); one cut short, or that is no
+call, stays text.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._content: list[str] = []
         self._buf = ""
-        self._state = "text"  # text | head | args | between
+        self._state = "text"  # text | fenced | bare | head | args | between
 
     @property
     def content(self) -> str | None:
@@ -119,8 +120,13 @@ class ToolCallParser:
             if buf.startswith(FENCE_OPEN):  # auto's other form: a call in a json block
                 self._state = "fenced"
                 return True
+            if buf.startswith("{"):  # or a bare call, the whole reply: read at the end
+                self._state = "bare"
+                return False
             if FENCE_OPEN.startswith(buf):
                 return False  # may still become one
+        if self._state == "bare":
+            return False
         if self._state == "fenced":
             at = buf.find(FENCE_CLOSE, len(FENCE_OPEN))
             if at < 0:
@@ -194,7 +200,12 @@ class ToolCallParser:
         """The events of what is still held back (the text has ended)."""
         out: list[Event] = []
         buf, self._buf = self._buf, ""
-        if self._state in ("text", "fenced"):  # a json block cut short stays text
+        call = _fenced_call(buf) if self._state == "bare" else None
+        if call is not None:
+            self._start_call(call[0], out)
+            self._arguments(call[1], out)
+            self.calls[-1].complete = True
+        elif self._state in ("text", "fenced", "bare"):  # cut short or no call: text
             self._say(buf, out)
         elif self._state == "args":
             self._arguments(buf, out)
