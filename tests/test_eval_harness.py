@@ -262,7 +262,7 @@ def test_report_pairs_against_any_baseline(tmp_path):
 
 def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree():
     """18 questions, the method gains 2 and loses none: the bootstrap interval starts at 0
-    ("met" on its own), McNemar's exact interval reaches -7.6 points: not decidable."""
+    ("met" on its own), the exact conditional interval reaches -7.6 points: not decidable."""
     recs = [
         {**_record(m, f"q{i}", False), "correct": i < 5 or (m == "smc" and i < 7)}
         for m in ("ar", "smc")

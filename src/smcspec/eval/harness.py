@@ -336,7 +336,7 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
     gained = sum(y and not x for x, y in zip(a, b, strict=True))
     # no discordant pair: every bootstrap resample gives 0, an interval of one point that
     # says nothing about the margin (and no spread to plan from); with few, all one way,
-    # the bootstrap never crosses 0: the verdict also needs McNemar's exact interval
+    # the bootstrap never crosses 0: the verdict also needs the exact conditional interval
     seen = lost + gained > 0
     el, eh = paired_exact_interval(lost, gained, len(a))
     return {
@@ -401,8 +401,9 @@ def _accuracy_table(
         "",
         f'"within {m} pts": the difference to {baseline} lies above -{m} points (met), below '
         "it (not met), or across it (not decidable) by its paired 95% interval: the bootstrap "
-        "one shown, widened to McNemar's exact interval (Clopper-Pearson over the discordant "
-        "pairs) where that is wider, as when few discordant pairs all go one way; "
+        "one shown, widened to the exact interval conditional on the discordant pairs "
+        "(Clopper-Pearson, as McNemar's test conditions) where that is wider, as when few "
+        "discordant pairs all go one way; "
         f"pairs for +-{m}: how "
         "many paired questions an interval that narrow needs at the spread observed so far (a "
         f"planning figure). lost/gained: questions only {baseline} / only this method answered "

@@ -130,7 +130,7 @@ def paired_exact_interval(
     lost: int, gained: int, n: int, confidence: float = 0.95
 ) -> tuple[float, float]:
     """Exact interval for a paired accuracy difference ``(gained - lost) / n``, conditional
-    on the ``lost + gained`` discordant pairs: the interval McNemar's exact test inverts.
+    on the ``lost + gained`` discordant pairs, as McNemar's exact test conditions on them.
 
     Given ``d = lost + gained``, ``gained ~ Binomial(d, pi)`` and the difference is
     ``d (2 pi - 1) / n``; the Clopper-Pearson interval for ``pi`` (Clopper & Pearson 1934,
