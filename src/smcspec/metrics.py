@@ -97,6 +97,8 @@ class ServerMetrics:
                 )
 
     def observe_step(self, stats) -> None:
+        """Count one scheduler step: the requests it batched and the rows (and distinct
+        rows) each model's forwards computed."""
         if stats.requests:
             self.batch_requests.observe(stats.requests)
             if stats.requests > self.max_batch._value.get():
@@ -107,6 +109,8 @@ class ServerMetrics:
             self.distinct_rows.labels(model).inc(rows)
 
     def observe_request(self, method: str, outcome: str, req, result, prompt_tokens: int) -> None:
+        """Count one finished request: its outcome, tokens, time to first token and, when it
+        produced a result, its time per output token and SMC-SD or SD stats."""
         self.requests.labels(method, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(req.tokens)
@@ -128,4 +132,5 @@ class ServerMetrics:
             self.accepted.inc(s.get("accepted", 0))
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format (``/metrics``)."""
         return generate_latest(self.registry)

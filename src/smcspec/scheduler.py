@@ -134,10 +134,12 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
+        """Start the worker thread that admits and steps requests."""
         self._thread = threading.Thread(target=self._loop, name="smcspec-scheduler", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to stop and wait up to ``timeout`` seconds for it to end."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -157,10 +159,12 @@ class BatchScheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued, not yet admitted."""
         return len(self._waiting)
 
     @property
     def num_running(self) -> int:
+        """Requests admitted and decoding."""
         return len(self._running)
 
     def submit(self, request: Request) -> None:

@@ -78,6 +78,9 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
 
 
 def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
+    """One line on a setting the tuner chose (``pick``, a
+    :class:`~smcspec.tuning.predict.Prediction`): its name, predicted tokens/s and, for smc,
+    its predicted ESS after a round, and whether it falls short of ``min_ess``."""
     how = "--method auto" if method == "auto" else "smc without -N/-K"
     note_ = (
         f"{pick.setting.name} chosen by {how} from measured costs, predicted "

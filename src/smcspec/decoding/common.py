@@ -58,6 +58,7 @@ def cache_capacity(max_new_tokens: int, draft_tokens: int) -> int:
 
 
 def as_prompt_tensor(prompt: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids as a 1-D ``torch.long`` tensor ``[P]`` on ``device``."""
     return torch.as_tensor(prompt, dtype=torch.long, device=device).view(-1)
 
 

@@ -39,6 +39,8 @@ class SmcOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
     include_usage: bool = False
 
 
@@ -72,6 +74,8 @@ class CommonBody(BaseModel):
 
 
 class CompletionBody(CommonBody):
+    """The body of ``/v1/completions``: a text prompt or token ids."""
+
     prompt: str | list[int]
     # smcspec extension: special-token text in a raw prompt becomes control tokens (true,
     # as llama.cpp's server and vLLM do) or is tokenized as text (false)
@@ -173,6 +177,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(CommonBody):
+    """The body of ``/v1/chat/completions``: the messages (tools in :class:`CommonBody`)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -55,17 +55,23 @@ class ToolCall:
 
 @dataclass
 class ContentDelta:
+    """Reply text that is content (not part of a call)."""
+
     text: str
 
 
 @dataclass
 class CallStart:
+    """Call ``index`` begins: its id and name are known, its arguments follow."""
+
     index: int
     call: ToolCall
 
 
 @dataclass
 class ArgumentsDelta:
+    """A piece of call ``index``'s arguments (JSON text)."""
+
     index: int
     text: str
 
