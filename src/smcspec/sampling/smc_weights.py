@@ -100,9 +100,11 @@ def finished_shares(
     With alpha = 1 and no potential every prefix-target is normalised (the incremental
     weights have mean 1 under the draft), so the normalised weights at the end of a round
     estimate, for the particles that ended in it, each one's probability given that the
-    sequence was still running when the round began; the rest is the probability that it
-    runs on. Banking the ended particles with these shares (and multiplying the running
-    mass by its share) compares particles only within a round. Keeping them among the running
+    sequence was still running at the last equal-weight point (the last resampling or
+    banking, possibly several rounds back); the rest is the probability that it runs on.
+    Banking the ended particles with these shares (and multiplying the running mass by its
+    share) compares particles only against weights accumulated since that same point.
+    Keeping them among the running
     ones instead compares a weight frozen when the particle ended with running weights whose
     logarithm drifts down by about the draft-target KL divergence per drafted token
     (their mean stays 1 but their median falls): at small N an early ending then wins almost

@@ -32,7 +32,7 @@ time are not counted, so measured tokens/s are lower (on the 2-core CPU of
 ``docs/benchmarks/llamacpp-cpu``: ar 24 measured vs 30 predicted tokens/s).
 
 **Fidelity.** SMC-SD's error is governed by how unequal its importance weights are after a
-round of K drafted tokens (the method notes, "What is exact and what is not": a larger K
+round of K drafted tokens (`docs/smc-sd.md`, "What is exact and what is not": a larger K
 needs a larger N). The weights' per-token log-increments ``log p_T(x) - log q_T(x)``,
 ``x ~ q_T``, are measured once per pair and temperatures as quantiles
 (:func:`smcspec.tuning.measure.log_weight_quantiles`); :func:`predicted_ess` simulates N
