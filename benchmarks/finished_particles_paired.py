@@ -39,7 +39,9 @@ def main() -> None:
         note = (
             f"{len(shared)} GSM8K questions answered by both `{bank}` (ended particles banked) "
             f"and `{keep}` (the paper's rule: ended particles keep their weight), same "
-            f"per-question seeds; `ar` on the same questions for reference. Records: "
+            f"per-question seeds; `ar` on the same questions for reference (its row, too, is "
+            f"paired against `{keep}`: its difference is keep vs ar with the sign flipped). "
+            f"Records: "
             f"`{args.results}`. Command: `python benchmarks/finished_particles_paired.py "
             f"--results {args.results} --out {args.out}`"
         )

@@ -260,7 +260,7 @@ def test_report_pairs_against_any_baseline(tmp_path):
     assert "paired against old on" in text and "vs ar" not in text
 
 
-def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree():
+def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree(tmp_path):
     """18 questions, the method gains 2 and loses none: the bootstrap interval starts at 0
     ("met" on its own), the exact conditional interval reaches -7.6 points: not decidable."""
     recs = [
@@ -272,3 +272,5 @@ def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree():
     assert (row["lost"], row["gained"], row["diff_low"]) == (0, 2, 0.0)
     assert row["exact_low"] == pytest.approx(-0.0760, abs=1e-4)
     assert row["verdict"] == "not decidable"
+    text = harness.write_report(harness.summarize(recs), tmp_path, "t").read_text()
+    assert "| +11.1 pts (-7.6, +27.8)* |" in text  # the interval the verdict read, marked

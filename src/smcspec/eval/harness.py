@@ -400,10 +400,10 @@ def _accuracy_table(
         'token), of all answers; "-" or "unknown": records written before this was stored.',
         "",
         f'"within {m} pts": the difference to {baseline} lies above -{m} points (met), below '
-        "it (not met), or across it (not decidable) by its paired 95% interval: the bootstrap "
-        "one shown, widened to the exact interval conditional on the discordant pairs "
-        "(Clopper-Pearson, as McNemar's test conditions) where that is wider, as when few "
-        "discordant pairs all go one way; "
+        "it (not met), or across it (not decidable) by the paired 95% interval shown: the "
+        "paired-bootstrap one, widened to the exact interval conditional on the discordant "
+        "pairs (Clopper-Pearson, as McNemar's test conditions) where that is wider, as when "
+        "few discordant pairs all go one way (marked *); "
         f"pairs for +-{m}: how "
         "many paired questions an interval that narrow needs at the spread observed so far (a "
         f"planning figure). lost/gained: questions only {baseline} / only this method answered "
@@ -416,9 +416,10 @@ def _accuracy_table(
     ]
     for r in rows:
         if "diff_vs_baseline" in r:
+            low, high, widened = _verdict_interval(r)
             paired = (
-                f"{100 * r['diff_vs_baseline']:+.1f} pts ({100 * r['diff_low']:+.1f}, "
-                f"{100 * r['diff_high']:+.1f}) | {r['mcnemar_p']:.3f} | {r['lost']}/{r['gained']}"
+                f"{100 * r['diff_vs_baseline']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f})"
+                f"{'*' if widened else ''} | {r['mcnemar_p']:.3f} | {r['lost']}/{r['gained']}"
                 f" | {r['verdict']} | {r['pairs_for_margin']}"
             )
         else:
@@ -432,6 +433,14 @@ def _accuracy_table(
             f"{r['median_tokens_per_second']:.2f} | {paired} |{bench}"
         )
     return lines
+
+
+def _verdict_interval(row: dict[str, Any]) -> tuple[float, float, bool]:
+    """The paired interval the margin verdict reads: the bootstrap one, widened to the exact
+    one where that is wider (``exact_*`` absent in records summarised before it existed)."""
+    low, high = row["diff_low"], row["diff_high"]
+    el, eh = row.get("exact_low", low), row.get("exact_high", high)
+    return min(low, el), max(high, eh), el < low or eh > high
 
 
 def _nll_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
