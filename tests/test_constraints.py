@@ -97,6 +97,13 @@ def test_invalid_specs_raise_config_error(tok, spec):
         spec.compile(tok, V, [EOS])
 
 
+def test_a_schema_string_that_is_not_json_raises_config_error():
+    with pytest.raises(ConfigError, match="not JSON"):
+        JsonSchema("{oops")
+    with pytest.raises(ConfigError, match="not JSON"):  # json.loads: RecursionError
+        JsonSchema('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
 def test_bad_types_raise_config_error():
     with pytest.raises(ConfigError):
         JsonSchema("{not json")

@@ -75,6 +75,7 @@ def raw(body: bytes) -> dict:
 
 
 C, CC = "/v1/completions", "/v1/chat/completions"
+DEEP_ARGUMENTS = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # json.loads: RecursionError
 
 # (id, method, path, httpx arguments, expected status, expected error param)
 CASES = [
@@ -148,6 +149,29 @@ CASES = [
                             "id": "c",
                             "type": "function",
                             "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+            ]
+        ),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        "assistant-call-arguments-nested-too-deep",
+        "POST",
+        CC,
+        chat(
+            messages=[
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": DEEP_ARGUMENTS},
                         }
                     ],
                 },

@@ -285,6 +285,8 @@ def test_reading_back_examples():
     assert parse_tool_calls('```json\n{"name": "f"') == ('```json\n{"name": "f"', [])
     assert parse_tool_calls('{"name": "f"') == ('{"name": "f"', [])
     assert parse_tool_calls('{"b": 1}') == ('{"b": 1}', [])
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # deeper than json.loads recurses
+    assert parse_tool_calls(deep) == (deep, [])
     content, calls = parse_tool_calls('{"name": "g", "arguments": {}}\n')
     assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [
         ("g", "{}", True)

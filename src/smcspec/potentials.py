@@ -147,7 +147,7 @@ class JsonSchema(Constraint):
         if isinstance(self.schema, str):
             try:
                 json.loads(self.schema)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ConfigError(f"invalid json_schema: not JSON ({e})") from e
         elif not isinstance(self.schema, dict):
             raise ConfigError(f"json schema must be a dict or a string, got {self.schema!r}")

@@ -103,7 +103,7 @@ class FunctionCallIn(BaseModel):
     def parsed_arguments(self) -> dict[str, Any]:
         try:
             value = json.loads(self.arguments)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ValueError(f"arguments of {self.name!r} are not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"arguments of {self.name!r} must be a JSON object")

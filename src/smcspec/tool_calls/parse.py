@@ -225,7 +225,7 @@ def _fenced_call(text: str) -> tuple[str, str] | None:
     template form has them."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than json allows
         return None
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
         return None
