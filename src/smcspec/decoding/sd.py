@@ -99,6 +99,47 @@ def sd_program(
     return (yield from with_caches(sd_caches(cfg, len(prompt)), models, reservation, rounds))
 
 
+def _prefill(
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    state: ConstraintState | None,
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Prefill, torch.Tensor, int]:
+    """Prefill both models' KV caches with ``prompt`` and draw the first token from the
+    target (truncated, masked by the constraint ``state``, a point mass when greedy)."""
+    p = as_prompt_tensor(prompt, target.device)
+    first_logits = (yield Prefill(target, p, tcache))[:vocab]
+    yield Prefill(draft, p, dcache)
+    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    first = truncate_log_probs(step_log_probs(first_logits, cfg.temperature), *trunc)
+    if state is not None:
+        first = _masked_target(first, _allowed(state, vocab, target.device))
+    if cfg.temperature == 0:
+        first = point_mass_log_probs(first)
+    return int(sample_categorical(first.exp(), generator))
+
+
+def _draft_pending(
+    dcache: KVCache, d_len0: int, pending: list[int], drafted: list[int], n: int, nxt: int
+) -> list[int]:
+    """The tokens the draft has not seen after a round (deferred feeding), its KV rolled
+    back to them: ``drafted`` (K tokens, ``n`` accepted) were fed after ``pending`` from
+    length ``d_len0``, and ``nxt`` is the target's token. All accepted: the last drafted
+    token (never fed) and ``nxt``; one rejected: ``nxt``; nothing drafted: ``pending`` and
+    ``nxt``."""
+    if not drafted:
+        return [*pending, nxt]
+    if n < len(drafted):
+        dcache.truncate(d_len0 + len(pending) + n)
+        return [nxt]
+    return [drafted[-1], nxt]
+
+
 def _sd_rounds(
     target: DecoderModel,
     draft: DecoderModel,
@@ -112,19 +153,9 @@ def _sd_rounds(
     on_tokens: TokenCallback | None,
 ) -> Program:
     dev = target.device
-    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
-    greedy = cfg.temperature == 0
     constraint = compiled_constraint(cfg.constraint)
     state, clock = timed_start(constraint) if constraint is not None else (None, None)
-    p = as_prompt_tensor(prompt, dev)
-    first_logits = (yield Prefill(target, p, tcache))[:vocab]
-    yield Prefill(draft, p, dcache)
-    first = truncate_log_probs(step_log_probs(first_logits, cfg.temperature), *trunc)
-    if state is not None:
-        first = _masked_target(first, _allowed(state, vocab, dev))
-    if greedy:
-        first = point_mass_log_probs(first)
-    tok = int(sample_categorical(first.exp(), generator))
+    tok = yield from _prefill(target, draft, tcache, dcache, prompt, cfg, state, vocab, generator)
     out = [tok]
     if on_tokens:
         on_tokens([tok])
@@ -173,16 +204,9 @@ def _sd_rounds(
             consumed = k - (1 if d_tokens and d_tokens[-1] in stop_ids else 0)
             state.rollback(consumed - n)
             state.consume([nxt])
-        # roll back what was rejected
-        tcache.truncate(t_len0 + 1 + n)
+        tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
         pending_t = nxt
-        if k == 0:
-            pending_d = [*pending_d, nxt]
-        elif n < k:
-            dcache.truncate(d_len0 + len(pending_d) + n)
-            pending_d = [nxt]
-        else:
-            pending_d = [d_tokens[-1], nxt]
+        pending_d = _draft_pending(dcache, d_len0, pending_d, d_tokens, n, nxt)
     stats = {
         "rounds": rounds,
         "drafted": drafted,
