@@ -77,6 +77,13 @@ def raw(body: bytes) -> dict:
 C, CC = "/v1/completions", "/v1/chat/completions"
 DEEP_ARGUMENTS = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # json.loads: RecursionError
 
+
+def assistant_call(arguments: str) -> dict:
+    """An assistant message that called tool ``f`` with ``arguments`` (a JSON string)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 # (id, method, path, httpx arguments, expected status, expected error param)
 CASES = [
     # seeds: any JSON integer is mapped into the generator's range; non-integers are 400
@@ -138,22 +145,7 @@ CASES = [
         "assistant-call-arguments-not-json",
         "POST",
         CC,
-        chat(
-            messages=[
-                *USER,
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "c",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": "{oops"},
-                        }
-                    ],
-                },
-            ]
-        ),
+        chat(messages=[*USER, assistant_call("{oops")]),
         400,
         None,
     ),  # fmt: skip
@@ -161,22 +153,7 @@ CASES = [
         "assistant-call-arguments-nested-too-deep",
         "POST",
         CC,
-        chat(
-            messages=[
-                *USER,
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "c",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": DEEP_ARGUMENTS},
-                        }
-                    ],
-                },
-            ]
-        ),
+        chat(messages=[*USER, assistant_call(DEEP_ARGUMENTS)]),
         400,
         None,
     ),  # fmt: skip
