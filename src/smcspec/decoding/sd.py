@@ -180,17 +180,9 @@ def _sd_rounds(
             )
             k = len(d_tokens)
         t_len0 = tcache.length
-        block = torch.tensor([[pending_t, *d_tokens]], device=dev)
-        t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-        t_probs, dead = _target_probs(t_logits, cfg, masks)
-        if k > 0:
-            n, nxt = speculative_verify(
-                torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator
-            )
-        else:
-            n, nxt = 0, int(sample_categorical(t_probs[0], generator))
-        if dead and n == k:
-            raise DeadEndError("no token allowed by the constraint can follow (dead end)")
+        n, nxt = yield from _verify_block(
+            target, tcache, pending_t, d_tokens, d_probs, cfg, masks, vocab, generator
+        )
         rounds += 1
         drafted += k
         accepted += n
@@ -217,6 +209,45 @@ def _sd_rounds(
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _verify_block(
+    target: DecoderModel,
+    tcache: KVCache,
+    pending: int,
+    d_tokens: list[int],
+    d_probs: list[torch.Tensor],
+    cfg: GenerationConfig,
+    masks: list[torch.Tensor],
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Forward, torch.Tensor, tuple[int, int]]:
+    """Score ``[pending, *d_tokens]`` (1 + k rows) with the target in one forward and run
+    the speculative-sampling test (Leviathan et al. 2023, Alg. 1) on the k drafted tokens
+    with their draft distributions ``d_probs`` (k tensors of shape ``(vocab,)``).
+
+    Returns:
+        ``(n, nxt)``: how many drafted tokens were accepted and the target's token after
+        them (the residual draw on a rejection, the bonus token when all were accepted; a
+        plain target draw when nothing was drafted).
+
+    Raises:
+        DeadEndError: the constraint allows no token at the position ``nxt`` is drawn for.
+    """
+    dev = target.device
+    block = torch.tensor([[pending, *d_tokens]], device=dev)
+    t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
+    t_probs, dead = _target_probs(t_logits, cfg, masks)
+    k = len(d_tokens)
+    if k > 0:
+        n, nxt = speculative_verify(
+            torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator
+        )
+    else:
+        n, nxt = 0, int(sample_categorical(t_probs[0], generator))
+    if dead and n == k:
+        raise DeadEndError("no token allowed by the constraint can follow (dead end)")
+    return n, nxt
 
 
 def _draft_block(
