@@ -178,11 +178,8 @@ def test_summary_counts_capped_answers_per_method_and_tolerates_old_records(tmp_
     assert rows["sd-k4"]["capped"] is None and rows["sd-k4"]["capped_fraction"] is None
     text = harness.write_report(list(rows.values()), tmp_path, "gsm8k accuracy").read_text()
     assert "| capped |" in text
-    table = [
-        ln.split(" | ")
-        for ln in text.splitlines()
-        if ln.startswith("| ") and not ln.startswith("| method")
-    ]
+    accuracy_table = text.split("| method | n |")[1].split("\n\n")[0]
+    table = [ln.split(" | ") for ln in accuracy_table.splitlines() if ln.startswith("| ")]
     cells = {row[0].removeprefix("| "): row[4] for row in table}  # method -> capped
     assert cells == {"ar": "2/3", "smc-n4-k4": "1/2 (1 unknown)", "sd-k4": "-"}
     json.dumps(list(rows.values()))  # still serialisable
@@ -274,3 +271,27 @@ def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree(tmp_pa
     assert row["verdict"] == "not decidable"
     text = harness.write_report(harness.summarize(recs), tmp_path, "t").read_text()
     assert "| +11.1 pts (-7.6, +27.8)* |" in text  # the interval the verdict read, marked
+
+
+def test_budget_is_paired_with_the_baseline(tmp_path):
+    """12 questions: ar is cut on q0-q3, smc on q4 only (and both on q5); on the six neither
+    cut, smc loses q6 and q7 and gains q8. Old records without ``hit_cap`` are left out."""
+    recs = []
+    for i in range(12):
+        ar = {
+            **_record("ar", f"q{i}", i in (0, 1, 2, 3, 5)),
+            "correct": i not in (0, 1, 2, 3, 5, 8),
+        }
+        smc = {**_record("smc", f"q{i}", i in (4, 5)), "correct": i not in (4, 5, 6, 7)}
+        recs += [ar, smc]
+    recs += [_record("ar", "old", None), _record("smc", "old", None)]
+    row = next(r for r in harness.summarize(recs) if r["method"] == "smc")
+    assert row["cap_paired_n"] == 12
+    caps = (row["capped_baseline_only"], row["capped_method_only"], row["capped_both"])
+    assert caps == (4, 1, 1)
+    assert row["cap_mcnemar_p"] == pytest.approx(0.375)  # binomial(1; 5, 1/2), two-sided
+    assert (row["uncapped_n"], row["uncapped_lost"], row["uncapped_gained"]) == (6, 2, 1)
+    assert row["uncapped_mcnemar_p"] == pytest.approx(1.0)
+    text = harness.write_report(harness.summarize(recs), tmp_path, "t").read_text()
+    assert "| smc | 12 | 4 / 1 / 1 | 0.375 | 6 | 2/1 | 1.000 |" in text
+    assert "capped: only ar / only method / both" in text

@@ -282,8 +282,8 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
     ``baseline``: the paired accuracy difference (bootstrap 95% interval, exact McNemar p,
     discordant counts, the verdict on "within :data:`MARGIN` of the baseline"
     (:func:`~smcspec.eval.stats.margin_verdict`) and the pairs a +-MARGIN interval would need
-    at the observed spread), and the paired NLL difference (bootstrap 95% interval,
-    Wilcoxon signed-rank p)."""
+    at the observed spread), the paired NLL difference (bootstrap 95% interval, Wilcoxon
+    signed-rank p) and capping by the budget, paired (:func:`_paired_budget`)."""
     by_method: dict[str, dict[str, dict]] = {}
     for rec in records:
         by_method.setdefault(rec["method"], {})[rec["item"]] = rec
@@ -314,6 +314,7 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
             )
         if method != baseline:
             row.update(_paired_accuracy(base, recs), **_paired_nll(base, recs))
+            row.update(_paired_budget(base, recs))
         rows.append(row)
     return rows
 
@@ -354,6 +355,37 @@ def _paired_accuracy(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, 
     }
 
 
+def _paired_budget(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
+    """Capping paired with the baseline (an exact sampler of the same target hits the budget
+    as often as the target does): answers capped only by the baseline, only by the method,
+    by both, and the exact McNemar p; then accuracy on the items neither capped (a capped
+    answer seldom holds a final one, so capping alone moves accuracy): lost/gained and its
+    McNemar p. Items whose records predate ``hit_cap`` are left out."""
+    shared = sorted(
+        i
+        for i in set(recs) & set(base)
+        if None not in (recs[i].get("hit_cap"), base[i].get("hit_cap"))
+    )
+    if len(shared) < 2:
+        return {}
+    a = [bool(base[i]["hit_cap"]) for i in shared]
+    b = [bool(recs[i]["hit_cap"]) for i in shared]
+    neither = [i for i, x, y in zip(shared, a, b, strict=True) if not (x or y)]
+    right_a = [bool(base[i]["correct"]) for i in neither]
+    right_b = [bool(recs[i]["correct"]) for i in neither]
+    return {
+        "cap_paired_n": len(shared),
+        "capped_baseline_only": sum(x and not y for x, y in zip(a, b, strict=True)),
+        "capped_method_only": sum(y and not x for x, y in zip(a, b, strict=True)),
+        "capped_both": sum(x and y for x, y in zip(a, b, strict=True)),
+        "cap_mcnemar_p": mcnemar_pvalue(a, b),
+        "uncapped_n": len(neither),
+        "uncapped_lost": sum(x and not y for x, y in zip(right_a, right_b, strict=True)),
+        "uncapped_gained": sum(y and not x for x, y in zip(right_a, right_b, strict=True)),
+        "uncapped_mcnemar_p": mcnemar_pvalue(right_a, right_b) if neither else 1.0,
+    }
+
+
 def _paired_nll(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
     a, b = _pairs(base, recs, "target_nll")
     if len(a) < 2:
@@ -384,7 +416,11 @@ def write_report(
     the rows were paired against (:func:`summarize`'s ``baseline``) in the tables' text.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    tables = [*_accuracy_table(rows, speeds, baseline), *_nll_table(rows, baseline)]
+    tables = [
+        *_accuracy_table(rows, speeds, baseline),
+        *_nll_table(rows, baseline),
+        *_budget_table(rows, baseline),
+    ]
     lines = [f"# {title}", "", note, "", *tables]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     _pareto_plot(rows, speeds, title, out_dir / "pareto.png")
@@ -468,6 +504,31 @@ def _nll_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
         lines.append(
             f"| {r['method']} | {r['nll_mean']:.3f} | {r['nll_p10']:.3f} | "
             f"{r['nll_median']:.3f} | {r['nll_p90']:.3f} | {paired} |"
+        )
+    return lines
+
+
+def _budget_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
+    paired = [r for r in rows if "cap_paired_n" in r]
+    if not paired:
+        return []
+    lines = [
+        "",
+        f"The token budget, paired against {baseline}: answers cut by it only for {baseline}, "
+        "only for the method, for both (an exact sampler of the target is cut as often as "
+        f"{baseline}), with the exact McNemar p; then accuracy on the questions neither answer "
+        "was cut on (a cut answer seldom holds a final one, so cutting alone moves accuracy):",
+        "",
+        f"| method | paired n | capped: only {baseline} / only method / both | McNemar p "
+        "| neither capped: n | lost/gained | McNemar p |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in paired:
+        lines.append(
+            f"| {r['method']} | {r['cap_paired_n']} | {r['capped_baseline_only']} / "
+            f"{r['capped_method_only']} / {r['capped_both']} | {r['cap_mcnemar_p']:.3f} | "
+            f"{r['uncapped_n']} | {r['uncapped_lost']}/{r['uncapped_gained']} | "
+            f"{r['uncapped_mcnemar_p']:.3f} |"
         )
     return lines
 
