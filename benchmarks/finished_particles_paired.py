@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from smcspec.eval import harness
+from smcspec.eval import report
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
         answered = [{r["item"] for r in records if r["method"] == m} for m in (keep, bank)]
         shared = answered[0] & answered[1]
         mine = [r for r in records if r["method"] in (keep, bank, "ar") and r["item"] in shared]
-        rows = harness.summarize(mine, baseline=keep)
+        rows = report.summarize(mine, baseline=keep)
         rows.sort(key=lambda r: (r["method"] != keep, r["method"] != bank))
         note = (
             f"{len(shared)} GSM8K questions answered by both `{bank}` (ended particles banked) "
@@ -45,9 +45,9 @@ def main() -> None:
             f"`{args.results}`. Command: `python benchmarks/finished_particles_paired.py "
             f"--results {args.results} --out {args.out}`"
         )
-        report = harness.write_report(rows, args.out / bank, f"{bank}: bank vs keep", note,
+        summary = report.write_report(rows, args.out / bank, f"{bank}: bank vs keep", note,
                                       baseline=keep)  # fmt: skip
-        print(report.read_text())
+        print(summary.read_text())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from smcspec import ConfigError, Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
-from smcspec.eval import bench, harness
+from smcspec.eval import bench, harness, report
 from smcspec.eval.sharegpt import load_sharegpt_prompts, read_json_list
 
 
@@ -155,7 +155,7 @@ def test_bench_speeds_feed_the_pareto_plot(tmp_path):
         {"method": "sd-k4", "n": 4, "correct": 3, "accuracy": 0.75, "ci_low": 0.3,
          "ci_high": 0.95, "median_tokens_per_second": 2.9},
     ]  # fmt: skip
-    out = harness.write_report(rows, tmp_path / "rep", "gsm8k accuracy", "", speeds)
+    out = report.write_report(rows, tmp_path / "rep", "gsm8k accuracy", "", speeds)
     text = out.read_text()
     assert "bench tokens/s" in text and "| 2.50 |" in text and text.count(" 3.00 |") == 1
     assert "| sd-k4 |" in text and text.rstrip().splitlines()[-1].endswith(" - |")

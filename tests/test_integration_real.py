@@ -191,7 +191,7 @@ def test_cli_method_auto_on_the_real_pair(gguf_paths):
 
 def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
     """The harness end to end on 2 real GSM8K test questions (short answers: mechanics only)."""
-    from smcspec.eval import harness
+    from smcspec.eval import harness, report
     from smcspec.eval.gsm8k import load_gsm8k
     from smcspec.eval.results import ResultFile
 
@@ -209,7 +209,7 @@ def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
     )
     assert len(records) == 4
     assert all(r["new_tokens"] >= 1 and r["target_nll"] > 0 for r in records)
-    rows = harness.summarize(records)
+    rows = report.summarize(records)
     assert {r["method"] for r in rows} == {"ar", "smc-n4-k4"}
 
 

@@ -6,6 +6,8 @@ Modules:
         resource-limited subprocess.
     stats: Wilson interval, paired bootstrap, exact McNemar test, TV and KL distances.
     results: append-only, resumable JSONL result file.
+    harness: accuracy runs of several methods on the same questions and seeds (resumable);
+        report: their per-method summaries paired with a baseline, and ``summary.md``.
     fidelity: exact fidelity on enumerable tiny models, with and without a constraint or
         reward (``smcspec eval fidelity``); automaton: the token-level constraint it uses.
 """

@@ -24,12 +24,8 @@ from tqdm import tqdm
 from smcspec.decoding.common import hit_token_cap
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
-from smcspec.eval.harness import (
-    MethodSpec,
-    answer_stop_ids,
-    cap_counts,
-    format_capped,
-)
+from smcspec.eval.harness import MethodSpec, answer_stop_ids
+from smcspec.eval.report import cap_counts, format_capped
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 
 __all__ = [
@@ -131,7 +127,7 @@ def load_bench_speeds(path: str | Path) -> dict[str, float]:
 def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
     """Per method: request count, median/min/max tokens/s, median TTFT, the ratio of the
     median tokens/s to the ``baseline`` method's (``None`` without a baseline), and the
-    requests cut by the token budget (:func:`smcspec.eval.harness.cap_counts`; ``capped`` is
+    requests cut by the token budget (:func:`smcspec.eval.report.cap_counts`; ``capped`` is
     None for runs that ignore EOS and for older records), and smc's mean distinct fraction
     of the target's rows (``distinct_rows``, :mod:`smcspec.backends.shared_rows`; None for
     other methods and older records)."""
