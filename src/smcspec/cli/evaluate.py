@@ -7,10 +7,14 @@ import argparse
 import math
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from smcspec.cli.common import load_engine, machine_line, provenance
 from smcspec.cli.options import config_from_args
 from smcspec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from smcspec.config import GenerationConfig
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,10 +59,28 @@ def run(args: argparse.Namespace) -> int:
             score_nll=args.nll,
             machine=machine_line(args),
         )
+    speeds = None
+    if args.speed_from:
+        from smcspec.eval.bench import load_bench_speeds
+
+        speeds = load_bench_speeds(args.speed_from)
+    note = _report_note(args, base, records, len(items))
     rows = report.summarize(records)
+    summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds)
+    print(summary.read_text())
+    return 0
+
+
+def _report_note(
+    args: argparse.Namespace, base: GenerationConfig, records: list[dict], n_items: int
+) -> str:
+    """The report's provenance: items answered, methods, budget, temperatures, machine(s),
+    the command, and for GSM8K the answer rule."""
+    from smcspec.eval import report
+
     answered = len({r["item"] for r in records})
     note = (
-        f"{answered} of {len(items)} items answered "
+        f"{answered} of {n_items} items answered "
         f"({f'the first {args.first}' if args.first else f'subset seed {args.subset_seed}'}), "
         f"methods {args.methods}"
         f"{', grid ' + args.grid if args.grid else ''}; "
@@ -75,15 +97,9 @@ def run(args: argparse.Namespace) -> int:
         from smcspec.eval.gsm8k import ANSWER_RULE
 
         note += f"\n\nAnswer rule: {ANSWER_RULE}"
-    speeds = None
     if args.speed_from:
-        from smcspec.eval.bench import load_bench_speeds
-
-        speeds = load_bench_speeds(args.speed_from)
         note += f" Speeds on the plot: median tokens/s of the bench run `{args.speed_from}`."
-    summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds)
-    print(summary.read_text())
-    return 0
+    return note
 
 
 def gsm8k_data(args: argparse.Namespace) -> Path:
