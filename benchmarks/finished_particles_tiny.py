@@ -19,7 +19,7 @@ import torch
 
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
-from smcspec.eval.fidelity import stopped_sequence_log_probs, tiny_transformer
+from smcspec.eval.exact import stopped_sequence_log_probs, tiny_transformer
 
 PROMPT, V, LENGTH, STOP, K = [1, 2, 0], 3, 9, 0, 2
 

@@ -9,11 +9,7 @@ import numpy as np
 import torch
 
 from smcspec.backends.torch.transformer import Transformer
-from smcspec.eval.fidelity import (
-    sequence_log_probs,
-    stopped_sequence_log_probs,
-    tiny_transformer,
-)
+from smcspec.eval.exact import sequence_log_probs, stopped_sequence_log_probs, tiny_transformer
 
 __all__ = [
     "chisquare_p",

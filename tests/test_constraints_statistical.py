@@ -2,7 +2,7 @@
 
 The constraint is a token-level automaton (:class:`smcspec.eval.automaton.NextTokenAutomaton`;
 the decoders only see the :class:`~smcspec.potentials.TokenConstraint` interface). Over the
-first 3 generated tokens everything is enumerable (:mod:`smcspec.eval.fidelity`):
+first 3 generated tokens everything is enumerable (:mod:`smcspec.eval.exact`):
 
 - the conditional ``p(x | x in A)`` (the target restricted to A, renormalised) and ``P(A)``;
 - the locally-masked distribution ``prod_t norm(p(. | x_<t) m_t)`` that masked AR and masked
@@ -26,15 +26,13 @@ import smcspec.decoding.smc as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.eval.automaton import NextTokenAutomaton
-from smcspec.eval.fidelity import (
-    CONSTRAINT_TABLE,
+from smcspec.eval.exact import (
     conditional_log_probs,
-    letter_count_reward,
     locally_masked_log_probs,
     probabilities,
-    sample_outputs,
     tilted_log_probs,
 )
+from smcspec.eval.fidelity import CONSTRAINT_TABLE, letter_count_reward, sample_outputs
 from smcspec.eval.stats import total_variation as tv_exact
 from smcspec.potentials import DeadEndError
 

@@ -14,15 +14,17 @@ import pytest
 
 from smcspec.cli import main
 from smcspec.eval.automaton import NextTokenAutomaton
+from smcspec.eval.exact import (
+    conditional_log_probs,
+    expected_noise_tv,
+    locally_masked_log_probs,
+    tilted_log_probs,
+)
 from smcspec.eval.fidelity import (
     PotentialFidelity,
     PotentialRow,
-    conditional_log_probs,
-    expected_noise_tv,
     letter_count_reward,
     letters,
-    locally_masked_log_probs,
-    tilted_log_probs,
     write_fidelity_report,
 )
 

@@ -10,7 +10,8 @@ from tiny_models import make_tiny_chat_pair
 from smcspec import ConfigError, Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.eval import harness, report
-from smcspec.eval.fidelity import fidelity_grid, tiny_transformer, write_fidelity_report
+from smcspec.eval.exact import tiny_transformer
+from smcspec.eval.fidelity import fidelity_grid, write_fidelity_report
 from smcspec.eval.gsm8k import Gsm8kItem
 from smcspec.eval.results import ResultFile
 

@@ -126,6 +126,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
     from smcspec.eval import fidelity as fid
     from smcspec.eval.automaton import NextTokenAutomaton
+    from smcspec.eval.exact import tiny_transformer
 
     if not (math.isfinite(args.reward_beta) and args.reward_beta > 0):
         raise ConfigError(f"--reward-beta must be a number > 0, got {args.reward_beta}")
@@ -134,13 +135,13 @@ def run_fidelity(args: argparse.Namespace) -> int:
     prompt, length = [1, 2, 0], 3
     with fid.one_thread():
         start = time.perf_counter()
-        target, draft = fid.tiny_transformer(seed=1), fid.tiny_transformer(seed=2)
+        target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
         rows, draft_tv = fid.fidelity_grid(target, draft, prompt, length, ns, ks, args.runs)
         seconds = f"wall time {time.perf_counter() - start:.0f} s"
         potentials, summary = None, ""
         if not args.no_potentials:
             start = time.perf_counter()
-            near = fid.tiny_transformer(seed=2, scale=0.1, base=target)
+            near = tiny_transformer(seed=2, scale=0.1, base=target)
             dfa = NextTokenAutomaton(fid.CONSTRAINT_TABLE, target.cfg.vocab_size)
             reward = fid.letter_count_reward(1, args.reward_beta, target.cfg.vocab_size)
             potentials = fid.potential_fidelity(

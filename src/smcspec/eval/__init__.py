@@ -8,6 +8,8 @@ Modules:
     results: append-only, resumable JSONL result file.
     harness: accuracy runs of several methods on the same questions and seeds (resumable);
         report: their per-method summaries paired with a baseline, and ``summary.md``.
+    exact: tiny enumerable models and the exact distributions the decoders must sample
+        (with a constraint, a reward, a stop token).
     fidelity: exact fidelity on enumerable tiny models, with and without a constraint or
         reward (``smcspec eval fidelity``); automaton: the token-level constraint it uses.
 """
