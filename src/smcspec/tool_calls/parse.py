@@ -121,66 +121,92 @@ class ToolCallParser:
         return out
 
     def _step(self, out: list[Event]) -> bool:  # one transition; True if it made progress
-        buf = self._buf
         if self._state == "text" and not self._content and not self.calls:
-            if buf.startswith(FENCE_OPEN):  # auto's other form: a call in a json block
-                self._state = "fenced"
-                return True
-            if buf.startswith("{"):  # or a bare call, the whole reply: read at the end
-                self._state = "bare"
-                return False
-            if FENCE_OPEN.startswith(buf):
-                return False  # may still become one
-        if self._state == "bare":
-            return False
-        if self._state == "fenced":
-            at = buf.find(FENCE_CLOSE, len(FENCE_OPEN))
-            if at < 0:
-                return False
-            call = _fenced_call(buf[len(FENCE_OPEN) : at])
-            if call is None:  # not a call after all (not from the grammar): text
-                self._state = "text"
-                self._say(buf[: at + len(FENCE_CLOSE)], out)
-                self._buf = buf[at + len(FENCE_CLOSE) :]
-                return True
-            self._start_call(call[0], out)
-            self._arguments(call[1], out)
-            self.calls[-1].complete = True
-            self._buf, self._state = buf[at + len(FENCE_CLOSE) :], "between"
+            opened = self._step_opening()
+            if opened is not None:
+                return opened
+        step = {
+            "bare": lambda out: False,  # a bare call is the whole reply: read at the end
+            "fenced": self._step_fenced,
+            "text": self._step_text,
+            "head": self._step_head,
+            "args": self._step_args,
+            "between": self._step_between,
+        }[self._state]
+        return step(out)
+
+    def _step_opening(self) -> bool | None:
+        """The reply's start under auto: a json block or a bare ``{`` opens a call; None
+        when the reply is text (or may still become a block)."""
+        buf = self._buf
+        if buf.startswith(FENCE_OPEN):  # auto's other form: a call in a json block
+            self._state = "fenced"
             return True
-        if self._state == "text":
-            at = buf.find(CALL_OPEN)
-            if at >= 0:
-                self._say(buf[:at].rstrip() if not self.calls else buf[:at], out)
-                self._buf, self._state = buf[at:], "head"
-                return True
-            before = buf[: len(buf) - _held_prefix(buf, CALL_OPEN)]
-            keep = len(buf) - len(before.rstrip())  # a possible marker, the space before it
-            self._say(buf[: len(buf) - keep], out)
-            self._buf = buf[len(buf) - keep :]
+        if buf.startswith("{"):  # or a bare call, the whole reply: read at the end
+            self._state = "bare"
             return False
-        if self._state == "head":
-            m = _HEAD.match(buf)
-            if m:
-                self._start_call(m.group(1), out)
-                self._buf, self._state = buf[m.end() :], "args"
-                return True
-            if len(buf) > _HEAD_MAX:  # not a call after all: it is text
-                self._say(buf[: len(CALL_OPEN)], out)
-                self._buf, self._state = buf[len(CALL_OPEN) :], "text"
-                return True
+        if FENCE_OPEN.startswith(buf):
+            return False  # may still become one
+        return None
+
+    def _step_fenced(self, out: list[Event]) -> bool:
+        buf = self._buf
+        at = buf.find(FENCE_CLOSE, len(FENCE_OPEN))
+        if at < 0:
             return False
-        if self._state == "args":
-            at = buf.find(_END)
-            upto = at if at >= 0 else len(buf) - _held_prefix(buf, _END)
-            self._arguments(buf[:upto], out)
-            if at >= 0:
-                self.calls[-1].complete = True
-                self._buf, self._state = buf[at + len(_END) :], "between"
-                return True
-            self._buf = buf[upto:]
-            return False
-        # between calls: whitespace, then another call or (not from the grammar) text
+        call = _fenced_call(buf[len(FENCE_OPEN) : at])
+        if call is None:  # not a call after all (not from the grammar): text
+            self._state = "text"
+            self._say(buf[: at + len(FENCE_CLOSE)], out)
+            self._buf = buf[at + len(FENCE_CLOSE) :]
+            return True
+        self._start_call(call[0], out)
+        self._arguments(call[1], out)
+        self.calls[-1].complete = True
+        self._buf, self._state = buf[at + len(FENCE_CLOSE) :], "between"
+        return True
+
+    def _step_text(self, out: list[Event]) -> bool:
+        buf = self._buf
+        at = buf.find(CALL_OPEN)
+        if at >= 0:
+            self._say(buf[:at].rstrip() if not self.calls else buf[:at], out)
+            self._buf, self._state = buf[at:], "head"
+            return True
+        before = buf[: len(buf) - _held_prefix(buf, CALL_OPEN)]
+        keep = len(buf) - len(before.rstrip())  # a possible marker, the space before it
+        self._say(buf[: len(buf) - keep], out)
+        self._buf = buf[len(buf) - keep :]
+        return False
+
+    def _step_head(self, out: list[Event]) -> bool:
+        buf = self._buf
+        m = _HEAD.match(buf)
+        if m:
+            self._start_call(m.group(1), out)
+            self._buf, self._state = buf[m.end() :], "args"
+            return True
+        if len(buf) > _HEAD_MAX:  # not a call after all: it is text
+            self._say(buf[: len(CALL_OPEN)], out)
+            self._buf, self._state = buf[len(CALL_OPEN) :], "text"
+            return True
+        return False
+
+    def _step_args(self, out: list[Event]) -> bool:
+        buf = self._buf
+        at = buf.find(_END)
+        upto = at if at >= 0 else len(buf) - _held_prefix(buf, _END)
+        self._arguments(buf[:upto], out)
+        if at >= 0:
+            self.calls[-1].complete = True
+            self._buf, self._state = buf[at + len(_END) :], "between"
+            return True
+        self._buf = buf[upto:]
+        return False
+
+    def _step_between(self, out: list[Event]) -> bool:
+        """Between calls: whitespace, then another call or (not from the grammar) text."""
+        buf = self._buf
         rest = buf.lstrip()
         if not rest:
             return False
