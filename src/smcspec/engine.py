@@ -64,6 +64,8 @@ class GenerationResult:
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
+        decoder's stats included (``smcspec generate --json`` prints it with ``hit_cap``)."""
         d = {
             "text": self.text,
             "method": self.method,

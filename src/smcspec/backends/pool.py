@@ -139,6 +139,7 @@ class ResourcePool:
 
     @property
     def leases(self) -> int:
+        """How many leases are held now, by every owner."""
         with self._lock:
             return self._leases
 
@@ -169,6 +170,11 @@ class Reservation:
         self.leases = leases
 
     def lease(self, role: str) -> Lease:
+        """The lease reserved on the ``role`` model (``"target"`` or ``"draft"``).
+
+        Raises:
+            PoolError: nothing was reserved on that model.
+        """
         try:
             return self.leases[role]
         except KeyError:

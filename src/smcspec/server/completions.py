@@ -195,11 +195,14 @@ class Completion:
 
     # ------------------------------------------------------------------ responses
     def usage(self) -> dict[str, int]:
+        """OpenAI's ``usage``: prompt tokens (once, shared by the ``n`` choices), tokens
+        generated over all choices, and their sum."""
         prompt = len(self.jobs[0].ids)
         done = sum(c.engine_req.tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def extra(self, c: Choice) -> dict[str, Any]:
+        """The ``smcspec`` field of a choice: the method and the decoder's stats."""
         return {"method": self.cfg.method, **(c.result.stats if c.result else {})}
 
     async def respond(self, request: Request) -> dict[str, Any] | Response:

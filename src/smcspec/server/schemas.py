@@ -101,6 +101,12 @@ class FunctionCallIn(BaseModel):
     arguments: str
 
     def parsed_arguments(self) -> dict[str, Any]:
+        """The call's ``arguments`` string parsed as a JSON object.
+
+        Raises:
+            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), or JSON
+                that is not an object.
+        """
         try:
             value = json.loads(self.arguments)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep

@@ -103,6 +103,8 @@ class ToolCallParser:
 
     @property
     def content(self) -> str | None:
+        """The reply's text outside the calls so far; None when there is none, or only
+        whitespace beside calls (the ``content: null`` of a message that only calls tools)."""
         text = "".join(self._content)
         return text if text.strip() or (text and not self.calls) else None
 

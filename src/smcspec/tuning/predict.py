@@ -156,6 +156,7 @@ class Prediction:
 
     @property
     def tokens_per_second(self) -> float:
+        """Predicted decode speed: expected tokens per round / seconds per round."""
         return self.tokens_per_round / self.round_seconds
 
 
