@@ -22,6 +22,12 @@ def pair(tmp_path_factory):
     )
 
 
+def _generate(pair: tuple[str, str], *extra: str) -> list[str]:
+    """``generate "ab cd"`` on the tiny pair, plain prompt, then ``extra``."""
+    target, draft = pair
+    return ["generate", "ab cd", "--target", target, "--draft", draft, "--no-chat", *extra]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -92,25 +98,7 @@ def test_corrupt_gguf_exits_3(tmp_path, capsys, monkeypatch, backend, message):
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_json_output(pair, capsys, method):
-    target, draft = pair
-    code = main(
-        [
-            "generate",
-            "ab cd",
-            "--target",
-            target,
-            "--draft",
-            draft,
-            "--no-chat",
-            "--method",
-            method,
-            "-m",
-            "6",
-            "--seed",
-            "1",
-            "--json",
-        ]
-    )
+    code = main(_generate(pair, "--method", method, "-m", "6", "--seed", "1", "--json"))
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("text", "method", "new_tokens", "seconds", "tokens_per_second"):
@@ -124,9 +112,7 @@ def test_json_output(pair, capsys, method):
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_generate_with_truncation(pair, capsys, method):
-    target, draft = pair
-    args = ["generate", "ab cd", "--target", target, "--draft", draft, "--no-chat"]
-    args += ["--method", method, "-m", "6", "--seed", "2", "--json"]
+    args = _generate(pair, "--method", method, "-m", "6", "--seed", "2", "--json")
     code = main([*args, "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -134,26 +120,7 @@ def test_generate_with_truncation(pair, capsys, method):
 
 
 def test_plain_output_streams_then_prints_one_stats_line(pair, capsys):
-    target, draft = pair
-    code = main(
-        [
-            "generate",
-            "ab cd",
-            "--target",
-            target,
-            "--draft",
-            draft,
-            "--no-chat",
-            "-m",
-            "6",
-            "--seed",
-            "1",
-            "-N",
-            "3",
-            "-K",
-            "2",
-        ]
-    )
+    code = main(_generate(pair, "-m", "6", "--seed", "1", "-N", "3", "-K", "2"))
     assert code == 0
     lines = capsys.readouterr().out.rstrip("\n").split("\n")
     assert re.match(
@@ -189,8 +156,7 @@ def _without_notes(err: str) -> str:
 
 @pytest.mark.parametrize("args, code, message", HOSTILE)
 def test_hostile_options_give_one_line_or_succeed(pair, capsys, args, code, message):
-    target, draft = pair
-    argv = ["generate", "ab cd", "--target", target, "--draft", draft, "--no-chat", "-m", "4"]
+    argv = _generate(pair, "-m", "4")
     if code == "usage":  # argparse refuses it: usage text and exit 2
         with pytest.raises(SystemExit) as exc:
             main([*argv, *args])
