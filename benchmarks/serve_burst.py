@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
@@ -31,6 +28,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import serve
 
 from smcspec.tuning.cache import cpu_model
 
@@ -86,24 +84,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "smcspec", "serve", "--port", str(port),
-           "--served-model-name", "default", "--method", "smc", "-N", "4", "-K", "4"]  # fmt: skip
-    server = subprocess.Popen(cmd)
-    try:
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError("the server exited")
-            time.sleep(0.5)
+    options = ["--served-model-name", "default", "--method", "smc", "-N", "4", "-K", "4"]
+    with serve(*options) as base:
         kinds = ["burst"] * 6 + ["disconnect", "stream-cancel", "never-fits"]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(kinds)) as pool:
@@ -121,9 +103,6 @@ def main() -> int:
         fresh = httpx.post(base + "/v1/chat/completions", json=_body(4), timeout=900)
         fresh_s = time.perf_counter() - t1
         pools = {k: v for k, v in _metrics(base).items() if k.startswith("smcspec_pool_")}
-    finally:
-        server.terminate()
-        server.wait(60)
     lines = [
         f"# `smcspec serve` under the burst of issue 16 ({date.today()})",
         "",

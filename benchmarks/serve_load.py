@@ -18,15 +18,14 @@ import argparse
 import asyncio
 import json
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
 import httpx
+from serve_process import serve
 
 from smcspec.eval.sharegpt import load_sharegpt_prompts
 
@@ -105,35 +104,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "smcspec",
-            "serve",
-            "--port",
-            str(port),
-            "--served-model-name",
-            "default",
-            "--max-running",
-            "64",
-        ]
-    )
-    try:
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError("server exited")
-            time.sleep(1)
+    with serve("--served-model-name", "default", "--max-running", "64") as base:
         from smcspec.models.default_pair import DEFAULT_TARGET
         from smcspec.models.loading import cache_root
 
@@ -148,9 +119,6 @@ def main() -> int:
                 rows.append(asyncio.run(level(base, prompts, m, c, per, args.max_tokens)))
                 print(json.dumps(rows[-1]), flush=True)
         metrics = httpx.get(base + "/metrics").text
-    finally:
-        server.terminate()
-        server.wait(60)
     lines = [
         f"# Serving load on CPU ({date.today().isoformat()})",
         "",
