@@ -186,31 +186,15 @@ def roofline_rows(
     return out
 
 
-def write_bench_report(
-    rows: list[dict[str, Any]],
-    roofline: list[dict[str, Any]],
-    out_dir: Path,
-    title: str,
-    note: str = "",
-) -> Path:
-    """Write ``summary.md`` (tables) and ``throughput.png`` (tokens/s and TTFT per method)."""
-    import matplotlib
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def fmt(v: float | None, spec: str, suffix: str = "") -> str:
-        return "-" if v is None else f"{v:{spec}}{suffix}"
-
-    # runs that ignore EOS (the default) run every request to the budget: no capped column
+def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown table of :func:`summarize_bench` rows; a capped column only when some run
+    honoured EOS (runs that ignore it, the default, run every request to the budget)."""
     show_capped = any(r.get("capped_known") for r in rows)
     lines = [
-        f"# {title}",
-        "",
-        note,
-        "",
         "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar "
         "| distinct rows |" + (" capped |" if show_capped else ""),
         "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if show_capped else ""),
@@ -219,30 +203,42 @@ def write_bench_report(
         lines.append(
             f"| {r['method']} | {r['requests']} | {r['median_tokens_per_second']:.2f} | "
             f"{r['min_tokens_per_second']:.2f} | {r['max_tokens_per_second']:.2f} | "
-            f"{fmt(r['median_ttft_seconds'], '.2f')} | {fmt(r['ratio_vs_baseline'], '.2f', 'x')} | "
-            f"{fmt(r.get('distinct_rows'), '.2f')} |"
+            f"{_fmt(r['median_ttft_seconds'], '.2f')} | "
+            f"{_fmt(r['ratio_vs_baseline'], '.2f', 'x')} | {_fmt(r.get('distinct_rows'), '.2f')} |"
             + (f" {format_capped({**r, 'n': r['requests']})} |" if show_capped else "")
         )
-    if roofline:
-        lines += [
-            "",
-            "SMC-SD speed-up over ar: roofline predictions (``smcspec.eval.roofline``, from "
-            "median forward times measured on this machine) beside the measurement:",
-            "",
-            "| setting | c = draft/target cost | memory-bound (K+1)/((K+1)c+1) | "
-            "from measured N-row forwards | measured |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for r in roofline:
-            lines.append(
-                f"| {r['method']} | {r['c']:.3f} | {r['memory_bound']:.2f}x | "
-                f"{r['measured_costs']:.2f}x | {fmt(r['measured'], '.2f', 'x')} |"
-            )
-        lines += ["", "Forward costs (median seconds):", ""]
-        for r in roofline:
-            costs = ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items())
-            lines.append(f"- {r['method']}: {costs}")
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def _roofline_lines(roofline: list[dict[str, Any]]) -> list[str]:
+    """The roofline predictions beside the measured speed-ups, then the forward costs."""
+    lines = [
+        "SMC-SD speed-up over ar: roofline predictions (``smcspec.eval.roofline``, from "
+        "median forward times measured on this machine) beside the measurement:",
+        "",
+        "| setting | c = draft/target cost | memory-bound (K+1)/((K+1)c+1) | "
+        "from measured N-row forwards | measured |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in roofline:
+        lines.append(
+            f"| {r['method']} | {r['c']:.3f} | {r['memory_bound']:.2f}x | "
+            f"{r['measured_costs']:.2f}x | {_fmt(r['measured'], '.2f', 'x')} |"
+        )
+    lines += ["", "Forward costs (median seconds):", ""]
+    for r in roofline:
+        costs = ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items())
+        lines.append(f"- {r['method']}: {costs}")
+    return lines
+
+
+def _plot_throughput(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    """Two bar panels per method: median tokens/s and median TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     names = [r["method"] for r in rows]
     a1.bar(names, [r["median_tokens_per_second"] for r in rows])
@@ -253,6 +249,23 @@ def write_bench_report(
         ax.tick_params(axis="x", labelrotation=45)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out_dir / "throughput.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_bench_report(
+    rows: list[dict[str, Any]],
+    roofline: list[dict[str, Any]],
+    out_dir: Path,
+    title: str,
+    note: str = "",
+) -> Path:
+    """Write ``summary.md`` (tables) and ``throughput.png`` (tokens/s and TTFT per method)
+    under ``out_dir`` (created if missing); returns the path of ``summary.md``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title}", "", note, "", *_throughput_table(rows)]
+    if roofline:
+        lines += ["", *_roofline_lines(roofline)]
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    _plot_throughput(rows, title, out_dir / "throughput.png")
     return out_dir / "summary.md"
