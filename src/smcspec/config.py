@@ -97,6 +97,13 @@ class GenerationConfig:
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
+        self._check_types()
+        self._check_ranges()
+        self._check_choices()
+        self._check_potentials()
+        return self
+
+    def _check_types(self) -> None:
         for name in ("max_new_tokens", "particles", "draft_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -106,8 +113,10 @@ class GenerationConfig:
                 raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if not isinstance(self.shared_rows, bool):
+            raise ConfigError(f"shared_rows must be true or false, got {self.shared_rows!r}")
+
+    def _check_ranges(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
         t, t_d = self.temperature, self.draft_temperature
@@ -131,6 +140,10 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+
+    def _check_choices(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if self.finished_particles not in FINISHED_PARTICLES:
             raise ConfigError(
                 f"unknown finished_particles {self.finished_particles!r}; choose from "
@@ -140,6 +153,8 @@ class GenerationConfig:
             raise ConfigError(
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"
             )
+
+    def _check_potentials(self) -> None:
         if self.constraint is not None and not isinstance(
             self.constraint, Constraint | TokenConstraint
         ):
@@ -152,8 +167,6 @@ class GenerationConfig:
                 "ignore_eos cannot be combined with a constraint: the constraint decides where "
                 "the output ends (its stop token is allowed only once the output is complete)"
             )
-        if not isinstance(self.shared_rows, bool):
-            raise ConfigError(f"shared_rows must be true or false, got {self.shared_rows!r}")
         if self.reward is not None:
             if not isinstance(self.reward, Reward):
                 raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
@@ -161,7 +174,6 @@ class GenerationConfig:
                 raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
             if self.greedy:
                 raise ConfigError("a reward needs sampling (temperature > 0), not greedy decoding")
-        return self
 
 
 DEFAULT_MIN_ESS = 4.0
