@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from smcspec.cli.common import load_engine, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args, constraint_from_args
+
+if TYPE_CHECKING:
+    from smcspec.engine import GenerationResult
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,20 +38,32 @@ def run(args: argparse.Namespace) -> int:
         on_text=None if args.json else stream,
         fit_context=not getattr(args, "max_new_tokens_given", True),  # a default cap gives way
     )
-    capped = result.finish_reason == "length"
     if args.json:
-        out = result.to_dict() | {"hit_cap": capped}
-        if pick is not None:
-            out["tuned"] = {
-                "setting": pick.setting.name,
-                "chosen_by": args.method,
-                "min_particles": args.min_particles,
-                "predicted_tokens_per_second": round(pick.tokens_per_second, 3),
-                "min_ess_floor": args.min_ess,
-                "predicted_ess": None if pick.ess is None else round(pick.ess, 3),
-            }
-        print(json.dumps(out, ensure_ascii=False))
-        return 0
+        print(json.dumps(_json_record(result, pick, args), ensure_ascii=False))
+    else:
+        print(f"\n{_stats_line(result, pick, args)}")
+    return 0
+
+
+def _json_record(result: GenerationResult, pick, args: argparse.Namespace) -> dict:
+    """``--json``'s object: the result, whether the budget cut it, and the tuner's pick (a
+    :class:`~smcspec.tuning.predict.Prediction`, or None when the options named the setting)."""
+    out = result.to_dict() | {"hit_cap": result.finish_reason == "length"}
+    if pick is not None:
+        out["tuned"] = {
+            "setting": pick.setting.name,
+            "chosen_by": args.method,
+            "min_particles": args.min_particles,
+            "predicted_tokens_per_second": round(pick.tokens_per_second, 3),
+            "min_ess_floor": args.min_ess,
+            "predicted_ess": None if pick.ess is None else round(pick.ess, 3),
+        }
+    return out
+
+
+def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str:
+    """The line printed after a streamed completion: tokens, seconds, tokens/s, the decoder's
+    statistics (SMC-SD's resampling and ESS, SD's acceptance rate), the tuner's pick, the cap."""
     s = result.stats
     label = result.method if "ran_as" not in s else f"{result.method}, greedy: run as {s['ran_as']}"
     line = (
@@ -70,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
         )
     if pick is not None:
         line += f"; {tuned_note(pick, args.method, args.min_ess)}"
-    if capped:
+    if result.finish_reason == "length":
         line += f"; cut by the cap of {result.new_tokens} new tokens, not by the model (-m)"
-    print(f"\n{line}")
-    return 0
+    return line
