@@ -347,39 +347,15 @@ class BatchScheduler:
             req.pending = None
             self._finish(req, RuntimeError("cancelled"))
         live = [r for r in self._running if r.pending is not None]
+        results = self._run_prefills(live)
         rows: dict[str, int] = {}
         distinct: dict[str, int] = {}
-        results: dict[int, torch.Tensor] = {}
-        for req in live:  # prefills have different lengths: one at a time
-            if isinstance(req.pending, Prefill):
-                try:
-                    results[id(req)] = execute(req.pending)
-                except Exception as exc:  # e.g. out of memory: fail this request only
-                    log.exception("prefill failed")
-                    req.pending = None
-                    self._finish(req, exc)
         groups: dict[int, list[Request]] = {}
         for req in live:
             if isinstance(req.pending, Forward):
                 groups.setdefault(id(req.pending.model), []).append(req)
         for members in groups.values():
-            model = members[0].pending.model
-            role = "target" if model is self.engine.target.model else "draft"
-            items = [(r.pending.tokens, r.pending.cache, r.pending.last_only) for r in members]
-            rows[role] = sum(t.numel() for t, _, _ in items)
-            computed = sum(c.histories.computed for _, c, _ in items)
-            try:
-                outs = model.decode_batch(items)
-                distinct[role] = sum(c.histories.computed for _, c, _ in items) - computed
-            except Exception as exc:  # fail these requests, keep the worker serving
-                if not isinstance(exc, SmcspecError):
-                    log.exception("batched forward failed")
-                for r in members:
-                    r.pending = None
-                    self._finish(r, exc)
-                continue
-            for r, out in zip(members, outs, strict=True):
-                results[id(r)] = out
+            results |= self._run_forward_batch(members, rows, distinct)
         for req in live:
             if id(req) in results and req.pending is not None:
                 self._advance(req, results[id(req)])
@@ -392,3 +368,41 @@ class BatchScheduler:
             except Exception:  # an observer must not stop the worker
                 log.exception("the on_step observer failed")
         return stats
+
+    def _run_prefills(self, live: list[Request]) -> dict[int, torch.Tensor]:
+        """Each pending prefill, one at a time (their lengths differ): ``{id(request): logits}``.
+        A prefill that raises (e.g. out of memory) fails its request only."""
+        results: dict[int, torch.Tensor] = {}
+        for req in live:
+            if isinstance(req.pending, Prefill):
+                try:
+                    results[id(req)] = execute(req.pending)
+                except Exception as exc:
+                    log.exception("prefill failed")
+                    req.pending = None
+                    self._finish(req, exc)
+        return results
+
+    def _run_forward_batch(
+        self, members: list[Request], rows: dict[str, int], distinct: dict[str, int]
+    ) -> dict[int, torch.Tensor]:
+        """One batched forward over the pending :class:`Forward` requests of ``members`` (all on one
+        model): ``{id(request): logits}``; adds the rows fed and the distinct rows computed to
+        ``rows``/``distinct`` under the model's role. A forward that raises fails these
+        requests and keeps the worker serving."""
+        model = members[0].pending.model
+        role = "target" if model is self.engine.target.model else "draft"
+        items = [(r.pending.tokens, r.pending.cache, r.pending.last_only) for r in members]
+        rows[role] = sum(t.numel() for t, _, _ in items)
+        computed = sum(c.histories.computed for _, c, _ in items)
+        try:
+            outs = model.decode_batch(items)
+        except Exception as exc:
+            if not isinstance(exc, SmcspecError):
+                log.exception("batched forward failed")
+            for r in members:
+                r.pending = None
+                self._finish(r, exc)
+            return {}
+        distinct[role] = sum(c.histories.computed for _, c, _ in items) - computed
+        return {id(r): out for r, out in zip(members, outs, strict=True)}
