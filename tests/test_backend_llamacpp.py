@@ -148,6 +148,17 @@ def test_decode_batch_of_requests_equals_separate_decodes(files):
 def test_settings_llama_cpp_would_abort_on_are_refused(files):
     with pytest.raises(ConfigError, match="n_batch"):
         _llama(files["f32"][0], n_batch=8, max_sequences=16)
+    # refused before the file is opened (a missing file would otherwise be the error), so
+    # nothing is loaded and left unfreed
+    bad = (
+        ({"kv_type": "q8_0"}, "kv_type"),
+        ({"threads": 0}, "threads"),
+        ({"gpu_layers": -2}, "gpu_layers"),
+        ({"max_sequences": 0}, "max_sequences"),
+    )
+    for setting, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            _llama(files["f32"][0].parent / "missing.gguf", **setting)
 
 
 @settings(max_examples=300, deadline=None)

@@ -37,6 +37,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +125,37 @@ class LlamaCppSettings:
         if self.gpu_layers == 0:
             return None
         return f"gpu_layers={self.gpu_layers};rpc={','.join(self.rpc_servers)}"
+
+    def validate(self, max_seq: int) -> None:
+        """Refuse what llama.cpp would abort on or misread (``max_seq``: its
+        ``LLAMA_MAX_SEQ``), before anything is loaded. Raises :class:`ConfigError`."""
+        if not 1 <= self.max_sequences <= max_seq:
+            raise ConfigError(f"max_sequences must be in [1, {max_seq}]")
+        if self.n_batch < self.max_sequences:  # llama.cpp aborts (GGML_ASSERT)
+            raise ConfigError(
+                f"n_batch ({self.n_batch}) must be >= max_sequences ({self.max_sequences})"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.gpu_layers < -1:
+            raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}")
+        if self.kv_type not in _KV_TYPES:
+            raise ConfigError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+
+    def context_params(self, lib: Any, threads: int) -> Any:
+        """llama.cpp's ``llama_context_params`` for these settings: one unified KV cache of
+        ``kv_cells`` cells, ``n_batch``-token batches and any number of logit rows per
+        sequence, ``threads`` compute threads."""
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.kv_cells
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = self.max_sequences
+        cparams.n_outputs_max = 0  # n_batch
+        cparams.n_outputs_max_per_seq = 0  # any number of logits per sequence (default 1)
+        cparams.kv_unified = True
+        cparams.type_k = cparams.type_v = _KV_TYPES[self.kv_type]
+        cparams.n_threads = cparams.n_threads_batch = threads
+        return cparams
 
 
 SPARE = -1  # the spare sequence of a copy plan
@@ -268,17 +300,7 @@ class LlamaCppModel:
         lib = self._lib = _llama()
         self.settings = settings = settings or LlamaCppSettings()
         self.path = Path(path)
-        max_seq = int(getattr(lib, "LLAMA_MAX_SEQ", 256))
-        if not 1 <= settings.max_sequences <= max_seq:
-            raise ConfigError(f"max_sequences must be in [1, {max_seq}]")
-        if settings.n_batch < settings.max_sequences:  # llama.cpp aborts (GGML_ASSERT)
-            raise ConfigError(
-                f"n_batch ({settings.n_batch}) must be >= max_sequences ({settings.max_sequences})"
-            )
-        if settings.threads is not None and settings.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {settings.threads}")
-        if settings.gpu_layers < -1:
-            raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {settings.gpu_layers}")
+        settings.validate(int(getattr(lib, "LLAMA_MAX_SEQ", 256)))
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = settings.gpu_layers
         self._devices = None  # the device array must outlive the model
@@ -292,18 +314,9 @@ class LlamaCppModel:
         if not self._model:
             raise ModelFileError(f"llama.cpp cannot load {self.path}")
         self.threads = settings.threads or physical_cores()
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = settings.kv_cells
-        cparams.n_batch = cparams.n_ubatch = settings.n_batch
-        cparams.n_seq_max = settings.max_sequences
-        cparams.n_outputs_max = 0  # n_batch
-        cparams.n_outputs_max_per_seq = 0  # any number of logits per sequence (default 1)
-        cparams.kv_unified = True
-        if settings.kv_type not in _KV_TYPES:
-            raise ConfigError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
-        cparams.type_k = cparams.type_v = _KV_TYPES[settings.kv_type]
-        cparams.n_threads = cparams.n_threads_batch = self.threads
-        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        self._ctx = lib.llama_init_from_model(
+            self._model, settings.context_params(lib, self.threads)
+        )
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise ModelFileError(f"llama.cpp cannot create a context for {self.path}")
