@@ -51,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     roof = (
         [] if args.no_roofline or engine.draft is None else bench.roofline_rows(engine, specs, rows)
     )
+    note = _bench_note(args, engine, len(prompts), base, tuning)
+    report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
+    print(report.read_text())
+    return 0
+
+
+def _bench_note(args: argparse.Namespace, engine, prompts: int, base, tuning) -> str:
+    """The report's note: provenance, models, prompts, budget, temperatures, the settings
+    the tuner chose (``tuning``, or None), and the command that made it."""
     tuned = (
         ""
         if tuning is None
@@ -59,18 +68,15 @@ def run(args: argparse.Namespace) -> int:
         + (f", smc = {tuning.smc.setting.name}" if tuning.smc else "")
         + "."
     )
-    note = (
+    return (
         f"{provenance(args)}. Target {engine.target.path.name}, draft "
-        f"{engine.draft.path.name if engine.draft else '-'}. {len(prompts)} ShareGPT V3 first "
+        f"{engine.draft.path.name if engine.draft else '-'}. {prompts} ShareGPT V3 first "
         f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
         f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
         f"{_bench_eos_note(args.stop_at_eos)}; T_t {base.temperature}, T_d "
         f"{base.draft_temperature}; one request at a time, methods alternated.{tuned}\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
-    report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
-    print(report.read_text())
-    return 0
 
 
 def _bench_methods(args: argparse.Namespace) -> list[str]:
