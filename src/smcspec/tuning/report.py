@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from smcspec.tuning.predict import Prediction
 from smcspec.tuning.tuner import Tuning
 
 
@@ -16,22 +17,8 @@ def format_table(tuning: Tuning) -> str:
     method, N, K, tokens a round, round milliseconds, predicted tokens/s, ratio to ar's,
     smc's predicted distinct-row fraction and its tokens/s were every row computed, its
     predicted ESS, and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
-    key, acc = tuning.key, tuning.acceptance
+    key = tuning.key
     ar = next(p for p in tuning.predictions if p.setting.method == "ar")
-    alpha = (
-        f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
-        f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
-        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens)"
-        if acc
-        else "no draft: ar only"
-    )
-    if acc and acc.get("log_weight_quantiles") is not None:
-        q = acc["log_weight_quantiles"]
-        alpha += (
-            f"; smc's per-token log-weight on the same tokens: median {q[50]:.3f}, 1-99 % "
-            f"[{q[1]:.2f}, {q[99]:.2f}] nats, from which each setting's ESS after a round is "
-            f"simulated; fidelity floor --min-ess {tuning.min_ess:g} effective particles"
-        )
     measured = (
         f"measured now in {tuning.measured_seconds:.1f} s"
         if tuning.measured_seconds
@@ -40,34 +27,59 @@ def format_table(tuning: Tuning) -> str:
     lines = [
         f"Predicted tokens/s from measured forward costs: {key['machine']}, "
         f"{key['threads']} threads, backend {key['backend']} ({key['dtype']}); target "
-        f"{_model_name(key['target'])}, draft {_model_name(key['draft'])}. {alpha}. Costs "
-        f"{measured}: {tuning.cache_path}. Forwards only (sampling, Python and prefill time "
-        "are not counted, so measured tokens/s are lower).",
+        f"{_model_name(key['target'])}, draft {_model_name(key['draft'])}. "
+        f"{_acceptance_note(tuning)}. Costs {measured}: {tuning.cache_path}. Forwards only "
+        "(sampling, Python and prefill time are not counted, so measured tokens/s are lower).",
         "",
         "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar "
         "| distinct rows | tokens/s, every row | predicted ESS after a round | chosen |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for p in tuning.predictions:
-        s = p.setting
-        marks = []
-        if p == tuning.auto:
-            marks.append("auto")
-        if p == tuning.smc:
-            marks.append(f"smc (N >= {tuning.min_particles})")
-        if s.method == "smc" and s.particles < tuning.min_particles:
-            marks.append("below --min-particles")
-        elif p.ess is not None and p.ess < tuning.min_ess:
-            marks.append(f"below --min-ess {tuning.min_ess:g}")
-        ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
-        distinct = f"{p.distinct:.2f}" if s.method == "smc" else "-"
-        every = f"{p.all_rows_tokens_per_second:.2f}" if s.method == "smc" else "-"
-        n = str(s.particles) if s.method == "smc" else "-"
-        k = str(s.draft_tokens) if s.method != "ar" else "-"
-        lines.append(
-            f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
-            f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
-            f"{p.tokens_per_second / ar.tokens_per_second:.2f}x | {distinct} | {every} | "
-            f"{ess} | {', '.join(marks)} |"
-        )
+    lines += [_setting_row(p, tuning, ar.tokens_per_second) for p in tuning.predictions]
     return "\n".join(lines) + "\n"
+
+
+def _acceptance_note(tuning: Tuning) -> str:
+    """Where the predictions' acceptance alpha and log-weight quantiles come from."""
+    acc = tuning.acceptance
+    if not acc:
+        return "no draft: ar only"
+    note = (
+        f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
+        f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
+        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens)"
+    )
+    if acc.get("log_weight_quantiles") is not None:
+        q = acc["log_weight_quantiles"]
+        note += (
+            f"; smc's per-token log-weight on the same tokens: median {q[50]:.3f}, 1-99 % "
+            f"[{q[1]:.2f}, {q[99]:.2f}] nats, from which each setting's ESS after a round is "
+            f"simulated; fidelity floor --min-ess {tuning.min_ess:g} effective particles"
+        )
+    return note
+
+
+def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> str:
+    """One table row: the setting, its predicted round and tokens/s, and why it is (not)
+    chosen."""
+    s = p.setting
+    marks = []
+    if p == tuning.auto:
+        marks.append("auto")
+    if p == tuning.smc:
+        marks.append(f"smc (N >= {tuning.min_particles})")
+    if s.method == "smc" and s.particles < tuning.min_particles:
+        marks.append("below --min-particles")
+    elif p.ess is not None and p.ess < tuning.min_ess:
+        marks.append(f"below --min-ess {tuning.min_ess:g}")
+    ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
+    distinct = f"{p.distinct:.2f}" if s.method == "smc" else "-"
+    every = f"{p.all_rows_tokens_per_second:.2f}" if s.method == "smc" else "-"
+    n = str(s.particles) if s.method == "smc" else "-"
+    k = str(s.draft_tokens) if s.method != "ar" else "-"
+    return (
+        f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
+        f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
+        f"{p.tokens_per_second / ar_tokens_per_second:.2f}x | {distinct} | {every} | "
+        f"{ess} | {', '.join(marks)} |"
+    )
