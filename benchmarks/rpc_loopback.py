@@ -34,18 +34,13 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from serve_process import free_port
 from shared_forward_cost import time_decode
 
 from smcspec import Engine, GenerationConfig
 from smcspec.eval.gsm8k import build_messages, load_gsm8k
 
 SHAPES = ((1, 1), (1, 9), (4, 9))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(threads: int) -> tuple[subprocess.Popen, str]:
