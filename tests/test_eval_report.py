@@ -142,14 +142,16 @@ def test_verdict_needs_the_exact_interval_when_all_discordant_pairs_agree(tmp_pa
 
 def test_budget_is_paired_with_the_baseline(tmp_path):
     """12 questions: ar is cut on q0-q3, smc on q4 only (and both on q5); on the six neither
-    cut, smc loses q6 and q7 and gains q8. Old records without ``hit_cap`` are left out."""
+    cut, smc loses q6 and q7 and gains q8. Of the cut answers, smc's q4 alone is right. smc's
+    answer to q{i} is i tokens longer than ar's. Old records without ``hit_cap`` are left
+    out."""
     recs = []
     for i in range(12):
         ar = {
             **_record("ar", f"q{i}", i in (0, 1, 2, 3, 5)),
             "correct": i not in (0, 1, 2, 3, 5, 8),
         }
-        smc = {**_record("smc", f"q{i}", i in (4, 5)), "correct": i not in (4, 5, 6, 7)}
+        smc = {**_record("smc", f"q{i}", i in (4, 5), 8 + i), "correct": i not in (5, 6, 7)}
         recs += [ar, smc]
     recs += [_record("ar", "old", None), _record("smc", "old", None)]
     row = next(r for r in report.summarize(recs) if r["method"] == "smc")
@@ -159,6 +161,8 @@ def test_budget_is_paired_with_the_baseline(tmp_path):
     assert row["cap_mcnemar_p"] == pytest.approx(0.375)  # binomial(1; 5, 1/2), two-sided
     assert (row["uncapped_n"], row["uncapped_lost"], row["uncapped_gained"]) == (6, 2, 1)
     assert row["uncapped_mcnemar_p"] == pytest.approx(1.0)
+    assert (row["capped_right_baseline"], row["capped_right_method"]) == ((0, 5), (1, 2))
+    assert row["uncapped_median_tokens_diff"] == 8.5  # median of 6..11 (q6-q11)
     text = report.write_report(report.summarize(recs), tmp_path, "t").read_text()
-    assert "| smc | 12 | 4 / 1 / 1 | 0.375 | 6 | 2/1 | 1.000 |" in text
+    assert "| smc | 12 | 4 / 1 / 1 | 0.375 | 6 | 2/1 | 1.000 | 0 of 5 / 1 of 2 | +8.5 |" in text
     assert "capped: only ar / only method / both" in text

@@ -175,7 +175,9 @@ def _paired_budget(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, An
     equally often): answers capped only by the baseline, only by the method,
     by both, and the exact McNemar p; then accuracy on the items neither capped (a capped
     answer seldom holds a final one, so capping alone moves accuracy): lost/gained and its
-    McNemar p. Items whose records predate ``hit_cap`` are left out."""
+    McNemar p; how many capped answers are right on each side; and the median difference in
+    new tokens (method minus baseline) on the items neither capped. Items whose records
+    predate ``hit_cap`` are left out."""
     shared = sorted(
         i
         for i in set(recs) & set(base)
@@ -188,6 +190,9 @@ def _paired_budget(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, An
     neither = [i for i, x, y in zip(shared, a, b, strict=True) if not (x or y)]
     right_a = [bool(base[i]["correct"]) for i in neither]
     right_b = [bool(recs[i]["correct"]) for i in neither]
+    cut_a = [i for i, x in zip(shared, a, strict=True) if x]
+    cut_b = [i for i, y in zip(shared, b, strict=True) if y]
+    length_diff = [recs[i]["new_tokens"] - base[i]["new_tokens"] for i in neither]
     return {
         "cap_paired_n": len(shared),
         "capped_baseline_only": sum(x and not y for x, y in zip(a, b, strict=True)),
@@ -198,6 +203,9 @@ def _paired_budget(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, An
         "uncapped_lost": sum(x and not y for x, y in zip(right_a, right_b, strict=True)),
         "uncapped_gained": sum(y and not x for x, y in zip(right_a, right_b, strict=True)),
         "uncapped_mcnemar_p": mcnemar_pvalue(right_a, right_b) if neither else 1.0,
+        "capped_right_baseline": (sum(bool(base[i]["correct"]) for i in cut_a), len(cut_a)),
+        "capped_right_method": (sum(bool(recs[i]["correct"]) for i in cut_b), len(cut_b)),
+        "uncapped_median_tokens_diff": float(np.median(length_diff)) if neither else None,
     }
 
 
@@ -332,18 +340,25 @@ def _budget_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
         f"The token budget, paired against {baseline}: answers cut by it only for {baseline}, "
         "only for the method, for both (two exact samplers of the same target are cut equally "
         "often), with the exact McNemar p; then accuracy on the questions neither answer "
-        "was cut on (a cut answer seldom holds a final one, so cutting alone moves accuracy):",
+        "was cut on (a cut answer seldom holds a final one, so cutting alone moves accuracy); "
+        f"right when cut: right answers among the cut ones, {baseline}'s and the method's; "
+        f"length diff: the median of the method's new tokens minus {baseline}'s on the "
+        "questions neither answer was cut on:",
         "",
         f"| method | paired n | capped: only {baseline} / only method / both | McNemar p "
-        "| neither capped: n | lost/gained | McNemar p |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        f"| neither capped: n | lost/gained | McNemar p | right when cut: {baseline} / method "
+        "| length diff (tokens) |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in paired:
+        (ra, na), (rb, nb) = r["capped_right_baseline"], r["capped_right_method"]
+        diff = r["uncapped_median_tokens_diff"]
         lines.append(
             f"| {r['method']} | {r['cap_paired_n']} | {r['capped_baseline_only']} / "
             f"{r['capped_method_only']} / {r['capped_both']} | {r['cap_mcnemar_p']:.3f} | "
             f"{r['uncapped_n']} | {r['uncapped_lost']}/{r['uncapped_gained']} | "
-            f"{r['uncapped_mcnemar_p']:.3f} |"
+            f"{r['uncapped_mcnemar_p']:.3f} | {ra} of {na} / {rb} of {nb} | "
+            f"{'-' if diff is None else f'{diff:+g}'} |"
         )
     return lines
 
