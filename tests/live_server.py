@@ -42,9 +42,10 @@ class Server:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def client(self) -> openai.OpenAI:
+    def client(self, timeout: float = 120) -> openai.OpenAI:
+        """An openai client of this server, without retries; ``timeout`` in seconds."""
         return openai.OpenAI(
-            base_url=self.url("/v1"), api_key=self.api_key or "none", max_retries=0, timeout=120
+            base_url=self.url("/v1"), api_key=self.api_key or "none", max_retries=0, timeout=timeout
         )
 
     def metrics(self) -> dict[str, float]:

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from live_server import Server
 
 from smcspec import ContextLengthError, Engine, GenerationConfig, ModelFileError
 from smcspec.models import load_model
@@ -215,38 +216,13 @@ def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
 
 def test_server_on_the_default_pair(gguf_paths):
     """``smcspec serve``'s app on the real pair, through the real openai client."""
-    import socket
-    import threading
-    import time
-
-    import httpx
-    import openai
-    import uvicorn
-
     from smcspec.server import create_app
 
     engine = Engine.load()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     name = engine.target.name
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(engine, model_name=name), host="127.0.0.1", port=port, log_level="warning"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server = Server(create_app(engine, model_name=name))
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
-        )
+        client = server.client(timeout=600)
         assert name == "qwen2.5-coder-1.5b-instruct-q4_k_m"
         text, usage = "", None
         for chunk in client.chat.completions.create(
@@ -293,5 +269,4 @@ def test_server_on_the_default_pair(gguf_paths):
         assert choice.finish_reason == "stop", choice.message.content
         assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content))
     finally:
-        server.should_exit = True
-        thread.join(30)
+        server.stop()
