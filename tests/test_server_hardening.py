@@ -323,6 +323,39 @@ def assert_still_serving(server: Server) -> None:
     assert ok.json()["usage"]["completion_tokens"] >= 1
 
 
+# errors whose message must say what is wrong in the client's terms (issue: a form body
+# got "Input should be a valid dictionary", an image part "content.str: ... valid string")
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+CLEAR_MESSAGES = [
+    ("form-body", C, {"content": b"prompt=ab&max_tokens=4",
+                      "headers": {"content-type": "application/x-www-form-urlencoded"}},
+     "Content-Type: application/json"),  # what `curl -d` sends
+    ("text-plain-body", C, {"content": b'{"prompt": "ab"}',
+                            "headers": {"content-type": "text/plain"}},
+     "Content-Type: application/json"),
+    ("json-array-body", C, raw(b"[1, 2]"), "must be a JSON object"),
+    ("image-part", CC, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, IMAGE]}]),
+     "image inputs ('image_url' content parts) are not supported by this model"),
+    ("audio-part", CC, chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]),
+     "audio inputs"),
+    ("unknown-part", CC, chat(messages=[{"role": "user", "content": [{"type": "video"}]}]),
+     "content parts must be {'type': 'text'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, path, kwargs, says", CLEAR_MESSAGES, ids=[c[0] for c in
+                                                                           CLEAR_MESSAGES])
+def test_errors_say_what_is_wrong_in_the_clients_terms(server, name, path, kwargs, says):
+    r = httpx.post(server.url(path), timeout=30, **kwargs)
+    assert r.status_code == 400
+    message = assert_error_shape(r)["message"]
+    assert says in message, message
+    assert "valid dictionary" not in message and "valid string" not in message
+    assert "Value error" not in message
+
+
 def test_the_corpus_has_at_least_40_cases():
     assert len(CASES) >= 40
 
@@ -406,6 +439,14 @@ def test_api_key(engine):
         assert httpx.get(srv.url("/v1/models")).status_code == 401
         assert httpx.get(srv.url("/metrics")).status_code == 401
         assert httpx.get(srv.url("/health")).status_code == 200  # open for probes
+        for bad in (f"Bearer {key.upper()}", f"Basic {key}", f"Bearer{key}", f"{key} Bearer"):
+            r = httpx.post(srv.url(C), headers={"Authorization": bad}, timeout=30, **completion())
+            assert r.status_code == 401, bad
+        # the scheme name is case-insensitive (RFC 7235 section 2.1); the key is not
+        for scheme in ("bearer", "BEARER", "Bearer", "bEaReR"):
+            headers = {"Authorization": f"{scheme} {key}"}
+            r = httpx.post(srv.url(C), headers=headers, timeout=30, **completion(max_tokens=2))
+            assert r.status_code == 200, scheme
         r = srv.client().completions.create(model=MODEL, prompt="ab", max_tokens=2)
         assert r.usage.completion_tokens >= 1
         assert srv.metrics()["smcspec_generation_tokens_total"] >= 1

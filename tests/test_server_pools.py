@@ -184,3 +184,43 @@ def test_requests_that_together_exceed_the_kv_cells_take_turns(tmp_path_factory)
         _settled(server)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("method", ["ar", "smc"])
+def test_a_non_streamed_client_that_leaves_while_tokens_flow_is_cancelled(engine, monkeypatch,
+                                                                         method):  # fmt: skip
+    """Tokens arrive more often than the disconnect poll (every forward takes 20 ms more,
+    about 6 s in all): the request must still be cancelled within 5 s of its client leaving
+    (it once ran to the end, held its pools and counted as a success), its pools be full
+    again, and a fresh request succeed."""
+    from test_server_hardening import _slowed
+
+    defaults = GenerationConfig(max_new_tokens=12, ignore_eos=True)  # runs its whole budget
+    server = Server(create_app(engine, defaults, model_name=MODEL))
+    try:
+        before = server.metrics()
+        _slowed(engine, monkeypatch, 0.02)
+        smc = {"method": "ar"} if method == "ar" else {**SMC8, "particles": 4}
+        body = _chat(smc=smc, max_tokens=300 if method == "ar" else 40)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and hangs up
+            httpx.post(server.url("/v1/chat/completions"), json=body,
+                       timeout=httpx.Timeout(30, read=1.0))  # fmt: skip
+        left = time.monotonic()
+        cancelled = f'smcspec_requests_total{{"method": "{method}", "outcome": "cancelled"}}'
+        success = f'smcspec_requests_total{{"method": "{method}", "outcome": "success"}}'
+        while time.monotonic() - left < 5:
+            m = server.metrics()
+            if m.get(cancelled, 0) > before.get(cancelled, 0) and _pools_full(server):
+                break
+            time.sleep(0.05)
+        m = server.metrics()
+        assert m.get(cancelled, 0) == before.get(cancelled, 0) + 1, "not cancelled within 5 s"
+        assert m.get(success, 0) == before.get(success, 0)
+        assert m["smcspec_running_requests"] == 0 and _pools_full(server)
+        monkeypatch.undo()
+        again = httpx.post(server.url("/v1/chat/completions"), json=_chat(smc=SMC8), timeout=60)
+        assert again.status_code == 200
+        _settled(server)
+    finally:
+        monkeypatch.undo()
+        server.stop()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Reward, TokenConstraint
+from smcspec.sampling.distributions import GREEDY_BELOW
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
@@ -28,6 +29,7 @@ class GenerationConfig:
             (a drafted token is accepted iff it is the target's most likely one; the output
             equals ``ar``'s), and ``smc`` runs as greedy ``sd`` (SMC-SD's importance
             weights are undefined for a point-mass target; its stats say ``greedy``).
+            A temperature below :data:`GREEDY_BELOW` (1e-30) is greedy too.
         draft_temperature: draft temperature ``T_d`` (> 0; smc and sd; greedy decoding
             drafts the draft's most likely tokens whatever it is).
         particles: N, particles per request (smc).
@@ -92,8 +94,9 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: greedy decoding (see ``temperature``)."""
-        return self.temperature == 0
+        """Temperature 0, or below :data:`GREEDY_BELOW`: greedy decoding (see
+        ``temperature``)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""

@@ -20,6 +20,14 @@ class ConfigError(SmcspecError, ValueError):
     exit_code = 2
 
 
+class RpcServerError(ConfigError):
+    """An RPC server (``--rpc HOST:PORT``) cannot be used: the connection is refused, the
+    peer does not answer llama.cpp's RPC handshake in time, answers another protocol, or
+    speaks another protocol version. Exits with 1: the command was right, the peer was not."""
+
+    exit_code = 1
+
+
 class ModelFileError(SmcspecError):
     """A model file or package is missing, truncated, altered or of an unsupported kind."""
 

@@ -8,9 +8,11 @@ authentication: run servers on trusted networks only.
 
 Faults: llama.cpp's client aborts the process (``GGML_ABORT``, SIGABRT) when a server cannot
 be reached at registration or stops answering mid-forward (``ggml-rpc.cpp``,
-``RPC_STATUS_ASSERT``); it does not return an error. :func:`check_reachable` therefore
-connects to every server first, so a wrong address is a clear error instead of an abort;
-a server lost later ends the process. ``smcspec serve`` sees that abort first
+``RPC_STATUS_ASSERT``) and waits forever on a peer that never answers; it does not return
+an error. :func:`check_reachable` therefore does the protocol's HELLO exchange with every
+server first, with a timeout, so that a wrong address, another protocol, a silent listener
+or another protocol version is a clear error instead of an abort or a hang; a server lost
+later ends the process. ``smcspec serve`` sees that abort first
 (:mod:`smcspec.backends.llamacpp_faults`): its requests get errors, then it exits with 1.
 """
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import struct
+import time
 from pathlib import Path
 
-from smcspec.errors import ConfigError
+from smcspec.errors import ConfigError, RpcServerError
 
 DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU = 0, 1, 2  # enum ggml_backend_dev_type
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
@@ -45,18 +49,89 @@ def parse_endpoints(spec: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def check_reachable(endpoint: str, timeout_s: float = 3.0) -> None:
-    """Raises :class:`ConfigError` unless a TCP connection to ``endpoint`` opens within
-    ``timeout_s`` (llama.cpp would abort the process instead)."""
+# The handshake of the RPC protocol that llama-cpp-python 0.3.36's llama.cpp speaks
+# (ggml/include/ggml-rpc.h, ggml/src/ggml-rpc/ggml-rpc.cpp): a request is the command byte,
+# its payload size (uint64, little-endian) and the payload; a response is its size and its
+# payload. HELLO (14, pinned by a static_assert there) carries 24 bytes of transport
+# capabilities (all zero: plain TCP) and is answered by major, minor, patch, one byte of
+# padding and the server's 24 capability bytes. The client refuses another major version, or
+# a newer minor one.
+RPC_CMD_HELLO = 14
+RPC_CONN_CAPS_SIZE = 24
+RPC_PROTO_VERSION = (7, 0, 0)
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def check_reachable(endpoint: str, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> tuple[int, int, int]:
+    """Do the RPC protocol's HELLO exchange with ``endpoint`` within ``timeout_s`` seconds
+    in all, and return the server's protocol version ``(major, minor, patch)``.
+
+    llama.cpp's own client aborts the process (SIGABRT) when the peer is not an RPC server
+    and hangs forever on one that never answers; this check runs first, so that each of
+    those is a clear error instead.
+
+    Raises:
+        RpcServerError: the connection is refused or times out, the peer does not answer the
+            handshake within ``timeout_s`` (a silent listener, or a server busy with another
+            client: llama.cpp's serves one at a time), answers something that is not the
+            handshake (another protocol, such as HTTP), or speaks another protocol version.
+    """
     host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as exc:
-        raise ConfigError(
+        raise RpcServerError(
             f"cannot reach the RPC server {endpoint} ({exc}); start it with "
             f"`smcspec rpc-server --host HOST --port PORT` on that machine"
         ) from None
+    head = body = b""
+    try:
+        with sock:
+            hello = struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE)
+            sock.sendall(hello + bytes(RPC_CONN_CAPS_SIZE))
+            head = _recv_exactly(sock, 8, deadline)
+            if len(head) == 8 and struct.unpack("<Q", head)[0] == 4 + RPC_CONN_CAPS_SIZE:
+                body = _recv_exactly(sock, 4 + RPC_CONN_CAPS_SIZE, deadline)
+    except TimeoutError:
+        raise RpcServerError(
+            f"the RPC server {endpoint} did not answer the handshake within {timeout_s:g} s: "
+            "is it a llama.cpp RPC server (`smcspec rpc-server`), and not busy with another "
+            "client?"
+        ) from None
+    except OSError:  # reset by a peer that refused the bytes: another protocol
+        pass
+    if len(body) != 4 + RPC_CONN_CAPS_SIZE:
+        seen = (head + body)[:16]
+        raise RpcServerError(
+            f"{endpoint} did not answer as a llama.cpp RPC server (it sent {seen!r}); "
+            "check the address and port"
+        )
+    version = (body[0], body[1], body[2])
+    if version[0] != RPC_PROTO_VERSION[0] or version[1] > RPC_PROTO_VERSION[1]:
+        mine = ".".join(map(str, RPC_PROTO_VERSION))
+        raise RpcServerError(
+            f"the RPC server {endpoint} speaks protocol {'.'.join(map(str, version))}, this "
+            f"build {mine}: run the same llama.cpp version on both sides "
+            "(`smcspec rpc-server` from the same smcspec setup)"
+        )
+    return version
+
+
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Up to ``n`` bytes from ``sock``: fewer only if the peer closed the connection.
+    Raises ``TimeoutError`` past ``deadline`` (``time.monotonic()``)."""
+    out = b""
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def ggml_library() -> ctypes.CDLL:
@@ -136,7 +211,8 @@ def rpc_devices(endpoints: tuple[str, ...], local: list[int] | None = None) -> c
     for ``llama_model_params.devices`` (keep the array alive as long as the model).
 
     Raises:
-        ConfigError: a server that cannot be reached, or a build without RPC.
+        RpcServerError: a server that cannot be reached or does not answer the handshake.
+        ConfigError: a build without RPC.
     """
     for ep in endpoints:
         check_reachable(ep)

@@ -91,7 +91,7 @@ def _ar_steps(
         lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
         if state is not None:
             lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
-        if cfg.temperature == 0:
+        if cfg.greedy:
             lp = point_mass_log_probs(lp)
         tok = int(sample_categorical(lp.exp(), generator))
         out.append(tok)

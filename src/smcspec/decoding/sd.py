@@ -119,7 +119,7 @@ def _prefill(
     first = truncate_log_probs(step_log_probs(first_logits, cfg.temperature), *trunc)
     if state is not None:
         first = _masked_target(first, _allowed(state, vocab, target.device))
-    if cfg.temperature == 0:
+    if cfg.greedy:
         first = point_mass_log_probs(first)
     return int(sample_categorical(first.exp(), generator))
 
@@ -266,7 +266,7 @@ def _draft_block(
     returns the tokens and their draft distributions (``[V]`` float probabilities each).
     With a constraint, ``state`` consumes each token and ``masks`` gains the mask after it;
     a stop token or a dead end ends the block early."""
-    dev, greedy = draft.device, cfg.temperature == 0
+    dev, greedy = draft.device, cfg.greedy
     t_d = 0 if greedy else cfg.draft_temperature
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
@@ -307,7 +307,7 @@ def _target_probs(
         if dead:
             masks[-1] = torch.ones_like(masks[-1])
         lp = torch.stack([_masked_target(lp[j], masks[j]) for j in range(len(lp))])
-    if cfg.temperature == 0:
+    if cfg.greedy:
         lp = point_mass_log_probs(lp)
     return lp.exp(), dead
 

@@ -107,7 +107,7 @@ def _power_target(
     filters off: ``softmax(alpha * l / T_t)`` and :func:`bonus_log_normalizer`, the code
     path used before truncation existed."""
     if not truncation_active(*trunc):
-        probs = tempered_log_probs(alpha * logits, t_t).exp()
+        probs = tempered_log_probs(logits, t_t / alpha).exp()  # softmax(alpha * l / T_t)
         use_norm = with_norm and alpha != 1.0
         return probs, bonus_log_normalizer(logits, t_t, alpha) if use_norm else None
     lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
@@ -297,7 +297,7 @@ def smc_program(
     ``cfg.temperature`` must be > 0: a greedy (point-mass) target has no importance weights;
     :class:`~smcspec.engine.Engine` runs greedy requests of ``smc`` as greedy ``sd``.
     """
-    if cfg.temperature <= 0:
+    if cfg.greedy:
         raise ValueError("SMC-SD needs temperature > 0 (greedy requests run as greedy sd)")
 
     def rounds(tcache: KVCache, dcache: KVCache) -> Program:

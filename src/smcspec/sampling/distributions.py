@@ -6,13 +6,28 @@ import torch
 
 from smcspec.errors import NumericalError
 
+GREEDY_BELOW = 1e-30
+"""A target temperature below this decodes greedily (``GenerationConfig.greedy``).
+``softmax(l / T)`` of float32 logits is then a point mass on the most likely token (split
+only between exactly tied logits), and SMC-SD's weights would be ``-inf`` for every other
+drafted token: greedy decoding is that distribution in all but name."""
+
+SMALL_TEMPERATURE = 1e-6
+"""Below this, :func:`tempered_log_probs` shifts each row's maximum logit to 0 before
+dividing, so that ``logits / temperature`` cannot overflow float32 (it would near 1e-35)."""
+
 
 def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` in float32.
+    """``log_softmax(logits / temperature)`` in float32, for any temperature >= 0.
+
+    Below :data:`SMALL_TEMPERATURE` the logits are first shifted so that each row's
+    maximum is 0 (``log_softmax`` is shift-invariant): the most likely tokens stay at 0
+    and the rest fall towards, or to, ``-inf``. A temperature too small for float32
+    (down to 0) gives the limit: the uniform distribution over the tied most likely tokens.
 
     Args:
         logits: ``[..., V]`` any float dtype.
-        temperature: > 0.
+        temperature: >= 0 (a Python float).
     Returns:
         float32 ``[..., V]`` log-probabilities.
     Raises:
@@ -21,7 +36,11 @@ def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     logits = logits.float()
     if torch.isnan(logits).any():
         raise NumericalError("the model produced NaN logits")
-    return torch.log_softmax(logits / temperature, dim=-1)
+    if temperature >= SMALL_TEMPERATURE:
+        return torch.log_softmax(logits / temperature, dim=-1)
+    shifted = logits - logits.amax(-1, keepdim=True)
+    scaled = torch.where(shifted == 0, 0.0, shifted / temperature)  # 0 / 0 at temperature 0
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def point_mass_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
@@ -36,10 +55,11 @@ def point_mass_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def step_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` (float32 ``[..., V]``); ``temperature == 0``
-    (greedy) gives the untempered ``log_softmax(logits)``, to be turned into a point mass by
-    :func:`point_mass_log_probs` once filters and masks are applied."""
-    return tempered_log_probs(logits, temperature if temperature > 0 else 1.0)
+    """``log_softmax(logits / temperature)`` (float32 ``[..., V]``); a greedy temperature
+    (below :data:`GREEDY_BELOW`, 0 included) gives the untempered ``log_softmax(logits)``, to
+    be turned into a point mass by :func:`point_mass_log_probs` once filters and masks are
+    applied (so that the mask picks among all tokens, not only the tempered top one)."""
+    return tempered_log_probs(logits, temperature if temperature >= GREEDY_BELOW else 1.0)
 
 
 _BLOCK = 256  # tokens per block of the two-level inverse-CDF sampler

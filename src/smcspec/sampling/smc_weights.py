@@ -29,8 +29,15 @@ def bonus_log_normalizer(
     Equal to ``log sum_v p_T(v)^alpha`` (``p_T = softmax(l / T)``), i.e. the second output of
     :func:`power_log_probs` without truncation.
     ``target_logits``: ``[..., V]``; returns float64 ``[...]``.
+
+    Computed with each row's maximum shifted to 0 (both terms shift by ``alpha * max``),
+    so that a tiny temperature or a huge alpha cannot overflow: the result is then the log
+    of the number of tied most likely tokens minus ``alpha * log(1 + rest)``, finite or
+    ``-inf``, never NaN.
     """
-    scaled = target_logits.double() / temperature
+    logits = target_logits.double()
+    shifted = logits - logits.amax(-1, keepdim=True)
+    scaled = torch.where(shifted == 0, 0.0, shifted / temperature)
     return torch.logsumexp(alpha * scaled, -1) - alpha * torch.logsumexp(scaled, -1)
 
 

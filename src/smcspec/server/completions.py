@@ -23,6 +23,7 @@ from smcspec.config import GenerationConfig
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.metrics import ServerMetrics
+from smcspec.potentials import DeadEndError
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
 from smcspec.scheduler import Request as EngineRequest
 from smcspec.server.errors import ApiError, error_body
@@ -85,6 +86,20 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
         raise ApiError(400, str(exc)) from exc
 
 
+def generation_error(exc: BaseException) -> ApiError:
+    """The API error of a choice whose decoding raised ``exc``: a dead end (no token the
+    constraint allows has probability under the target and its filters: the request asks
+    for what this model cannot write) is the request's (400); anything else is a 500."""
+    if isinstance(exc, DeadEndError):
+        return ApiError(
+            400,
+            f"no output satisfies the constraint with these settings ({exc}); loosen the "
+            "constraint or the top_k/top_p/min_p filters",
+            code="constraint_dead_end",
+        )
+    return ApiError(500, f"generation failed: {exc}", "server_error")
+
+
 class Completion:
     """One API request in flight: its choices, their events and its response."""
 
@@ -105,8 +120,12 @@ class Completion:
         ]
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        tools = isinstance(self.cfg.constraint, ToolCalls) and self.cfg.constraint.calls_allowed
-        self.choices = [Choice(i, stops, tools=chat and tools) for i in range(body.n)]
+        self.check_client_at = 0.0  # time.monotonic() of the next disconnect check
+        constraint = self.cfg.constraint
+        tools = chat and isinstance(constraint, ToolCalls) and constraint.calls_allowed
+        # stop strings cut free text only: never inside a call or a constrained output
+        stops_apply = constraint is None or isinstance(constraint, ToolCalls)
+        self.choices = [Choice(i, stops, tools, stops_apply) for i in range(body.n)]
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
@@ -155,21 +174,30 @@ class Completion:
         )
 
     async def _next(self, request: Request | None) -> tuple[str, Choice, Any]:
+        """The next event; with ``request``, its client is checked every
+        ``DISCONNECT_POLL_S`` whether or not events keep arriving (a fast decoder sends
+        them more often than that)."""
         if request is None:
             return await self.queue.get()
         getter = asyncio.ensure_future(self.queue.get())
         try:
             while True:
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                now = time.monotonic()
+                if now >= self.check_client_at:
+                    self.check_client_at = now + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        raise ClientGone
+                wait_s = max(self.check_client_at - time.monotonic(), 0.0)
+                done, _ = await asyncio.wait({getter}, timeout=wait_s)
                 if done:
                     return getter.result()
-                if await request.is_disconnected():
-                    raise ClientGone
         finally:
             getter.cancel()
 
     async def events(self, request: Request | None = None) -> AsyncIterator[tuple]:
-        """``(kind, choice, text)`` until every choice is done; stop strings cancel.
+        """``(kind, choice, deltas)`` until every choice is done (``kind``: ``text`` or
+        ``done``; ``deltas``: :meth:`Choice.feed`'s chat delta bodies); a stop string
+        cancels its choice.
 
         With ``request`` (non-streamed), raises :class:`ClientGone` when its client leaves.
         """
@@ -177,21 +205,21 @@ class Completion:
         while remaining:
             what, c, payload = await self._next(request)
             if what == "text":
-                delta = c.matcher.feed(payload)
-                if c.matcher.stopped:
+                deltas = c.feed(payload)
+                if c.stopped:
                     c.engine_req.cancel()
-                yield "text", c, delta
+                yield "text", c, deltas
                 continue
             remaining -= 1
             if isinstance(payload, GenerationResult):
                 c.result = payload
                 self._record(c, "success")
-            elif c.matcher.stopped:
+            elif c.stopped:
                 self._record(c, "stopped")
             elif not c.cancelled:
                 c.error = payload
                 self._record(c, "error")
-            yield "done", c, c.matcher.feed("", final=True)
+            yield "done", c, c.feed("", final=True)
 
     # ------------------------------------------------------------------ responses
     def usage(self) -> dict[str, int]:
@@ -208,15 +236,15 @@ class Completion:
     async def respond(self, request: Request) -> dict[str, Any] | Response:
         """The whole response, after every choice is done (non-streamed request)."""
         try:
-            async for what, c, text in self.events(request):
-                c.deltas(text, final=what == "done")  # splits content and tool calls
+            async for _ in self.events(request):
+                pass  # each choice keeps its text and calls
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the rows are freed
         finally:
             self.cancel_open()
         failed = [c for c in self.choices if c.error is not None]
         if failed:
-            raise ApiError(500, f"generation failed: {failed[0].error}", "server_error")
+            raise generation_error(failed[0].error)
         return {
             "id": self.id,
             "object": self.object,
@@ -245,14 +273,16 @@ class Completion:
             if chat:
                 for c in self.choices:
                     yield self._chunk([chunk_choice(c, chat, None, None, first=True)])
-            async for what, c, text in self.events():
+            async for what, c, deltas in self.events():
                 if what == "done" and c.error is not None:
-                    yield sse(error_body(f"generation failed: {c.error}", "server_error"))
+                    exc = generation_error(c.error)
+                    yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     continue
                 if chat:
-                    for delta in c.deltas(text, final=what == "done"):
+                    for delta in deltas:
                         yield self._chunk([chunk_choice(c, chat, None, None, delta=delta)])
-                elif text:
+                elif deltas:
+                    text = "".join(d["content"] for d in deltas)
                     yield self._chunk([chunk_choice(c, chat, text, None)])
                 if what == "done":
                     last = chunk_choice(c, chat, None, c.finish_reason())

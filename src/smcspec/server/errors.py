@@ -27,6 +27,22 @@ _TYPES = {
 }
 
 
+# pydantic's error types for a body that is not a JSON object (form data, an array, ...)
+_NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+
+def _body_not_an_object(content_type: str | None) -> str:
+    """The message for a body that did not parse as a JSON object, in the client's terms."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        return (
+            f"the request body must be a JSON object sent with Content-Type: application/json "
+            f"(got {media}; `curl -d` sends form data unless given "
+            "-H 'Content-Type: application/json')"
+        )
+    return "the request body must be a JSON object"
+
+
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status``, message, OpenAI error type and param."""
 
@@ -75,13 +91,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.kind, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:])
-        msg = first.get("msg", "invalid request")
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             msg, loc = "the request body is not valid JSON", ""
+        elif tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
+            msg = _body_not_an_object(request.headers.get("content-type"))
         return error_response(400, f"{loc + ': ' if loc else ''}{msg}", param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -15,17 +15,20 @@ from smcspec.server.errors import error_response
 class ApiKeyAuth:
     """Requests must carry ``Authorization: Bearer <key>``, else 401; ``open_paths`` are exempt.
 
-    The key is compared in constant time (``hmac.compare_digest``).
+    The scheme name is matched in any case (``bearer``, ``BEARER``: RFC 7235 section 2.1
+    makes it case-insensitive); the key itself is compared exactly, in constant time
+    (``hmac.compare_digest``).
     """
 
     def __init__(self, app: ASGIApp, key: str, open_paths: frozenset[str]) -> None:
-        self.app, self.expected, self.open_paths = app, f"Bearer {key}".encode(), open_paths
+        self.app, self.expected, self.open_paths = app, key.encode(), open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
         message = (
             "missing API key: send 'Authorization: Bearer <key>'"

@@ -20,6 +20,9 @@ from smcspec.tool_calls import FunctionTool, ToolCalls
 
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI content-part types this text-only server refuses, and what they carry
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio",
+                "file": "file", "input_file": "file"}  # fmt: skip
 
 
 class SmcOptions(BaseModel):
@@ -134,6 +137,25 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Content parts other than text (``image_url``, ``input_audio``, ``file``) are
+        refused in the client's terms, before the union's per-branch errors."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _MEDIA_PARTS:
+                    raise ValueError(
+                        f"{_MEDIA_PARTS[kind]} inputs ({kind!r} content parts) are not "
+                        "supported by this model: send text parts only"
+                    )
+                if kind != "text":
+                    raise ValueError(
+                        f"content parts must be {{'type': 'text', 'text': ...}}, got type {kind!r}"
+                    )
+        return content
 
     @field_validator("role")
     @classmethod

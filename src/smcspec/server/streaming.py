@@ -1,7 +1,8 @@
 """Per-choice text handling and the OpenAI response objects, streamed and whole.
 
 :class:`StopMatcher` cuts text at stop strings; :class:`Choice` is one of a request's ``n``
-generated sequences; the ``*_object`` functions build OpenAI's completion and chunk bodies.
+generated sequences (stop strings apply to its free text, never inside a tool call or a
+constrained output); the ``*_object`` functions build OpenAI's completion and chunk bodies.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from smcspec.engine import GenerationResult
 from smcspec.scheduler import Request as EngineRequest
-from smcspec.tool_calls import ArgumentsDelta, CallStart, ContentDelta, ToolCallParser
+from smcspec.tool_calls import ArgumentsDelta, CallStart, ContentDelta, ToolCall, ToolCallParser
 
 
 class StopMatcher:
@@ -41,54 +42,96 @@ class StopMatcher:
 class Choice:
     """One generated sequence of a request: engine request, text, stop handling, outcome.
 
-    With ``tools``, the text (after stop strings) also goes through a
-    :class:`~smcspec.tool_calls.ToolCallParser` that splits it into content and calls.
+    Stop strings apply to free text only, never inside a constrained span: with ``tools``
+    the text first goes through a :class:`~smcspec.tool_calls.ToolCallParser`, and only its
+    content (not a call) is matched against the stop strings; a stop string cannot span a
+    call. With ``stops_apply`` false (an output under ``response_format``, ``smc.regex`` or
+    ``smc.grammar``, which is constrained from its first token to its last) they never cut.
+    So a call or a constrained output is either complete or cut by ``max_tokens``
+    (``finish_reason`` ``length``).
     """
 
-    def __init__(self, index: int, stops: list[str], tools: bool = False) -> None:
+    def __init__(
+        self, index: int, stops: list[str], tools: bool = False, stops_apply: bool = True
+    ) -> None:
         self.index = index
-        self.matcher = StopMatcher(stops)
+        self.stops = stops if stops_apply else []
+        self.matcher = StopMatcher(self.stops)
         self.parser = ToolCallParser() if tools else None
+        self.calls: list[ToolCall] = []  # the calls sent to the client
+        self.content: list[str] = []  # the free text sent to the client
         self.engine_req: EngineRequest | None = None
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancelled = False
 
-    def deltas(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """Chat ``delta`` bodies for new ``text``: ``{"content"}``, or with tools the
-        content and ``tool_calls`` fragments (id, type and name first, then arguments)."""
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the reply (its free text is cut just before it)."""
+        return self.matcher.stopped
+
+    def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
+        """Chat ``delta`` bodies for new generated text ``piece`` (``final``: the text has
+        ended): ``{"content"}``, and with tools the ``tool_calls`` fragments (id, type and
+        name first, then arguments). Nothing once a stop string has matched."""
+        if self.stopped:
+            return []
         if self.parser is None:
-            return [{"content": text}] if text else []
-        events = self.parser.feed(text) + (self.parser.finish() if final else [])
-        return [_delta(e) for e in events]
+            return self._content(self.matcher.feed(piece, final))
+        events = self.parser.feed(piece) + (self.parser.finish() if final else [])
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                out += self._content(self.matcher.feed(event.text))
+                if self.stopped:
+                    return out  # what followed the stop string is dropped
+                continue
+            if isinstance(event, CallStart):  # the content before the call is complete
+                out += self._content(self.matcher.feed("", final=True))
+                self.matcher = StopMatcher(self.stops)
+                self.calls.append(event.call)
+            out.append(_delta(event))
+        if final:
+            out += self._content(self.matcher.feed("", final=True))
+        return out
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.content.append(text)
+        return [{"content": text}]
+
+    @property
+    def text(self) -> str:
+        """The free text sent so far (the whole reply's text without tools)."""
+        return "".join(self.content)
 
     @property
     def open(self) -> bool:
         """Still decoding: no result, no error, not stopped by a stop string, not cancelled."""
-        return (
-            self.result is None
-            and self.error is None
-            and not self.matcher.stopped
-            and not self.cancelled
-        )
+        done = self.result is not None or self.error is not None
+        return not (done or self.stopped or self.cancelled)
 
     def finish_reason(self) -> str:
         """``stop`` (a stop string, EOS or end of turn), ``length`` (max_tokens reached) or
         ``tool_calls`` (ended after complete tool calls)."""
-        if self.matcher.stopped or self.result is None:
+        if self.stopped or self.result is None:
             return "stop"
-        calls = self.parser.calls if self.parser is not None else []
+        calls = self.calls
         if self.result.finish_reason == "stop" and calls and all(c.complete for c in calls):
             return "tool_calls"
         return self.result.finish_reason
 
     def message(self) -> dict[str, Any]:
-        """The whole reply's assistant message (after the last :meth:`deltas`)."""
+        """The whole reply's assistant message (after the last :meth:`feed`): with tools,
+        ``content`` is None when the reply holds only calls (or whitespace beside them)."""
+        text = self.text
         if self.parser is None:
-            return {"role": "assistant", "content": self.matcher.text}
-        out: dict[str, Any] = {"role": "assistant", "content": self.parser.content}
-        if self.parser.calls:
-            out["tool_calls"] = [c.as_openai() for c in self.parser.calls]
+            return {"role": "assistant", "content": text}
+        content = text if text.strip() or (text and not self.calls) else None
+        out: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.calls:
+            out["tool_calls"] = [c.as_openai() for c in self.calls]
         return out
 
 
@@ -122,7 +165,7 @@ def choice_object(c: Choice, chat: bool, extra: dict[str, Any]) -> dict[str, Any
     if chat:
         entry["message"] = c.message()
     else:
-        entry["text"], entry["logprobs"] = c.matcher.text, None
+        entry["text"], entry["logprobs"] = c.text, None
     return entry
 
 

@@ -229,7 +229,7 @@ def measure_acceptance(
     result = engine.generate(ids, cfg)
     s = result.stats
     quantiles = draft_top = target_top = None
-    if cfg.temperature > 0:
+    if not cfg.greedy:
         lp, lq = pair_log_probs(
             engine.target.model, engine.draft.model, ids, result.token_ids,
             cfg.temperature, cfg.draft_temperature, engine.vocab,
