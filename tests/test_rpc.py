@@ -222,3 +222,58 @@ def test_serve_with_a_lost_rpc_server_fails_its_requests_then_exits_for_its_supe
     assert "RPC" in error["message"]  # ggml's own reason reaches the client
     assert code == 1, (code, err)
     assert "failed fatally" in err
+
+
+def test_a_real_rpc_server_passes_the_handshake(servers):
+    from smcspec.backends.llamacpp_rpc import RPC_PROTO_VERSION, check_reachable
+
+    assert check_reachable(servers[0])[:2] == RPC_PROTO_VERSION[:2]
+
+
+@pytest.mark.parametrize("peer", ["refused", "http", "silent", "version"])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_bad_rpc_address_is_one_error_line_and_exit_1_within_10_s(tmp_path, command, peer):
+    """Each wrong peer (nothing listening, a real HTTP server, a listener that never answers,
+    an RPC server of another protocol version) ends ``smcspec generate/serve --rpc`` with one
+    ``error:`` line and status 1 within 10 s: no SIGABRT, no hang."""
+    from live_server import Server as HttpServer
+    from test_rpc_handshake import listener, rpc_answer, silent
+
+    from smcspec.backends.llamacpp_rpc import RPC_PROTO_VERSION
+
+    target_file, draft_file = (
+        make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, num_hidden_layers=1)[0] for s in (1, 2)
+    )
+    http = HttpServer(_health_app()) if peer == "http" else None
+    answer = silent if peer == "silent" else rpc_answer((RPC_PROTO_VERSION[0] + 1, 0, 0))
+    with listener(answer) as fake:
+        endpoint = {"refused": f"127.0.0.1:{free_port()}", "silent": fake, "version": fake,
+                    "http": f"127.0.0.1:{http.port if http else 0}"}[peer]  # fmt: skip
+        args = [sys.executable, "-m", "smcspec", command, "--target", str(target_file),
+                "--draft", str(draft_file), "--backend", "llamacpp", "--rpc", endpoint,
+                "--threads", "1"]  # fmt: skip
+        args += ["--port", str(free_port())] if command == "serve" else ["ab", "--max-new-tokens", "4"]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=30, env=QUIET)
+        finally:
+            if http is not None:
+                http.stop()
+    took = time.monotonic() - start
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert len(lines) == 1 and endpoint in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "backtrace" not in done.stderr.lower()
+    assert took < 10, took
+
+
+def _health_app():
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    return app

@@ -182,9 +182,11 @@ class Engine:
         opts["llamacpp"] = LlamaCppSettings(threads=threads, gpu_layers=local)
         target_opts = dict(opts)
         if rpc:
-            from smcspec.backends.llamacpp_rpc import parse_endpoints
+            from smcspec.backends.llamacpp_rpc import check_reachable, parse_endpoints
 
             servers = parse_endpoints(rpc)
+            for endpoint in servers:  # before any model loads: a bad address fails fast
+                check_reachable(endpoint)
             layers = gpu_layers if gpu_layers is not None else -1
             target_opts["llamacpp"] = LlamaCppSettings(
                 threads=threads, gpu_layers=layers, rpc_servers=servers

@@ -59,7 +59,7 @@ def parse_endpoints(spec: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 RPC_CMD_HELLO = 14
 RPC_CONN_CAPS_SIZE = 24
 RPC_PROTO_VERSION = (7, 0, 0)
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 3.0
 
 
 def check_reachable(endpoint: str, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> tuple[int, int, int]:
