@@ -252,7 +252,8 @@ def test_a_bad_rpc_address_is_one_error_line_and_exit_1_within_10_s(tmp_path, co
         args = [sys.executable, "-m", "smcspec", command, "--target", str(target_file),
                 "--draft", str(draft_file), "--backend", "llamacpp", "--rpc", endpoint,
                 "--threads", "1"]  # fmt: skip
-        args += ["--port", str(free_port())] if command == "serve" else ["ab", "--max-new-tokens", "4"]
+        serve = ["--port", str(free_port())]
+        args += serve if command == "serve" else ["ab", "--max-new-tokens", "4"]
         start = time.monotonic()
         try:
             done = subprocess.run(args, capture_output=True, text=True, timeout=30, env=QUIET)

@@ -345,8 +345,9 @@ CLEAR_MESSAGES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name, path, kwargs, says", CLEAR_MESSAGES, ids=[c[0] for c in
-                                                                           CLEAR_MESSAGES])
+@pytest.mark.parametrize(
+    "name, path, kwargs, says", CLEAR_MESSAGES, ids=[c[0] for c in CLEAR_MESSAGES]
+)
 def test_errors_say_what_is_wrong_in_the_clients_terms(server, name, path, kwargs, says):
     r = httpx.post(server.url(path), timeout=30, **kwargs)
     assert r.status_code == 400

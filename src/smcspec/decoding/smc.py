@@ -647,6 +647,9 @@ def _output(
         "mean_round_ess": sum(ps.fresh_ess) / len(ps.fresh_ess) if ps.fresh_ess else float(n),
         "banked": len(ps.banked),
     }
+    if ps.banked:  # the banked particles' total probability mass: 1 once all have ended
+        masses = torch.tensor([m for _, m in ps.banked], dtype=torch.float64)
+        stats["banked_mass"] = float(torch.logsumexp(masses, 0).exp())
     if st.potential:
         stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)
     if clock is not None:
