@@ -344,3 +344,24 @@ def test_provenance_names_what_computed():
     assert "physical-core llama.cpp threads" in provenance(chosen)  # what auto chose
     ns = argparse.Namespace(backend="torch", threads=None, device="cpu", dtype="bfloat16")
     assert provenance(ns).endswith("; bfloat16") and "torch threads" in provenance(ns)
+
+
+def test_generate_with_ngram_drafts_needs_no_draft_model(pair, capsys):
+    """``--draft ngram``: sd drafts from the text; no draft model is named or loaded, and at
+    temperature 0 the output equals greedy ar's."""
+    target, _ = pair
+    base = ["generate", "ab cd ab cd ab", "--target", target, "--no-chat", "-m", "12",
+            "--temperature", "0", "--json"]  # fmt: skip
+    assert main([*base, "--method", "sd", "--draft", "ngram"]) == 0
+    ngram = json.loads(capsys.readouterr().out)
+    assert ngram["method"] == "sd" and ngram["draft"] == "ngram" and "acceptance_rate" in ngram
+    assert main([*base, "--method", "ar"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == ngram["text"]
+
+
+def test_smc_refuses_the_ngram_draft(pair, capsys):
+    target, _ = pair
+    args = ["generate", "ab", "--target", target, "--method", "smc", "--draft", "ngram"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: SMC-SD cannot use the n-gram draft") and "point mass" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from tiny_models import make_tiny_chat_pair
@@ -28,7 +29,13 @@ def test_method_specs_and_grid():
     assert named[1].config.finished_particles == "bank"
     (keep,) = harness.method_specs("smc-n8-k2-keep", base)
     assert keep.name == "smc-n8-k2-keep" and keep.config.finished_particles == "keep"
-    for bad in ("ar,beam", "smc-n0-k2", "smc-n4"):
+    ngram = harness.method_specs("sd-ngram-k5,sd-k2", base)
+    assert [(s.name, s.config.draft, s.config.draft_tokens) for s in ngram] == [
+        ("sd-ngram-k5", "ngram", 5), ("sd-k2", "model", 2)]  # fmt: skip
+    # with --draft ngram (base.draft), sd settings draft n-grams and smc keeps its draft model
+    both = harness.method_specs("sd-k3,smc-n4-k2", replace(base, draft="ngram"))
+    assert [s.config.draft for s in both] == ["ngram", "model"]
+    for bad in ("ar,beam", "smc-n0-k2", "smc-n4", "sd-ngram-k0"):
         with pytest.raises(ConfigError):
             harness.method_specs(bad, base)
     with pytest.raises(ConfigError):

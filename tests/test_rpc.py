@@ -224,10 +224,18 @@ def test_serve_with_a_lost_rpc_server_fails_its_requests_then_exits_for_its_supe
     assert "failed fatally" in err
 
 
-def test_a_real_rpc_server_passes_the_handshake(servers):
+def test_a_real_rpc_server_passes_the_handshake():
+    """A fresh server: llama.cpp's serves one client at a time, and the module's servers are
+    held by the ``models`` fixture's target."""
     from smcspec.backends.llamacpp_rpc import RPC_PROTO_VERSION, check_reachable
 
-    assert check_reachable(servers[0])[:2] == RPC_PROTO_VERSION[:2]
+    proc, endpoint = start_rpc_server()
+    try:
+        assert check_reachable(endpoint)[:2] == RPC_PROTO_VERSION[:2]
+        assert check_reachable(endpoint)[:2] == RPC_PROTO_VERSION[:2]  # it serves the next
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("peer", ["refused", "http", "silent", "version"])

@@ -391,3 +391,28 @@ def test_concurrent_greedy_requests_of_every_method_equal_their_solo_runs(server
             method=methods[i], temperature=0, max_new_tokens=30, particles=4, draft_tokens=3
         )
         assert text == engine.generate(prompts[i], cfg, chat=False).text, (i, methods[i])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sd_with_ngram_drafts_equals_greedy_ar(server, stream):
+    """``"smc": {"method": "sd", "draft": "ngram"}``: at temperature 0 the text is greedy
+    ar's, on both backends, streamed or not; smc refuses the n-gram draft with a 400."""
+    client = server.client()
+    prompt = "ab cd ab cd ab cd ab"
+    texts = {}
+    for name, smc in (("ar", {"method": "ar"}), ("ngram", {"method": "sd", "draft": "ngram"})):
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                  extra_body={"smc": smc})  # fmt: skip
+        if stream and name == "ngram":
+            chunks = list(client.completions.create(stream=True, **kw))
+            texts[name] = "".join(c.choices[0].text for c in chunks if c.choices)
+            extra = chunks[-1].choices[0].model_extra["smcspec"]
+        else:
+            r = client.completions.create(**kw)
+            texts[name], extra = r.choices[0].text, r.choices[0].model_extra["smcspec"]
+        if name == "ngram":
+            assert extra["draft"] == "ngram" and "acceptance_rate" in extra
+    assert texts["ngram"] == texts["ar"]
+    bad = {"model": MODEL, "prompt": prompt, "smc": {"method": "smc", "draft": "ngram"}}
+    r = httpx.post(server.url("/v1/completions"), json=bad, timeout=30)
+    assert r.status_code == 400 and "point mass" in r.json()["error"]["message"]

@@ -11,6 +11,7 @@ from smcspec.sampling.distributions import GREEDY_BELOW
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
+DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 MAX_PARTICLES = 256
 MAX_DRAFT_TOKENS = 64
@@ -60,6 +61,10 @@ class GenerationConfig:
             or an already compiled :class:`~smcspec.potentials.TokenConstraint`); ar and sd
             sample the locally-masked target, smc the conditional (``docs/constraints.md``).
         reward: a :class:`~smcspec.potentials.Reward` ``exp(beta * R(x))`` (smc only).
+        draft: where drafted tokens come from: ``"model"`` (the draft model) or
+            ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
+            :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
+            proposal does not cover the target, so its weights are undefined.
         shared_rows: each forward computes the distinct particle rows only (particles
             with the same history and token share one row; the output does not change,
             see :mod:`smcspec.backends.shared_rows`); ``False`` computes every row, for
@@ -91,6 +96,7 @@ class GenerationConfig:
     constraint: Constraint | TokenConstraint | None = None
     reward: Reward | None = None
     shared_rows: bool = True
+    draft: str = "model"
 
     @property
     def greedy(self) -> bool:
@@ -152,6 +158,16 @@ class GenerationConfig:
                 f"unknown finished_particles {self.finished_particles!r}; choose from "
                 f"{', '.join(FINISHED_PARTICLES)}"
             )
+        if self.draft not in DRAFTS:
+            raise ConfigError(f"unknown draft {self.draft!r}; choose from {', '.join(DRAFTS)}")
+        if self.draft == "ngram" and self.method == "smc":
+            raise ConfigError(
+                "SMC-SD cannot use the n-gram draft: its importance weights p/q need a "
+                "proposal that covers the target, and an n-gram draft is a point mass; use "
+                "method sd with the n-gram draft, or smc with the draft model"
+            )
+        if self.draft == "ngram" and self.constraint is not None:
+            raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
         if self.resampler not in RESAMPLERS:
             raise ConfigError(
                 f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"

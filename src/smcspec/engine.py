@@ -26,6 +26,7 @@ from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, ar_program, run_program, sd_program, smc_program
 from smcspec.decoding.ar import ar_caches
 from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.sd import sd_caches
 from smcspec.decoding.smc import smc_caches
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
@@ -329,6 +330,8 @@ class Engine:
         cfg, n = job.config, len(job.ids)
         if cfg.method == "ar":
             return ar_caches(cfg, n)
+        if cfg.draft == "ngram":
+            return ngram_caches(cfg, n)
         if cfg.method == "sd" or cfg.greedy:  # greedy smc runs as greedy sd
             return sd_caches(cfg, n)
         return smc_caches(cfg, n)
@@ -386,7 +389,7 @@ class Engine:
             ConfigError, ContextLengthError (see :meth:`generate`).
         """
         cfg = (config or GenerationConfig()).validate()
-        if cfg.method != "ar" and self.draft is None:
+        if cfg.method != "ar" and cfg.draft == "model" and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
         tools = cfg.constraint.template_tools() if isinstance(cfg.constraint, ToolCalls) else None
         if _is_token_list(prompt):
@@ -446,6 +449,8 @@ class Engine:
         tgt = self.target.model
         if cfg.method == "ar":
             return ar_program(tgt, **common)
+        if cfg.draft == "ngram":
+            return ngram_sd_program(tgt, **common)
         if cfg.method == "sd" or cfg.greedy:
             return sd_program(tgt, self.draft.model, **common)
         return smc_program(tgt, self.draft.model, **common)
@@ -493,14 +498,14 @@ class Engine:
         """New tokens the context leaves after ``prompt_len`` (the last round's overshoot
         counted)."""
         limits = [self.target.context_length]
-        if self.draft is not None and cfg.method != "ar":
+        if self.draft is not None and cfg.method != "ar" and cfg.draft == "model":
             limits.append(self.draft.context_length)
         k = 0 if cfg.method == "ar" else cfg.draft_tokens
         return min(limits) - prompt_len - k - 1
 
     def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
         limits = [self.target.context_length]
-        if self.draft is not None and cfg.method != "ar":
+        if self.draft is not None and cfg.method != "ar" and cfg.draft == "model":
             limits.append(self.draft.context_length)
         ctx = min(limits)
         k = 0 if cfg.method == "ar" else cfg.draft_tokens

@@ -9,16 +9,25 @@ import sys
 
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
 
+NGRAM = "ngram"  # --draft ngram: n-gram drafts from the text, no draft model
+
+
+def needs_model_draft(args: argparse.Namespace, configs: list[GenerationConfig]) -> bool:
+    """Whether any of ``configs`` drafts with the draft model (smc, or sd without
+    ``--draft ngram``)."""
+    return any(c.method != "ar" and c.draft == "model" for c in configs)
+
 
 def load_engine(args: argparse.Namespace, with_draft: bool = True):
     """Engine.load with the model options of ``args``; imported lazily so that
     `smcspec --help` and option errors are fast. Sets ``args.resolved_backend`` (the
-    target's backend) for :func:`provenance`."""
+    target's backend) for :func:`provenance`. ``--draft ngram`` names no file: the default
+    draft model is loaded only if ``with_draft``."""
     from smcspec.engine import Engine
 
     engine = Engine.load(
         args.target,
-        args.draft,
+        None if args.draft == NGRAM else args.draft,
         device=args.device,
         dtype=args.dtype,
         with_draft=with_draft,

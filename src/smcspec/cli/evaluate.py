@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smcspec.cli.common import load_engine, machine_line, provenance
+from smcspec.cli.common import load_engine, machine_line, needs_model_draft, provenance
 from smcspec.cli.options import config_from_args
 from smcspec.errors import ConfigError
 
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rescore:
         records = harness.rescore(args.task, results.records(), items)
     else:
-        engine = load_engine(args, with_draft=any(s.config.method != "ar" for s in specs))
+        configs = [s.config for s in specs]
+        engine = load_engine(args, with_draft=needs_model_draft(args, configs))
         records = harness.run_task(
             engine,
             args.task,

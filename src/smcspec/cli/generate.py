@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from smcspec.cli.common import load_engine, tuned_config, tuned_note
+from smcspec.cli.common import load_engine, needs_model_draft, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args, constraint_from_args
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(
         args, return_particles=args.particles_out, constraint=constraint_from_args(args)
     )
-    engine = load_engine(args, with_draft=args.method != "ar")
+    engine = load_engine(args, with_draft=needs_model_draft(args, [cfg]))
     engine.encode(args.prompt, chat=not args.no_chat)  # a bad prompt fails before tuning
     cfg, pick = tuned_config(engine, args, cfg)
 

@@ -4,6 +4,7 @@ constraint they describe."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from smcspec.config import (
@@ -90,7 +91,12 @@ def model_options(max_new_tokens_help: str | None = None) -> argparse.ArgumentPa
 
 def _model_group(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--target", default=None, help="target model: GGUF file or HF directory")
-    g.add_argument("--draft", default=None, help="draft model: GGUF file or HF directory")
+    g.add_argument(
+        "--draft",
+        default=None,
+        help="draft model: GGUF file or HF directory; or 'ngram': sd drafts n-grams of the "
+        "prompt and text so far (prompt lookup), no draft model (not for smc)",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     g.add_argument(
         "--backend",
@@ -232,6 +238,13 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
         check_min_particles(args.min_particles)
     if getattr(args, "min_ess", None) is not None:
         check_min_ess(args.min_ess)
+    ngram = args.draft == "ngram"
+    if ngram and hasattr(args, "methods"):  # eval, bench: it applies to their sd settings
+        return replace(_config(args, **extra), draft="ngram")
+    return _config(args, draft="ngram" if ngram else "model", **extra)
+
+
+def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
     return GenerationConfig(
         method="smc" if args.method == "auto" else args.method,
         max_new_tokens=args.max_new_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from smcspec.cli.common import load_engine, note, tuned_config, tuned_note
+from smcspec.cli.common import NGRAM, load_engine, note, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args
 from smcspec.errors import ConfigError
 
@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         shutdown_timeout_s=args.shutdown_timeout,
     ).validate()  # before the models load
-    engine = load_engine(args)  # with the draft: a request may ask for any method
+    # with the draft model, a request may ask for any method; with --draft ngram, for ar and
+    # sd with n-gram drafts only
+    engine = load_engine(args, with_draft=args.draft != NGRAM)
     cfg, pick = tuned_config(engine, args, cfg)  # once, at startup
     if pick is not None:
         note(f"default setting {tuned_note(pick, args.method, args.min_ess)}")

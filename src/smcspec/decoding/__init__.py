@@ -1,4 +1,5 @@
-"""Decoders: autoregressive (``ar``), exact speculative (``sd``) and SMC-SD (``smc``).
+"""Decoders: autoregressive (``ar``), exact speculative (``sd``, drafting with the draft
+model or with n-grams of the text, :mod:`.ngram`) and SMC-SD (``smc``).
 
 Each is a program (a generator of forward requests, see :mod:`smcspec.decoding.program`);
 ``decode_*`` runs one on its own.
@@ -6,6 +7,7 @@ Each is a program (a generator of forward requests, see :mod:`smcspec.decoding.p
 
 from smcspec.decoding.ar import ar_program, decode_ar
 from smcspec.decoding.common import DecodeOutput, ParticleOutput
+from smcspec.decoding.ngram import decode_ngram_sd, ngram_sd_program
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.decoding.sd import decode_sd, sd_program
 from smcspec.decoding.smc import decode_smc, smc_program
@@ -18,8 +20,10 @@ __all__ = [
     "Program",
     "ar_program",
     "decode_ar",
+    "decode_ngram_sd",
     "decode_sd",
     "decode_smc",
+    "ngram_sd_program",
     "run_program",
     "sd_program",
     "smc_program",

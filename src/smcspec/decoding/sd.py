@@ -115,10 +115,22 @@ def _prefill(
     p = as_prompt_tensor(prompt, target.device)
     first_logits = (yield Prefill(target, p, tcache))[:vocab]
     yield Prefill(draft, p, dcache)
+    return first_token(first_logits, cfg, state, vocab, generator)
+
+
+def first_token(
+    logits: torch.Tensor,
+    cfg: GenerationConfig,
+    state: ConstraintState | None,
+    vocab: int,
+    generator: torch.Generator,
+) -> int:
+    """The first generated token, from the target's ``logits`` (``[V]``) after the prompt:
+    truncated, masked by the constraint ``state``, a point mass when greedy."""
     trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
-    first = truncate_log_probs(step_log_probs(first_logits, cfg.temperature), *trunc)
+    first = truncate_log_probs(step_log_probs(logits, cfg.temperature), *trunc)
     if state is not None:
-        first = _masked_target(first, _allowed(state, vocab, target.device))
+        first = _masked_target(first, _allowed(state, vocab, logits.device))
     if cfg.greedy:
         first = point_mass_log_probs(first)
     return int(sample_categorical(first.exp(), generator))
@@ -180,7 +192,7 @@ def _sd_rounds(
             )
             k = len(d_tokens)
         t_len0 = tcache.length
-        n, nxt = yield from _verify_block(
+        n, nxt = yield from verify_block(
             target, tcache, pending_t, d_tokens, d_probs, cfg, masks, vocab, generator
         )
         rounds += 1
@@ -211,7 +223,7 @@ def _sd_rounds(
     return DecodeOutput(tokens=out, stats=stats)
 
 
-def _verify_block(
+def verify_block(
     target: DecoderModel,
     tcache: KVCache,
     pending: int,

@@ -35,12 +35,15 @@ class MethodSpec:
 
 def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) -> list[MethodSpec]:
     """Parse ``"ar,sd,smc"`` (and a grid like ``"N=2,4,8;K=2,4,8"`` for smc and sd), or
-    settings named as the reports name them (``"ar,smc-n8-k2,smc-n4-k8,sd-k4"``); an smc
+    settings named as the reports name them (``"ar,smc-n8-k2,smc-n4-k8,sd-k4"``,
+    ``"sd-ngram-k4"``: sd with n-gram drafts, no draft model); an smc
     name ending in ``-keep`` (``"smc-n8-k2-keep"``) keeps finished particles among the
     running ones (the paper's rule, ``finished_particles="keep"``) instead of banking them.
 
     ``smc`` without a grid uses ``base``'s N and K; with a grid, one spec per (N, K) pair
-    (sd: one per K). Raises :class:`ConfigError` for an unknown method or a bad grid.
+    (sd: one per K). sd settings draft as ``base.draft`` says (``sd-kK``) or with n-grams
+    (``sd-ngram-kK``); smc settings always draft with the draft model. Raises
+    :class:`ConfigError` for an unknown method or a bad grid.
     """
     grid_vals: dict[str, list[int]] = {}
     if grid:
@@ -62,23 +65,27 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
         elif m := re.fullmatch(r"smc-n(\d+)-k(\d+)(-keep)?", method):
             n, k = int(m.group(1)), int(m.group(2))
             rule = "keep" if m.group(3) else "bank"
-            smc = replace(base, method="smc", particles=n, draft_tokens=k)
+            smc = replace(base, method="smc", particles=n, draft_tokens=k, draft="model")
             specs.append(MethodSpec(method, replace(smc, finished_particles=rule)))
+        elif m := re.fullmatch(r"sd-ngram-k(\d+)", method):
+            cfg = replace(base, method="sd", draft="ngram", draft_tokens=int(m.group(1)))
+            specs.append(MethodSpec(method, cfg))
         elif m := re.fullmatch(r"sd-k(\d+)", method):
             k = int(m.group(1))
             specs.append(MethodSpec(method, replace(base, method="sd", draft_tokens=k)))
         elif method == "smc":
             specs += [
                 MethodSpec(
-                    f"smc-n{n}-k{k}", replace(base, method="smc", particles=n, draft_tokens=k)
+                    f"smc-n{n}-k{k}",
+                    replace(base, method="smc", particles=n, draft_tokens=k, draft="model"),
                 )
                 for n in ns
                 for k in ks
             ]
         else:
             raise ConfigError(
-                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, smc-nN-kK, "
-                "smc-nN-kK-keep"
+                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, sd-ngram-kK, "
+                "smc-nN-kK, smc-nN-kK-keep"
             )
     for s in specs:
         s.config.validate()

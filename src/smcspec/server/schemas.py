@@ -37,6 +37,7 @@ class SmcOptions(BaseModel):
     ess_threshold: float | None = None
     resampler: str | None = None
     finished_particles: str | None = None  # "bank" (default) or "keep" (the paper's rule)
+    draft: Literal["model", "ngram"] | None = None  # sd: the draft model or n-gram drafts
     regex: str | None = None  # the output must match this regular expression
     grammar: str | None = None  # the output must follow this Lark grammar
 

@@ -1,0 +1,164 @@
+"""Exact speculative decoding with n-gram drafts: no draft model (``sd`` with ``draft="ngram"``).
+
+The proposal is prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; llama.cpp's
+``ngram-simple`` and vLLM's ``ngram`` speculators): the longest n-gram (n from
+``NGRAM_MAX`` down to 1) that ends the text so far (prompt and generated tokens) is looked up
+at its most recent earlier occurrence, and the tokens that followed it there, at most K, are
+drafted. Nothing is drafted when no n-gram recurs; the round is then a plain target step.
+
+The draft distribution of each drafted token is a point mass, ``q(x) = 1``, so the exact
+speculative rule (Leviathan et al. 2023, Alg. 1; :func:`~smcspec.sampling.speculative.
+speculative_verify`) accepts a drafted token ``x`` with probability ``min(1, p(x) / 1) =
+p(x)`` and, on a rejection, samples from the residual ``norm(max(p - q, 0))``, which is ``p``
+with ``x`` removed. The output is therefore distributed exactly as the target's (truncated)
+distribution, whatever is drafted; at temperature 0 a drafted token is accepted iff it is the
+target's most likely one, so the output equals ``ar``'s. ``docs/ngram.md`` states the rule.
+
+SMC-SD cannot use this proposal: its importance weights ``p / q`` need a proposal that gives
+every token the target can produce positive probability, and a point mass does not
+(:meth:`~smcspec.config.GenerationConfig.validate` refuses the combination).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed, Reservation
+from smcspec.config import GenerationConfig
+from smcspec.decoding.common import (
+    DecodeOutput,
+    TokenCallback,
+    as_prompt_tensor,
+    cache_capacity,
+    cut_at_stop,
+    with_caches,
+)
+from smcspec.decoding.program import Prefill, Program, run_program
+from smcspec.decoding.sd import first_token, verify_block
+
+NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
+
+
+class NgramIndex:
+    """The most recent continuation of every n-gram (n in 1..``n_max``) of a token history.
+
+    ``extend`` appends tokens; ``propose(k)`` drafts up to ``k`` tokens: what followed the
+    most recent earlier occurrence of the longest n-gram that ends the history. Each n-gram
+    is registered when the token after it arrives, so the n-gram ending the history (whose
+    continuation is unknown) never matches itself. O(n_max) dict operations per token.
+    """
+
+    def __init__(self, n_max: int = NGRAM_MAX) -> None:
+        if n_max < 1:
+            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        self.n_max = n_max
+        self.tokens: list[int] = []
+        self._next: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append ``tokens`` to the history."""
+        for t in tokens:
+            j = len(self.tokens)  # the n-grams ending just before j continue at j
+            for n in range(1, min(self.n_max, j) + 1):
+                self._next[n][tuple(self.tokens[j - n : j])] = j
+            self.tokens.append(int(t))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` drafted tokens (``[]``: no n-gram that ends the history recurs)."""
+        size = len(self.tokens)
+        for n in range(min(self.n_max, size), 0, -1):
+            j = self._next[n].get(tuple(self.tokens[size - n :]))
+            if j is not None:
+                return self.tokens[j : j + k]
+        return []
+
+
+def ngram_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
+    """The KV cache :func:`ngram_sd_program` opens: one row on the target (no draft model)."""
+    return [CacheNeed("target", 1, cache_capacity(cfg.max_new_tokens, cfg.draft_tokens),
+                      prompt_len)]  # fmt: skip
+
+
+def ngram_sd_program(
+    target: DecoderModel,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+    reservation: Reservation | None = None,
+) -> Program:
+    """Exact speculative decoding with n-gram drafts of at most ``cfg.draft_tokens`` tokens.
+
+    Yields :class:`Prefill`/:class:`Forward` requests on the target only. ``reservation``:
+    as in :func:`~smcspec.decoding.ar.ar_program`.
+
+    Returns:
+        :class:`DecodeOutput`; stats as :func:`~smcspec.decoding.sd.sd_program`'s
+        (``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``,
+        ``mean_accepted_length``) plus ``draft: "ngram"``.
+    """
+
+    def rounds(tcache: KVCache) -> Program:
+        return _ngram_rounds(target, tcache, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+
+    models = {"target": target}
+    caches = ngram_caches(cfg, len(prompt))
+    return (yield from with_caches(caches, models, reservation, rounds))
+
+
+def _ngram_rounds(
+    target: DecoderModel,
+    tcache: KVCache,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None,
+) -> Program:
+    logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), tcache))[:vocab]
+    tok = first_token(logits, cfg, None, vocab, generator)
+    out = [tok]
+    if on_tokens:
+        on_tokens([tok])
+    index = NgramIndex()
+    index.extend([*prompt, tok])
+    rounds = drafted = accepted = 0
+    finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
+    while not finished:
+        k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
+        d_tokens = index.propose(k) if k > 0 else []
+        d_probs = list(torch.zeros(len(d_tokens), vocab, device=target.device)
+                       .index_put_((torch.arange(len(d_tokens)), torch.tensor(d_tokens,
+                                    dtype=torch.long)), torch.tensor(1.0)))  # point masses
+        t_len0 = tcache.length
+        n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
+                                         vocab, generator)  # fmt: skip
+        rounds += 1
+        drafted += len(d_tokens)
+        accepted += n
+        new, stopped = cut_at_stop([*d_tokens[:n], nxt], stop_ids)
+        new = new[: cfg.max_new_tokens - len(out)]
+        out.extend(new)
+        index.extend(new)
+        if on_tokens:
+            on_tokens(new)
+        finished = stopped or len(out) >= cfg.max_new_tokens
+        tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
+    stats = {
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
+        "draft": "ngram",
+    }
+    return DecodeOutput(tokens=out, stats=stats)
+
+
+def decode_ngram_sd(*args, **kwargs) -> DecodeOutput:
+    """Run :func:`ngram_sd_program` to completion on its own (same arguments)."""
+    return run_program(ngram_sd_program(*args, **kwargs))
