@@ -131,9 +131,12 @@ def _ngram_rounds(
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_tokens = index.propose(k) if k > 0 else []
-        d_probs = list(torch.zeros(len(d_tokens), vocab, device=target.device)
-                       .index_put_((torch.arange(len(d_tokens)), torch.tensor(d_tokens,
-                                    dtype=torch.long)), torch.tensor(1.0)))  # point masses
+        d_probs = list(
+            torch.zeros(len(d_tokens), vocab, device=target.device).index_put_(
+                (torch.arange(len(d_tokens)), torch.tensor(d_tokens, dtype=torch.long)),
+                torch.tensor(1.0),
+            )
+        )  # point masses
         t_len0 = tcache.length
         n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
                                          vocab, generator)  # fmt: skip
