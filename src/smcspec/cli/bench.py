@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     base = config_from_args(args, ignore_eos=not args.stop_at_eos)
     specs = _bench_specs(args, base)  # option errors before the models load
-    needs_draft = args.predict or needs_model_draft(args, [s.config for s in specs])
+    needs_draft = args.predict or needs_model_draft([s.config for s in specs])
     engine = load_engine(args, with_draft=needs_draft or "auto" in _bench_methods(args))
     if args.predict:
         from smcspec.tuning import format_table

@@ -12,7 +12,7 @@ from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
 NGRAM = "ngram"  # --draft ngram: n-gram drafts from the text, no draft model
 
 
-def needs_model_draft(args: argparse.Namespace, configs: list[GenerationConfig]) -> bool:
+def needs_model_draft(configs: list[GenerationConfig]) -> bool:
     """Whether any of ``configs`` drafts with the draft model (smc, or sd without
     ``--draft ngram``)."""
     return any(c.method != "ar" and c.draft == "model" for c in configs)

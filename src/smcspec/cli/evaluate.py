@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         records = harness.rescore(args.task, results.records(), items)
     else:
         configs = [s.config for s in specs]
-        engine = load_engine(args, with_draft=needs_model_draft(args, configs))
+        engine = load_engine(args, with_draft=needs_model_draft(configs))
         records = harness.run_task(
             engine,
             args.task,

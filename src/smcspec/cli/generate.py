@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(
         args, return_particles=args.particles_out, constraint=constraint_from_args(args)
     )
-    engine = load_engine(args, with_draft=needs_model_draft(args, [cfg]))
+    engine = load_engine(args, with_draft=needs_model_draft([cfg]))
     engine.encode(args.prompt, chat=not args.no_chat)  # a bad prompt fails before tuning
     cfg, pick = tuned_config(engine, args, cfg)
 
