@@ -54,14 +54,25 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ks", default="4,8", help="draft lengths K of sd --draft ngram")
+    ap.add_argument(
+        "--model-drafts",
+        default="",
+        help="also sd with the draft model: 'K' or 'K:P' (P: --draft-p-min), comma-separated",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write a Markdown report here")
     args = ap.parse_args()
 
-    engine = Engine.load(with_draft=False, backend="llamacpp", threads=args.threads)
+    model_drafts = [s for s in args.model_drafts.split(",") if s]
+    engine = Engine.load(with_draft=bool(model_drafts), backend="llamacpp", threads=args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     systems = {"ar": GenerationConfig(method="ar")}
+    for spec in model_drafts:
+        k, _, p_min = spec.partition(":")
+        name = f"sd-k{k}" + (f"-pmin{p_min}" if p_min else "")
+        systems[name] = GenerationConfig(method="sd", draft_tokens=int(k),
+                                         draft_p_min=float(p_min or 0))  # fmt: skip
     for k in ks:
         systems[f"sd-ngram-k{k}"] = GenerationConfig(method="sd", draft="ngram", draft_tokens=k)
     names = list(systems)
@@ -107,11 +118,12 @@ def main() -> int:
 
 def _report(args, engine, names, rows, texts) -> str:
     ar_tps = statistics.median(r["tps"] for r in rows["ar"])
+    models = "target and draft model" if engine.draft is not None else "target only"
     lines = [
-        "# sd with n-gram drafts against ar (input-grounded prompts)",
+        "# sd with n-gram drafts (and the draft model) against ar, input-grounded prompts",
         "",
         f"{date.today()}, {platform.processor() or platform.machine()}, "
-        f"{engine.target.backend} backend, target only (no draft model); "
+        f"{engine.target.backend} backend, {models}; "
         f"{args.prompts} HumanEval canonical solutions to rewrite, {args.max_new_tokens} new "
         f"tokens at most, temperature {args.temperature}, systems alternated per prompt.",
         "",

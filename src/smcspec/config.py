@@ -61,6 +61,9 @@ class GenerationConfig:
             or an already compiled :class:`~smcspec.potentials.TokenConstraint`); ar and sd
             sample the locally-masked target, smc the conditional (``docs/constraints.md``).
         reward: a :class:`~smcspec.potentials.Reward` ``exp(beta * R(x))`` (smc only).
+        draft_p_min: sd with the draft model: stop a round's drafting when the draft's most
+            likely token has less than this probability (llama.cpp's ``--draft-p-min``;
+            0: off, the default). The output stays exact.
         draft: where drafted tokens come from: ``"model"`` (the draft model) or
             ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
             :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
@@ -97,6 +100,7 @@ class GenerationConfig:
     reward: Reward | None = None
     shared_rows: bool = True
     draft: str = "model"
+    draft_p_min: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -116,7 +120,8 @@ class GenerationConfig:
         for name in ("max_new_tokens", "particles", "draft_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        numbers = ("temperature", "draft_temperature", "alpha", "ess_threshold", "top_p", "min_p")
+        numbers = ("temperature", "draft_temperature", "alpha", "ess_threshold", "top_p", "min_p",
+                   "draft_p_min")  # fmt: skip
         for name in numbers:
             if not _is_number(getattr(self, name)):
                 raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
@@ -149,6 +154,8 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        if not (math.isfinite(self.draft_p_min) and 0 <= self.draft_p_min <= 1):
+            raise ConfigError(f"draft_p_min must be in [0, 1] (0 is off), got {self.draft_p_min}")
 
     def _check_choices(self) -> None:
         if self.method not in METHODS:

@@ -170,6 +170,14 @@ def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
         help="target temperature T_t (0: greedy on every method)",
     )
     d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
+    d.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="sd: stop a round's drafting when the draft's most likely token has less than "
+        "probability P (llama.cpp's --draft-p-min; default 0: off; the output stays exact)",
+    )
     d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
     d.add_argument(
         "--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)"
@@ -261,6 +269,7 @@ def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
         top_p=args.top_p,
         min_p=args.min_p,
         shared_rows=args.shared_rows,
+        draft_p_min=args.draft_p_min,
         **extra,
     ).validate()  # fail on bad options before spending time loading models
 

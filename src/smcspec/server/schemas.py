@@ -38,6 +38,7 @@ class SmcOptions(BaseModel):
     resampler: str | None = None
     finished_particles: str | None = None  # "bank" (default) or "keep" (the paper's rule)
     draft: Literal["model", "ngram"] | None = None  # sd: the draft model or n-gram drafts
+    draft_p_min: float | None = None  # sd: stop drafting below this top draft probability
     regex: str | None = None  # the output must match this regular expression
     grammar: str | None = None  # the output must follow this Lark grammar
 
