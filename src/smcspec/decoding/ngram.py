@@ -22,6 +22,7 @@ every token the target can produce positive probability, and a point mass does n
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import one_hot
 
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed, Reservation
@@ -131,12 +132,8 @@ def _ngram_rounds(
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_tokens = index.propose(k) if k > 0 else []
-        d_probs = list(
-            torch.zeros(len(d_tokens), vocab, device=target.device).index_put_(
-                (torch.arange(len(d_tokens)), torch.tensor(d_tokens, dtype=torch.long)),
-                torch.tensor(1.0),
-            )
-        )  # point masses
+        dev = target.device  # each drafted token's draft distribution: a point mass
+        d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
         t_len0 = tcache.length
         n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
                                          vocab, generator)  # fmt: skip
