@@ -36,7 +36,7 @@ from smcspec.decoding.common import (
     with_caches,
 )
 from smcspec.decoding.program import Prefill, Program, run_program
-from smcspec.decoding.sd import first_token, verify_block
+from smcspec.decoding.sd import acceptance_stats, first_token, verify_block
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
 
@@ -148,14 +148,7 @@ def _ngram_rounds(
             on_tokens(new)
         finished = stopped or len(out) >= cfg.max_new_tokens
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
-    stats = {
-        "rounds": rounds,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
-        "draft": "ngram",
-    }
+    stats = {**acceptance_stats(rounds, drafted, accepted), "draft": "ngram"}
     return DecodeOutput(tokens=out, stats=stats)
 
 

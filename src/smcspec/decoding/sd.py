@@ -211,16 +211,23 @@ def _sd_rounds(
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
         pending_t = nxt
         pending_d = _draft_pending(dcache, d_len0, pending_d, d_tokens, n, nxt)
-    stats = {
+    stats = acceptance_stats(rounds, drafted, accepted)
+    if clock is not None:
+        stats["constraint_seconds"] = clock.seconds
+    return DecodeOutput(tokens=out, stats=stats)
+
+
+def acceptance_stats(rounds: int, drafted: int, accepted: int) -> dict[str, float | int]:
+    """An sd run's stats: ``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``
+    (accepted / drafted) and ``mean_accepted_length`` (1 + accepted / rounds, as vLLM
+    defines it); 0.0 for a rate with nothing to divide by."""
+    return {
         "rounds": rounds,
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
     }
-    if clock is not None:
-        stats["constraint_seconds"] = clock.seconds
-    return DecodeOutput(tokens=out, stats=stats)
 
 
 def verify_block(
