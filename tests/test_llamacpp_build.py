@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from smcspec.backends.llamacpp_build import BuildHost, build_plan, detect_host
+from smcspec.backends.llamacpp_build import (
+    BuildHost,
+    build_plan,
+    detect_host,
+    parse_compute_caps,
+)
 
 AVX2_HOST = frozenset({"fpu", "avx", "avx2", "fma", "f16c", "bmi2"})
 AMX_HOST = AVX2_HOST | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
 
 
-def host(flags=AVX2_HOST, system="Linux", machine="x86_64", smi=False, nvcc=False):
-    return BuildHost(frozenset(flags), system, machine, smi, nvcc)
+def host(flags=AVX2_HOST, system="Linux", machine="x86_64", smi=False, nvcc=False, archs=()):
+    return BuildHost(frozenset(flags), system, machine, smi, nvcc, tuple(archs))
 
 
 def args_of(plan) -> dict[str, str]:
@@ -47,6 +53,68 @@ def test_cuda_needs_a_driver_and_a_toolkit(smi, nvcc, accelerator):
     assert plan.accelerator == accelerator
     assert (a.get("GGML_CUDA") == "ON") == (accelerator == "cuda")
     assert a["GGML_RPC"] == "ON" and a["GGML_AVX2"] == "ON"  # the CPU side still fits the CPU
+
+
+def test_an_h100_host_builds_cuda_for_its_architecture_only():
+    plan = build_plan(host(smi=True, nvcc=True, archs=parse_compute_caps("9.0\n")))
+    a = args_of(plan)
+    assert plan.accelerator == "cuda" and a["GGML_CUDA"] == "ON"
+    assert a["CMAKE_CUDA_ARCHITECTURES"] == "90"
+    assert a["GGML_RPC"] == "ON" and a["GGML_AVX2"] == "ON"
+
+
+def test_two_different_cards_get_both_architectures():
+    archs = parse_compute_caps("9.0\n8.6\n9.0\n")
+    a = args_of(build_plan(host(smi=True, nvcc=True, archs=archs)))
+    assert a["CMAKE_CUDA_ARCHITECTURES"] == "86;90"
+
+
+def test_a_driver_without_a_toolkit_builds_for_the_cpu_whatever_the_card():
+    plan = build_plan(host(smi=True, nvcc=False, archs=("90",)))
+    assert plan.accelerator == "cpu"
+    assert not any(k.startswith(("GGML_CUDA", "CMAKE_CUDA")) for k in args_of(plan))
+
+
+def test_an_unknown_card_leaves_llama_cpps_default_architectures():
+    plan = build_plan(host(smi=True, nvcc=True, archs=()))
+    a = args_of(plan)
+    assert plan.accelerator == "cuda" and a["GGML_CUDA"] == "ON"
+    assert "CMAKE_CUDA_ARCHITECTURES" not in a
+
+
+@pytest.mark.parametrize("text, archs", [
+    ("9.0\n", ("90",)),  # H100, H200
+    ("9.0\n9.0\n", ("90",)),  # one architecture per kind of card
+    ("12.0\n8.6\n", ("86", "120")),  # ascending, two-digit majors
+    ("  8.9 \r\n\n", ("89",)),  # blanks and CRLF around
+    ("", ()),  # no card
+    ("[N/A]\n", ()),  # the driver does not say
+    ("9.0\n[N/A]\n", ()),  # one card unknown: building for the other alone would miss it
+    ("Failed to initialize NVML: Driver/library version mismatch\n", ()),
+    ("9\n", ()),
+])  # fmt: skip
+def test_parse_compute_caps(text, archs):
+    assert parse_compute_caps(text) == archs
+
+
+def test_detect_host_without_nvidia_smi_knows_no_architecture(monkeypatch):
+    import smcspec.backends.llamacpp_build as build
+
+    real_which = build.shutil.which
+    monkeypatch.setattr(
+        build.shutil, "which", lambda name: None if name == "nvidia-smi" else real_which(name)
+    )
+    found = detect_host()
+    assert not found.nvidia_smi and found.cuda_archs == ()
+
+
+def test_detect_host_asks_nvidia_smi_for_the_compute_capability(monkeypatch, tmp_path):
+    smi = tmp_path / "nvidia-smi"  # a fake that answers like a host with two H100s
+    smi.write_text('#!/bin/sh\n[ "$1" = --query-gpu=compute_cap ] && printf "9.0\\n9.0\\n"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    found = detect_host()
+    assert found.nvidia_smi and found.cuda_archs == ("90",)
 
 
 def test_apple_silicon_builds_metal_without_x86_flags():

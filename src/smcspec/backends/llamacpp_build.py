@@ -1,7 +1,10 @@
 """Which llama.cpp build ``scripts/build_llamacpp.sh`` makes: a pure function of the host.
 
 - **CUDA** where ``nvidia-smi`` (a driver) and ``nvcc`` (a toolkit to compile with) are both
-  found: ``-DGGML_CUDA=ON``; the CPU code is still built for the CPU found.
+  found: ``-DGGML_CUDA=ON``; the CPU code is still built for the CPU found. The kernels are
+  compiled for the cards found (``-DCMAKE_CUDA_ARCHITECTURES=90`` on an H100 or H200, the
+  distinct ones joined with ``;``), which cuts the compile to one architecture; where
+  ``nvidia-smi`` does not say, the flag is left out and llama.cpp's default list applies.
 - **Metal** on macOS arm64 (Apple Silicon): ``-DGGML_METAL=ON``.
 - **CPU** otherwise, as before: never ``GGML_NATIVE`` (its build crashed with SIGILL on an
   AMX CPU), the x86 instruction sets read from ``/proc/cpuinfo``'s flags, AMX off.
@@ -10,13 +13,16 @@
 
 ``python -m smcspec.backends.llamacpp_build`` prints the accelerator on the first line and
 the CMake arguments on the second (what the script reads). Flags follow llama.cpp's
-``docs/build.md`` (``GGML_CUDA``, ``GGML_METAL``, ``GGML_RPC``) and ``ggml/CMakeLists.txt``.
+``docs/build.md`` (``GGML_CUDA``, ``GGML_METAL``, ``GGML_RPC``, and ``CMAKE_CUDA_ARCHITECTURES``
+from the cards' compute capabilities, "Override Compute Capability Specifications") and
+``ggml/CMakeLists.txt``.
 """
 
 from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +51,17 @@ ALWAYS = (
 @dataclass(frozen=True)
 class BuildHost:
     """What the build looks at: the CPU's flags (``/proc/cpuinfo``; empty off Linux), the OS
-    (``platform.system()``), the architecture (``platform.machine()``), and whether
-    ``nvidia-smi`` and ``nvcc`` are on the PATH."""
+    (``platform.system()``), the architecture (``platform.machine()``), whether
+    ``nvidia-smi`` and ``nvcc`` are on the PATH, and the cards' CUDA architectures
+    (``cuda_archs``: CMake's spelling, ``"90"`` for compute capability 9.0; distinct,
+    ascending; empty where unknown or without ``nvidia-smi``)."""
 
     cpu_flags: frozenset[str]
     system: str
     machine: str
     nvidia_smi: bool
     nvcc: bool
+    cuda_archs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,12 +81,55 @@ def build_plan(host: BuildHost) -> BuildPlan:
         args += [f"-D{opt}={'ON' if flag in host.cpu_flags else 'OFF'}" for opt, flag in X86_FLAGS]
         args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     if host.nvidia_smi and host.nvcc:
-        return BuildPlan("cuda", (*args, "-DGGML_CUDA=ON"))
+        args.append("-DGGML_CUDA=ON")
+        if host.cuda_archs:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(host.cuda_archs)}")
+        return BuildPlan("cuda", tuple(args))
     return BuildPlan("cpu", tuple(args))
 
 
+def parse_compute_caps(text: str) -> tuple[str, ...]:
+    """The CMake CUDA architectures in the output of
+    ``nvidia-smi --query-gpu=compute_cap --format=csv,noheader`` (one ``major.minor`` line a
+    card: ``"9.0"`` gives ``"90"``, ``"12.0"`` gives ``"120"``), distinct and ascending.
+
+    Empty when any card's line is not a compute capability (``[N/A]``, an error message) or
+    there is none: building for only the cards that answered would leave the others without
+    kernels, and llama.cpp's default list covers every card.
+    """
+    archs: set[tuple[int, int]] = set()
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        major, dot, minor = line.partition(".")
+        if not (dot and major.isdigit() and minor.isdigit()):
+            return ()
+        archs.add((int(major), int(minor)))
+    return tuple(f"{major}{minor}" for major, minor in sorted(archs))
+
+
+def _cuda_archs() -> tuple[str, ...]:
+    """This machine's cards' CUDA architectures (:func:`parse_compute_caps` of
+    ``nvidia-smi``'s answer); empty without ``nvidia-smi``, or when it fails or takes over
+    30 s."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ()
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return parse_compute_caps(out)
+
+
 def detect_host(cpuinfo: Path = Path("/proc/cpuinfo")) -> BuildHost:
-    """This machine's :class:`BuildHost`."""
+    """This machine's :class:`BuildHost`: ``cpuinfo``'s first ``flags`` line (none where the
+    file cannot be read), and the cards' architectures from ``nvidia-smi`` (see
+    :func:`parse_compute_caps`)."""
     flags: frozenset[str] = frozenset()
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -92,6 +144,7 @@ def detect_host(cpuinfo: Path = Path("/proc/cpuinfo")) -> BuildHost:
         machine=platform.machine(),
         nvidia_smi=shutil.which("nvidia-smi") is not None,
         nvcc=shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists(),
+        cuda_archs=_cuda_archs(),
     )
 
 

@@ -1,0 +1,721 @@
+"""The GPU campaign's measurements: ar, SMC-SD and sd at real model shapes with random weights.
+
+No weights can reach the GPU machines this project is lent (no network, 64 MiB per call), so
+the models are built where they run, with the real architectures and random weights
+(N(0, 0.02^2) matrices and embeddings, unit norms):
+
+  qwen    Qwen2.5-1.5B target, Qwen2.5-0.5B draft (the default pair's shapes)
+  llama   Llama-3.1-8B target, Llama-3.2-1B draft (the SMC-SD paper's smaller pair)
+
+on the torch backend (bfloat16 on a GPU, float32 on a CPU) and on the llamacpp backend (a GGUF
+file written with the ``gguf`` package: F16 on a GPU, F32 on a CPU; every layer offloaded
+when llama.cpp sees a GPU). A synthetic word-level tokenizer of the real vocabulary size
+stands in for the real one (prompts are token ids; EOS is ignored, so every run does the
+same work).
+
+With random weights SMC-SD's speed is its real speed (nothing is rejected; resampling
+follows the weights, which random models make near uniform). ``sd``'s speed depends on
+acceptance: it is measured with the draft equal to the target (acceptance 1, an upper
+bound) and labelled so.
+
+Per backend and pair, in one process, alternating the systems run by run (the order
+rotates): ``ar`` and SMC-SD at N in {4, 8, 16} x K in {2, 4, 8} at batch 1 (one request),
+``sd`` K in {4, 8} with draft = target, then ``ar`` and SMC-SD N=8 K=8 with 8 and 32
+concurrent requests through the continuous-batching scheduler. Reported: median tokens/s
+(new tokens over wall time, prefill included; for batches, all requests' tokens over the
+batch's wall time), the ratio to ``ar`` at the same batch, and beside it the roofline
+prediction from measured forward costs (:mod:`smcspec.eval.roofline`).
+
+Rows go to ``results.jsonl`` as they are measured (a run cut short keeps what it had);
+``report.md`` and ``tokens_per_s.png`` are written at the end. ``--deadline-s`` skips what
+would start after that many seconds, and says so in the report.
+
+Usage (what ``scripts/gpu_campaign.sh`` runs):
+  python benchmarks/gpu_campaign.py --device cuda --out OUT --backends torch,llamacpp
+  python benchmarks/gpu_campaign.py --device cpu --tiny --out OUT   # the CI rehearsal
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from smcspec import Engine, GenerationConfig
+from smcspec.backends.base import LoadedModel
+from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.transformer import Transformer, rope_inv_freq
+from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
+from smcspec.scheduler import BatchScheduler, Request
+
+STD = 0.02  # the Hugging Face initializer_range of both families
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model's architecture: what :class:`ModelConfig` needs."""
+
+    name: str
+    family: str  # "qwen2" | "llama"
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    tied: bool
+
+    def config(self) -> ModelConfig:
+        return ModelConfig(
+            model_type=self.family,
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_layers=self.layers,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            qkv_bias=self.family == "qwen2",
+            tie_word_embeddings=self.tied,
+        )
+
+    def parameters(self) -> int:
+        """Parameter count (what the model card states: embeddings counted once if tied)."""
+        return sum(math.prod(dims) for _, dims in gguf_tensors(self))
+
+
+# the published configs (config.json of each Hugging Face repository)
+PAIRS = {
+    "qwen": (
+        Shape("qwen2.5-1.5b", "qwen2", 151936, 1536, 8960, 28, 12, 2, 128, 1e6, True),
+        Shape("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 64, 1e6, True),
+    ),
+    "llama": (
+        Shape("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, 5e5, False),
+        Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 5e5, True),
+    ),
+}
+# the same families, tiny (the CPU rehearsal: the whole sequence in a minute)
+TINY = {
+    "qwen": (
+        Shape("tiny-qwen2-target", "qwen2", 512, 64, 128, 2, 4, 2, 16, 1e6, True),
+        Shape("tiny-qwen2-draft", "qwen2", 512, 32, 64, 1, 2, 1, 16, 1e6, True),
+    ),
+    "llama": (
+        Shape("tiny-llama-target", "llama", 512, 64, 128, 2, 4, 2, 16, 5e5, False),
+        Shape("tiny-llama-draft", "llama", 512, 32, 64, 1, 2, 1, 16, 5e5, True),
+    ),
+}
+
+
+def synthetic_tokenizer(vocab: int):
+    """A word-level ``PreTrainedTokenizerFast`` of exactly ``vocab`` tokens ``t0 ... t{V-1}``
+    (eos = the last); what the engine needs of a tokenizer when prompts are token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = token_texts(vocab)
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=words[-1], pad_token=words[-1], unk_token=words[0]
+    )
+
+
+def token_texts(vocab: int) -> list[str]:
+    """The synthetic vocabulary: ``a``, ``b``, ``ab`` (one BPE merge, which llama.cpp's BPE
+    loader needs), then ``t3 ... t{V-2}`` and the eos ``</s>``."""
+    return ["a", "b", "ab", *(f"t{i}" for i in range(3, vocab - 1)), "</s>"]
+
+
+def _fill(t: torch.Tensor, name: str, gen: torch.Generator) -> None:
+    if "norm" in name:
+        t.fill_(1.0)
+    else:
+        t.normal_(0.0, STD, generator=gen)
+
+
+def torch_model(shape: Shape, device: str, dtype: torch.dtype, seed: int) -> Transformer:
+    """Our transformer of ``shape`` with random weights on ``device`` (built there, no copy)."""
+    cfg = shape.config()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model = model.to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _fill(p, name, gen)
+    return model.eval()
+
+
+GGUF_NAMES = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
+    "attn_norm": "attn_norm",
+    "mlp_norm": "ffn_norm",
+}
+
+
+def gguf_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The llama.cpp tensor names and shapes (``[rows, cols]`` as numpy holds them) of
+    ``shape``, as ``convert_hf_to_gguf.py`` writes a Llama or Qwen2 checkpoint."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out = [("token_embd.weight", (shape.vocab, h)), ("output_norm.weight", (h,))]
+    if not shape.tied:
+        out.append(("output.weight", (shape.vocab, h)))
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", (h,)),
+            (b + "attn_q.weight", (q, h)),
+            (b + "attn_k.weight", (kv, h)),
+            (b + "attn_v.weight", (kv, h)),
+            (b + "attn_output.weight", (h, q)),
+            (b + "ffn_norm.weight", (h,)),
+            (b + "ffn_gate.weight", (shape.intermediate, h)),
+            (b + "ffn_up.weight", (shape.intermediate, h)),
+            (b + "ffn_down.weight", (h, shape.intermediate)),
+        ]
+        if shape.family == "qwen2":
+            out += [(b + f"attn_{x}.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
+    return out
+
+
+def write_gguf(shape: Shape, path: Path, half: bool, seed: int) -> Path:
+    """Write ``shape`` with random weights as a GGUF file (F16 matrices with ``half``, else
+    F32; norms and biases F32) with the synthetic vocabulary's tokenizer metadata. Random
+    numbers come from torch on the GPU when there is one (fast), else the CPU."""
+    import gguf
+    import numpy as np
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    w = gguf.GGUFWriter(str(path), shape.family)
+    w.add_name(shape.name)
+    w.add_block_count(shape.layers)
+    w.add_context_length(32768)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.intermediate)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_dimension_count(shape.head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(shape.vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if half else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if shape.family == "qwen2" else "llama-bpe")
+    w.add_token_list(token_texts(shape.vocab))
+    w.add_token_types([gguf.TokenType.NORMAL] * (shape.vocab - 1) + [gguf.TokenType.CONTROL])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(shape.vocab - 1)
+    w.add_bos_token_id(shape.vocab - 1)
+    w.add_add_bos_token(False)
+    for name, dims in gguf_tensors(shape):
+        dt = torch.float16 if half and len(dims) == 2 else torch.float32
+        t = torch.empty(dims, device=dev, dtype=dt)
+        _fill(t, name, gen)
+        w.add_tensor(name, np.ascontiguousarray(t.cpu().numpy()))
+        del t
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------------------- the pair
+def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path):
+    """(target, draft, target copy as a draft) LoadedModels on ``backend``; the copy (same
+    weights) is the draft of the acceptance-1 ``sd`` upper bound."""
+    target_shape, draft_shape = pair
+    tok = synthetic_tokenizer(target_shape.vocab)
+    gpu = args.device == "cuda"
+
+    def wrap(model, shape: Shape, path: Path) -> LoadedModel:
+        return LoadedModel(
+            model=model,
+            tokenizer=tok,
+            path=path,
+            config=None,
+            name=shape.name,
+            backend=backend,
+            vocab_size=shape.vocab,
+            context_length=32768,
+        )
+
+    if backend == "torch":
+        dtype = torch.bfloat16 if gpu else torch.float32
+        t = torch_model(target_shape, args.device, dtype, seed=1)
+        d = torch_model(draft_shape, args.device, dtype, seed=2)
+        return (
+            wrap(t, target_shape, workdir),
+            wrap(d, draft_shape, workdir),
+            wrap(t, target_shape, workdir),
+        )
+    from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings
+
+    settings = LlamaCppSettings(
+        threads=args.threads,
+        kv_cells=args.kv_cells,
+        max_sequences=256,
+        n_batch=2048,
+        gpu_layers=-1 if gpu else 0,
+    )
+    files = [
+        write_gguf(s, workdir / f"{s.name}.gguf", half=gpu, seed=i + 1) for i, s in enumerate(pair)
+    ]
+    t = LlamaCppModel(files[0], settings)
+    d = LlamaCppModel(files[1], settings)
+    copy = LlamaCppModel(files[0], settings) if upper_bound(args, pair) else None
+    return (
+        wrap(t, target_shape, files[0]),
+        wrap(d, draft_shape, files[1]),
+        wrap(copy, target_shape, files[0]) if copy is not None else None,
+    )
+
+
+# ------------------------------------------------------------------------------ runs
+@dataclass(frozen=True)
+class System:
+    """One measured configuration: ``method`` at (N, K), ``batch`` concurrent requests."""
+
+    method: str
+    n: int = 1
+    k: int = 0
+    batch: int = 1
+    upper_bound: bool = False  # sd with draft = target
+
+    @property
+    def label(self) -> str:
+        if self.method == "ar":
+            return "ar"
+        if self.method == "sd":
+            return f"sd-k{self.k} (draft=target)"
+        return f"smc-n{self.n}-k{self.k}"
+
+
+def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> dict:
+    """One timed run of ``system``: returns tokens, seconds and tokens/s."""
+    engine = engines["copy" if system.upper_bound else "pair"]
+    cfg = GenerationConfig(
+        method=system.method,
+        particles=max(system.n, 1),
+        draft_tokens=max(system.k, 1),
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=True,
+        temperature=0.7,
+        seed=rep,
+    )
+    vocab = engine.vocab
+    prompts = [
+        [(1000 + 7919 * (i + 13 * r) + 31 * j) % (vocab - 1) for j in range(args.prompt_tokens)]
+        for i, r in enumerate([rep] * system.batch)
+    ]
+    if system.batch == 1:
+        r = engine.generate(prompts[0], cfg)
+        return {"tokens": r.new_tokens, "seconds": r.seconds, "stats": _small(r.stats)}
+    return run_batch(engine, prompts, cfg, system.batch)
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b: int) -> dict:
+    """``b`` requests submitted at once to a :class:`BatchScheduler` (continuous batching);
+    tokens/s is all their new tokens over the wall time from the first submit to the last
+    result."""
+    done, results, lock = threading.Event(), [], threading.Lock()
+
+    def on_done(outcome) -> None:
+        with lock:
+            results.append(outcome)
+            if len(results) == len(prompts):
+                done.set()
+
+    sched = BatchScheduler(engine, max_running=b, max_waiting=b)
+    sched.start()
+    try:
+        jobs = [
+            engine.prepare(p, replace(cfg, seed=(cfg.seed or 0) + i)) for i, p in enumerate(prompts)
+        ]
+        t0 = time.perf_counter()
+        for job in jobs:
+            sched.submit(Request(job=job, on_tokens=None, on_done=on_done))
+        if not done.wait(timeout=600):
+            raise TimeoutError("batch did not finish in 600 s")
+        seconds = time.perf_counter() - t0
+    finally:
+        sched.stop()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    return {"tokens": sum(r.new_tokens for r in results), "seconds": seconds}
+
+
+def _small(stats: dict) -> dict:
+    keep = ("acceptance_rate", "resamples", "rounds", "mean_ess", "ess_min")
+    return {k: stats[k] for k in keep if k in stats}
+
+
+def upper_bound(args, pair: tuple[Shape, Shape]) -> bool:
+    """Whether ``pair`` gets the acceptance-1 ``sd`` rows (its target loaded twice)."""
+    names = [n for n, p in (TINY if args.tiny else PAIRS).items() if p == pair]
+    return any(n in args.upper_bound_pairs for n in names)
+
+
+def systems(args, pair: tuple[Shape, Shape]) -> list[list[System]]:
+    """The groups of systems compared side by side (each group alternated run by run)."""
+    grid = [System("smc", n, k) for n in args.particles for k in args.draft_tokens]
+    groups = [[System("ar"), *grid]]
+    if upper_bound(args, pair):
+        groups[0] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
+    for b in args.batches:
+        groups.append([System("ar", batch=b), System("smc", 8, 8, batch=b)])
+    return groups
+
+
+# ---------------------------------------------------------------------------- driver
+class Campaign:
+    """Writes rows to ``results.jsonl`` as they come; knows the deadline."""
+
+    def __init__(self, args) -> None:
+        self.args, self.t0 = args, time.monotonic()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict] = []
+        self.file = open(self.out / "results.jsonl", "a")
+
+    def skip(self, what: str) -> None:
+        self.row(kind="skipped", what=what)
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.t0)
+
+    def row(self, **row) -> None:
+        row["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        print(json.dumps(row), flush=True)
+
+
+def measure(c: Campaign, backend: str, pair_name: str) -> None:
+    args = c.args
+    pair = (TINY if args.tiny else PAIRS)[pair_name]
+    if c.left() < args.min_step_s:
+        c.skip(f"{backend}/{pair_name}: out of time before loading")
+        return
+    workdir = Path(args.workdir) / f"{backend}-{pair_name}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    target, draft, copy = load_pair(backend, pair, args, workdir)
+    base = dict(backend=backend, pair=pair_name, target=pair[0].name, draft=pair[1].name)
+    c.row(
+        kind="load",
+        seconds=round(time.perf_counter() - t0, 2),
+        target_params=pair[0].parameters(),
+        draft_params=pair[1].parameters(),
+        **base,
+    )
+    engines = {"pair": Engine(target, draft)}
+    if copy is not None:
+        engines["copy"] = Engine(target, copy)
+    # the roofline: measured forward costs of one AR step and one SMC-SD round
+    for n in args.particles:
+        for k in args.draft_tokens:
+            costs = smc_forward_costs(target.model, draft.model, n, k)
+            pred = predicted_speedup(costs, n, k)
+            c.row(kind="roofline", n=n, k=k, costs_s=costs, **pred, **base)
+    warm = argparse.Namespace(**{**vars(args), "max_new_tokens": min(16, args.max_new_tokens)})
+    for group in systems(args, pair):
+        for s in group:  # warm-up (kernels compiled, caches allocated), not recorded
+            run_system(engines, s, warm, 0)
+        times: dict[System, list[dict]] = {s: [] for s in group}
+        for rep in range(args.reps):
+            if c.left() < args.min_step_s:
+                c.skip(
+                    f"{backend}/{pair_name} {group[-1].label} batch "
+                    f"{group[0].batch}: out of time after {rep} reps"
+                )
+                break
+            order = group[rep % len(group) :] + group[: rep % len(group)]
+            for s in order:
+                times[s].append(run_system(engines, s, args, rep + 1))
+        for s, runs in times.items():
+            if not runs:
+                continue
+            tps = [r["tokens"] / r["seconds"] for r in runs]
+            c.row(
+                kind="run",
+                system=s.label,
+                method=s.method,
+                n=s.n,
+                k=s.k,
+                batch=s.batch,
+                upper_bound=s.upper_bound,
+                reps=len(runs),
+                tokens_per_s=statistics.median(tps),
+                all_tokens_per_s=tps,
+                tokens=runs[0]["tokens"],
+                stats=runs[-1].get("stats", {}),
+                **base,
+            )
+    for m in {id(x.model): x.model for x in (target, draft, copy) if x is not None}.values():
+        release = getattr(m, "release", None)
+        if release is not None:
+            release()
+    del engines, target, draft, copy
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment(args) -> dict:
+    """What ran: device, driver, CUDA, torch, llama.cpp, CPU, host."""
+    env = {
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+        "device": args.device,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "tiny": args.tiny,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            multiprocessors=p.multi_processor_count,
+        )
+        try:
+            env["nvidia_smi"] = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,compute_cap,clocks.max.sm",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            env["nvidia_smi"] = f"unavailable: {exc}"
+    try:
+        import llama_cpp
+
+        env["llama_cpp"] = f"{llama_cpp.__version__} ({Path(llama_cpp.__file__).parent})"
+        from smcspec.backends.llamacpp_rpc import gpu_devices
+
+        env["llama_cpp_gpus"] = gpu_devices()
+        env["llama_cpp_ok"] = True
+    except Exception as exc:  # absent or not built: reported, the torch rows still run
+        env["llama_cpp"] = f"unavailable: {exc!r}"
+        env["llama_cpp_ok"] = False
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def report(c: Campaign, env: dict, argv: list[str]) -> None:
+    """``report.md`` (tables, roofline beside each figure) and ``tokens_per_s.png``, from
+    every row of ``results.jsonl`` (the script's two phases append to one file)."""
+    with open(c.out / "results.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    envs = [r for r in rows if r["kind"] == "environment"] or [env]
+    env = {k: v for k, v in envs[-1].items() if k not in ("kind", "elapsed_s", "command")}
+    runs = [r for r in rows if r["kind"] == "run"]
+    roof = {(r["backend"], r["pair"], r["n"], r["k"]): r for r in rows if r["kind"] == "roofline"}
+    ar = {
+        (r["backend"], r["pair"], r["batch"]): r["tokens_per_s"]
+        for r in runs
+        if r["method"] == "ar"
+    }
+    lines = [
+        "# GPU campaign report" + (" (CPU rehearsal, tiny shapes)" if env["tiny"] else ""),
+        "",
+        "Commands (one per phase, each from the repository root):",
+        "",
+        *(f"- `{r.get('command', ' '.join(argv))}` ({r.get('date_utc', '')} UTC)" for r in envs),
+        "",
+        "| | |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in env.items()),
+        "",
+        "Random weights at the named shapes; prompts of "
+        f"{c.args.prompt_tokens} token ids; {c.args.max_new_tokens} new tokens per request "
+        "(EOS ignored); T = 0.7; median of "
+        f"{c.args.reps} runs per system, systems alternated run by run. tokens/s = new tokens "
+        "/ wall seconds (prefill included; a batch: all its requests' tokens / its wall time). "
+        "`x ar`: ratio to `ar` at the same backend, pair and batch. Roofline: the speed-up "
+        "predicted from measured forward costs (`smcspec.eval.roofline`: (K+1) target 1x1 "
+        "forwards over one round's K draft forwards + one target forward of N(K+1) tokens) "
+        "and the memory-bound bound (K+1)/((K+1)c+1). `sd (draft=target)` has acceptance 1: "
+        "an upper bound on sd, not a real pair.",
+        "",
+    ]
+    for backend, pair in dict.fromkeys((r["backend"], r["pair"]) for r in runs):
+        sel = [r for r in runs if (r["backend"], r["pair"]) == (backend, pair)]
+        lines += [
+            f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}",
+            "",
+            "| system | batch | tokens/s | x ar | roofline (measured costs) | memory-bound | "
+            "runs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in sel:
+            base = ar.get((backend, pair, r["batch"]))
+            ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+            rf = roof.get((backend, pair, r["n"], r["k"])) if r["method"] == "smc" else None
+            pred = f"{rf['measured_costs']:.2f}" if rf and r["batch"] == 1 else "-"
+            mb = f"{rf['memory_bound']:.2f}" if rf and r["batch"] == 1 else "-"
+            each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
+            lines.append(
+                f"| {r['system']} | {r['batch']} | {r['tokens_per_s']:.1f} | {ratio} | "
+                f"{pred} | {mb} | {each} |"
+            )
+        lines.append("")
+    loads = [r for r in rows if r["kind"] == "load"]
+    if loads:
+        lines += [
+            "Model build and load: "
+            + "; ".join(f"{r['backend']} {r['pair']} {r['seconds']:.0f} s" for r in loads)
+            + ".",
+            "",
+        ]
+    skipped = [r["what"] for r in rows if r["kind"] == "skipped"]
+    if skipped:
+        lines += ["## Not measured", "", *(f"- {s}" for s in skipped), ""]
+    (c.out / "report.md").write_text("\n".join(lines))
+    if runs:
+        plot(runs, ar, c.out / "tokens_per_s.png")
+
+
+def plot(runs: list[dict], ar: dict, path: Path) -> None:
+    """Ratio to ``ar`` of every batch-1 system, one bar group per backend and pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in runs if r["batch"] == 1 and r["method"] != "ar"]
+    groups = list(dict.fromkeys((r["backend"], r["pair"]) for r in sel))
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (backend, pair) in zip(axes[0], groups, strict=True):
+        rs = [r for r in sel if (r["backend"], r["pair"]) == (backend, pair)]
+        base = ar.get((backend, pair, 1)) or 1.0
+        ax.bar([r["system"] for r in rs], [r["tokens_per_s"] / base for r in rs])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{backend} {pair}: tokens/s over ar (batch 1)")
+        ax.tick_params(axis="x", rotation=60, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU rehearsal)")
+    ap.add_argument("--out", required=True, help="folder for results.jsonl, report.md, png")
+    ap.add_argument("--workdir", default=None, help="where GGUF files go (default OUT/models)")
+    ap.add_argument("--backends", default="torch,llamacpp")
+    ap.add_argument("--pairs", default="qwen,llama")
+    ap.add_argument("--particles", default="4,8,16")
+    ap.add_argument("--draft-tokens", default="2,4,8")
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--upper-bound-pairs",
+        default="qwen",
+        help="pairs that also run sd with draft = target (target loaded twice)",
+    )
+    ap.add_argument("--threads", type=int, default=4, help="llama.cpp CPU threads")
+    ap.add_argument("--kv-cells", type=int, default=65536)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
+    ap.add_argument("--min-step-s", type=float, default=20.0)
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write report.md from OUT/results.jsonl (e.g. two runs' rows joined)",
+    )
+    args = ap.parse_args(argv)
+    args.particles = [int(x) for x in args.particles.split(",")]
+    args.draft_tokens = [int(x) for x in args.draft_tokens.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.upper_bound_pairs = args.upper_bound_pairs.split(",")
+    args.workdir = args.workdir or str(Path(args.out) / "models")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    c = Campaign(args)
+    env = environment(args)
+    command = ["python", "benchmarks/gpu_campaign.py", *(sys.argv[1:] if argv is None else argv)]
+    if args.report_only:
+        report(c, env, command)
+        return 0
+    c.row(kind="environment", command=" ".join(command), **env)
+    failed = 0
+    try:
+        for backend in args.backends.split(","):
+            for pair in args.pairs.split(","):
+                if backend == "llamacpp" and not env["llama_cpp_ok"]:
+                    c.skip(f"llamacpp/{pair}: {env['llama_cpp']}")
+                    continue
+                try:
+                    measure(c, backend, pair)
+                except Exception as exc:  # one failing backend must not lose the others
+                    failed += 1
+                    c.skip(f"{backend}/{pair}: failed: {exc!r}")
+                    c.row(kind="error", backend=backend, pair=pair, error=repr(exc))
+    finally:
+        report(c, env, command)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

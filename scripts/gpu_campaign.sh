@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU figures in one command, on a fresh CUDA machine with no network.
+#
+#   bash scripts/prepare_gpu_campaign.sh          # beforehand, where the package registries are
+#   bash scripts/gpu_campaign.sh --out DIR        # on the GPU machine: everything below
+#   bash scripts/gpu_campaign.sh --device cpu --tiny --out DIR   # the CPU rehearsal (CI runs it)
+#
+# Steps (each logged to DIR/campaign.log; every file it writes is in DIR, at most 7 files):
+#   1. Python packages the machine lacks, from the wheels carried in .campaign/wheels.
+#   2. llama.cpp built with CUDA for the card found, from the trimmed source carried in
+#      .campaign/llama.cpp (scripts/build_llamacpp_libs.sh), in the background, detached,
+#      while step 3 runs. Skipped where `import llama_cpp` already works (a CPU build
+#      installed by scripts/setup.sh: the rehearsal).
+#   3. The torch backend: `pytest -m gpu tests/test_gpu.py` (CUDA forward against the CPU,
+#      every method, exact SD's distribution on the GPU), then benchmarks/gpu_campaign.py.
+#   4. The llamacpp backend, once the build is done: `pytest -m gpu tests/test_gpu_llamacpp.py`,
+#      then benchmarks/gpu_campaign.py.
+# --phase torch runs 1-3 (the build keeps going after it returns), --phase llamacpp runs 4
+# (waiting for the build): two commands of under 10 minutes each on a lent machine. The
+# default, --phase all, runs both. --budget-s S: start nothing after S seconds (what the
+# benchmark has not begun by then is listed as not measured); --torch-s S: the torch
+# benchmarks start nothing after S seconds (the rest is the llamacpp backend's). Results: DIR/results.jsonl, DIR/report.md,
+# DIR/tokens_per_s.png, logs beside them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" PY=${PYTHON:-python3}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=$2; shift 2 ;;
+        --tiny) TINY=1; shift ;;
+        --out) OUT=$2; shift 2 ;;
+        --phase) PHASE=$2; shift 2 ;;
+        --budget-s) BUDGET_S=$2; shift 2 ;;
+        --torch-s) TORCH_S=$2; shift 2 ;;
+        *) echo "gpu_campaign: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+[ -n "$OUT" ] || { echo "gpu_campaign: --out DIR is required" >&2; exit 2; }
+case "$PHASE" in all|torch|llamacpp) ;; *) echo "gpu_campaign: --phase all|torch|llamacpp" >&2; exit 2 ;; esac
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/campaign.log"
+START=$(date +%s)
+log() { echo "[campaign +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+WORK=${CAMPAIGN_WORK:-/tmp/smcspec-campaign}
+# where llama_cpp looks first (smcspec's RPC code finds libggml there too)
+LIBS="$PWD/.campaign/llama_cpp/lib"
+mkdir -p "$WORK"
+
+# 1. packages the machine lacks (none where smcspec's are installed: the rehearsal)
+if ! "$PY" -c "import fastapi, gguf, llguidance, uvicorn" >/dev/null 2>&1 \
+    && ls .campaign/wheels/*.whl >/dev/null 2>&1; then
+    if [ ! -f "$WORK/site/.done" ]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$WORK/site" .campaign/wheels/*.whl >>"$LOG" 2>&1 \
+            || { log "installing the carried wheels failed"; exit 1; }
+        touch "$WORK/site/.done"
+    fi
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" -c "import smcspec" 2>>"$LOG" || { log "smcspec does not import (see $LOG)"; exit 1; }
+
+# 2. llama.cpp: the installed build, or one built here from the carried source
+if "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
+    log "llama_cpp is installed: no build"
+elif [ -d .campaign/llama.cpp ] && [ -d .campaign/llama_cpp ]; then
+    export PYTHONPATH="$PWD/.campaign:$PYTHONPATH"
+    if [ "$PHASE" != llamacpp ] && [ ! -f "$WORK/build.started" ]; then
+        touch "$WORK/build.started"
+        log "building llama.cpp in the background (log: build.log)"
+        setsid nohup nice -n 10 bash -c "bash scripts/build_llamacpp_libs.sh .campaign/llama.cpp '$LIBS' \
+            && touch '$WORK/build.ok'; touch '$WORK/build.done'" >"$WORK/build.log" 2>&1 </dev/null &
+    fi
+else
+    log "no llama_cpp and no carried source (.campaign/): the llamacpp backend is skipped"
+fi
+
+BENCH=("$PY" benchmarks/gpu_campaign.py --device "$DEVICE" --out "$OUT"
+       --workdir "$WORK/models")
+# shellcheck disable=SC2206  # CAMPAIGN_ARGS: extra benchmark arguments, split on spaces
+BENCH+=(${CAMPAIGN_ARGS:-})
+if [ "$TINY" = 1 ]; then
+    BENCH+=(--tiny --reps 1 --prompt-tokens 16 --max-new-tokens 16 --kv-cells 16384
+            --particles 4,8 --draft-tokens 2,8 --batches 4 --upper-bound-pairs qwen,llama)
+fi
+
+if [ "$PHASE" != llamacpp ]; then
+    log "torch: GPU tests"
+    "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest-torch.log" | tail -3
+    log "torch: benchmarks"
+    "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$LOG"
+    "${BENCH[@]}" --backends torch --pairs qwen,llama \
+        --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
+    log "torch: benchmarks exit $?"
+fi
+
+if [ "$PHASE" != torch ]; then
+    if [ -f "$WORK/build.started" ]; then
+        log "waiting for the llama.cpp build"
+        while [ ! -f "$WORK/build.done" ] && [ $(( $(date +%s) - START )) -lt $(( BUDGET_S - 120 )) ]; do
+            sleep 5
+        done
+        if [ ! -f "$WORK/build.ok" ]; then
+            log "the llama.cpp build did not finish in time or failed:"
+            tail -20 "$WORK/build.log" | tee -a "$LOG"
+        fi
+    fi
+    if "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
+        log "llamacpp: GPU tests"
+        "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu_llamacpp.py 2>&1 \
+            | tee "$OUT/pytest-llamacpp.log" | tail -3
+        log "llamacpp: benchmarks"
+        "${BENCH[@]}" --backends llamacpp --pairs llama,qwen \
+            --deadline-s $(( BUDGET_S - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
+        log "llamacpp: benchmarks exit $?"
+    else
+        log "llamacpp: skipped (llama_cpp does not import)"
+    fi
+fi
+if [ -f "$WORK/build.started" ]; then
+    cp "$WORK/build.log" "$OUT/build.log"
+    [ -f "$WORK/build.done" ] || log "the llama.cpp build is still running"
+fi
+log "done: $OUT/report.md"

@@ -1,0 +1,139 @@
+"""The GPU campaign (``scripts/gpu_campaign.sh``), rehearsed on the CPU at tiny shapes.
+
+The rehearsal runs the script's whole sequence as a GPU machine would (tests, model writing,
+both backends' benchmarks, the report), so that the day a GPU is lent the campaign is known
+to run. The shapes of the real pairs are checked against the published parameter counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_campaign  # noqa: E402
+
+# the parameter counts on the model cards (safetensors metadata of each Hugging Face repo)
+PUBLISHED = {
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-0.5b": 494_032_768,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
+}
+
+
+def test_real_shapes_have_the_published_parameter_counts():
+    shapes = [s for pair in gpu_campaign.PAIRS.values() for s in pair]
+    assert {s.name: s.parameters() for s in shapes} == PUBLISHED
+
+
+def test_tied_embeddings_write_no_output_matrix():
+    qwen, llama = gpu_campaign.PAIRS["qwen"][0], gpu_campaign.PAIRS["llama"][0]
+    assert "output.weight" not in dict(gpu_campaign.gguf_tensors(qwen))
+    assert dict(gpu_campaign.gguf_tensors(llama))["output.weight"] == (128256, 4096)
+    assert "blk.0.attn_q.bias" in dict(gpu_campaign.gguf_tensors(qwen))  # qwen2: q/k/v bias
+    assert "blk.0.attn_q.bias" not in dict(gpu_campaign.gguf_tensors(llama))
+
+
+def test_synthetic_tokenizer_has_the_real_vocabulary_size():
+    tok = gpu_campaign.synthetic_tokenizer(151936)
+    assert len(tok) == 151936 and tok.eos_token_id == 151935
+    assert tok.decode([3, 4]) == "t3 t4"
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_runs_every_step(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "CAMPAIGN_WORK": str(tmp_path / "work")}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_campaign.sh", "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["kind"] in ("error", "skipped")], rows
+    backends = ["torch"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        backends.append("llamacpp")
+    runs = [r for r in rows if r["kind"] == "run"]
+    # 2 pairs x (ar + 2x2 smc + 2 sd upper bounds + ar and smc at batch 4) per backend
+    assert len(runs) == 2 * 9 * len(backends)
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
+    assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["method"] == "sd")
+    roofline = [r for r in rows if r["kind"] == "roofline"]
+    assert len(roofline) == 2 * 4 * len(backends) and all(r["measured_costs"] > 0 for r in roofline)
+    report = (out / "report.md").read_text()
+    for backend in backends:
+        for pair in ("qwen2", "llama"):
+            assert f"## {backend}: tiny-{pair}-target / tiny-{pair}-draft" in report
+    assert (out / "tokens_per_s.png").stat().st_size > 1000
+    # what a lent machine can bring back: at most 8 files, none in a subfolder
+    assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())
+    assert "pytest-torch.log" in os.listdir(out)
+
+
+def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
+    rows = [
+        {
+            "kind": "environment",
+            "date_utc": "2026-11-26 00:00",
+            "device": "cuda",
+            "tiny": False,
+            "command": "python benchmarks/gpu_campaign.py --backends torch",
+        },
+        {
+            "kind": "run",
+            "system": "ar",
+            "method": "ar",
+            "n": 1,
+            "k": 0,
+            "batch": 1,
+            "backend": "torch",
+            "pair": "llama",
+            "target": "llama-3.1-8b",
+            "draft": "llama-3.2-1b",
+            "tokens_per_s": 100.0,
+            "all_tokens_per_s": [100.0],
+        },
+        {
+            "kind": "run",
+            "system": "smc-n8-k8",
+            "method": "smc",
+            "n": 8,
+            "k": 8,
+            "batch": 1,
+            "backend": "torch",
+            "pair": "llama",
+            "target": "llama-3.1-8b",
+            "draft": "llama-3.2-1b",
+            "tokens_per_s": 310.0,
+            "all_tokens_per_s": [310.0],
+        },
+        {
+            "kind": "roofline",
+            "backend": "torch",
+            "pair": "llama",
+            "n": 8,
+            "k": 8,
+            "measured_costs": 3.5,
+            "memory_bound": 4.0,
+        },
+        {"kind": "skipped", "what": "llamacpp/llama: the build failed"},
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert gpu_campaign.main(["--device", "cpu", "--out", str(tmp_path), "--report-only"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| smc-n8-k8 | 1 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
+    assert "- llamacpp/llama: the build failed" in report
+    assert "--backends torch" in report
