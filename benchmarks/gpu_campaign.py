@@ -448,7 +448,7 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     if copy is not None:
         engines["copy"] = Engine(target, copy)
     # the roofline: measured forward costs of one AR step and one SMC-SD round
-    for n in args.particles:
+    for n in args.particles if args.roofline else ():
         for k in args.draft_tokens:
             costs = smc_forward_costs(target.model, draft.model, n, k)
             pred = predicted_speedup(costs, n, k)
@@ -578,10 +578,10 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in env.items()),
         "",
-        "Random weights at the named shapes; prompts of "
-        f"{c.args.prompt_tokens} token ids; {c.args.max_new_tokens} new tokens per request "
-        "(EOS ignored); T = 0.7; median of "
-        f"{c.args.reps} runs per system, systems alternated run by run. tokens/s = new tokens "
+        "Random weights at the named shapes; prompts of token ids, EOS ignored, T = 0.7 (the "
+        "prompt length and new tokens per request are in each command; `new` below is the new "
+        "tokens per request); median of the runs listed, systems alternated run by run. "
+        "tokens/s = new tokens "
         "/ wall seconds (prefill included; a batch: all its requests' tokens / its wall time). "
         "`x ar`: ratio to `ar` at the same backend, pair and batch. Roofline: the speed-up "
         "predicted from measured forward costs (`smcspec.eval.roofline`: (K+1) target 1x1 "
@@ -595,9 +595,9 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         lines += [
             f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}",
             "",
-            "| system | batch | tokens/s | x ar | roofline (measured costs) | memory-bound | "
-            "runs |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| system | batch | new | tokens/s | x ar | roofline (measured costs) | "
+            "memory-bound | runs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in sel:
             base = ar.get((backend, pair, r["batch"]))
@@ -607,7 +607,8 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
             mb = f"{rf['memory_bound']:.2f}" if rf and r["batch"] == 1 else "-"
             each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
             lines.append(
-                f"| {r['system']} | {r['batch']} | {r['tokens_per_s']:.1f} | {ratio} | "
+                f"| {r['system']} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
+                f"{r['tokens_per_s']:.1f} | {ratio} | "
                 f"{pred} | {mb} | {each} |"
             )
         lines.append("")
@@ -674,6 +675,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cells", type=int, default=65536)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)
+    ap.add_argument(
+        "--no-roofline",
+        dest="roofline",
+        action="store_false",
+        help="skip the forward-cost measurements",
+    )
     ap.add_argument(
         "--report-only",
         action="store_true",

@@ -66,6 +66,12 @@ if "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
     log "llama_cpp is installed: no build"
 elif [ -d .campaign/llama.cpp ] && [ -d .campaign/llama_cpp ]; then
     export PYTHONPATH="$PWD/.campaign:$PYTHONPATH"
+    # On the H200 (CUDA 13, 2026-11-26) this build's libggml-cuda.so exported libstdc++'s own
+    # symbols (std::ostream, std::codecvt), and libllama bound to them and crashed in
+    # llama_model_load (SIGSEGV in print_info, on the CPU path too). Loading the system
+    # libstdc++ first makes every library bind to it; with it, the llamacpp GPU tests passed.
+    stdcxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+    [ -n "$stdcxx" ] && export LD_PRELOAD="$stdcxx${LD_PRELOAD:+:$LD_PRELOAD}"
     if [ "$PHASE" != llamacpp ] && [ ! -f "$WORK/build.started" ]; then
         touch "$WORK/build.started"
         log "building llama.cpp in the background (log: build.log)"

@@ -67,3 +67,38 @@ def test_exact_sd_on_cuda_matches_the_target():
     # chi-square over the 64 sequences, p-value bound 1e-3; TV at 2000 runs' noise (~0.08)
     assert chisquare_p(exact, counts, runs) > 1e-3
     assert total_variation(exact, counts, runs) < 0.12
+
+
+def test_cuda_batch_of_shared_and_distinct_rows(tmp_path):
+    """One batched forward over a request whose rows hold the same tokens (the distinct-row
+    plan builds its tokens on the CPU) beside one whose rows differ: the logits the CPU gives.
+    The first GPU campaign (H200, 2026-11-26) failed here: torch.cat of CPU and CUDA tensors."""
+    d = make_tiny_hf_model(tmp_path, "qwen2", seed=0)
+    x = torch.tensor([3, 5, 7])
+    same = torch.full((4, 2), 5)
+    diff = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]])
+    outs = []
+    for model in (load_hf_dir(d).model, load_hf_dir(d, device="cuda").model):
+        caches = [model.new_cache(4, 8), model.new_cache(4, 8)]
+        for c in caches:
+            model.prefill(x.to(model.device), c)
+        items = [
+            (same.to(model.device), caches[0], False),
+            (diff.to(model.device), caches[1], False),
+        ]
+        outs.append([o.cpu() for o in model.decode_batch(items)])
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-3)
+
+
+def test_a_model_moved_to_cuda_after_use_still_runs():
+    """``Transformer.to('cuda')`` after a CPU forward: the RoPE table follows the model (the
+    campaign's exact-SD test failed on a table left on the CPU)."""
+    from enumerable import tiny_transformer
+
+    model = tiny_transformer(seed=1)
+    cache = model.new_cache(1, 4)
+    ref = model.prefill(torch.tensor([1, 2, 0]), cache)
+    model.to("cuda")
+    out = model.prefill(torch.tensor([1, 2, 0], device="cuda"), model.new_cache(1, 4))
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -119,6 +119,7 @@ def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
             "draft": "llama-3.2-1b",
             "tokens_per_s": 310.0,
             "all_tokens_per_s": [310.0],
+            "tokens": 64,
         },
         {
             "kind": "roofline",
@@ -134,6 +135,6 @@ def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert gpu_campaign.main(["--device", "cpu", "--out", str(tmp_path), "--report-only"]) == 0
     report = (tmp_path / "report.md").read_text()
-    assert "| smc-n8-k8 | 1 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
+    assert "| smc-n8-k8 | 1 | 64 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
     assert "- llamacpp/llama: the build failed" in report
     assert "--backends torch" in report

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -76,8 +77,14 @@ def _llama():
     return llama_cpp
 
 
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
+
+
 def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    pass
+    """llama.cpp's log, silenced but for its errors (e.g. the CUDA error printed just before
+    an abort), which go to stderr."""
+    if level == GGML_LOG_LEVEL_ERROR:
+        sys.stderr.write(text.decode("utf-8", "replace"))
 
 
 def physical_cores() -> int:

@@ -295,7 +295,7 @@ class Transformer(nn.Module):
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
-        if need > self._rope_len:
+        if need > self._rope_len or self._cos.device != self.device:  # grown, or moved by .to()
             n = max(need, 2 * self._rope_len, 256)
             t = torch.arange(n, device=self.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(self.device))
@@ -307,7 +307,8 @@ class Transformer(nn.Module):
     def _run(self, segments: list[Segment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Forward of several segments, each computing its distinct rows ``tokens[i]`` (int64
         ``[U_i]``); the logits of each segment as ``[rows, tokens or 1, V]``."""
-        flat = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        # a request's tokens may be on the CPU (distinct rows, built from lists) or the device
+        flat = torch.cat([t.to(self.device) for t in tokens]) if len(tokens) > 1 else tokens[0]
         pos, picks = [], []
         for seg in segments:
             if not seg.shared:  # a prefill, or every row computed
