@@ -60,6 +60,7 @@ from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.transformer import Transformer, rope_inv_freq
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 from smcspec.scheduler import BatchScheduler, Request
+from smcspec.tuning.cache import cpu_model
 
 STD = 0.02  # the Hugging Face initializer_range of both families
 
@@ -505,7 +506,7 @@ def environment(args) -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "tiny": args.tiny,
     }
@@ -541,16 +542,6 @@ def environment(args) -> dict:
         env["llama_cpp"] = f"unavailable: {exc!r}"
         env["llama_cpp_ok"] = False
     return env
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def report(c: Campaign, env: dict, argv: list[str]) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from smcspec.backends.cpu_share import FairShare
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowHistories
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
@@ -117,6 +118,9 @@ class LlamaCppSettings:
             0: none, the CPU computes everything).
         rpc_servers: ``HOST:PORT`` of llama.cpp RPC servers whose devices take the offloaded
             layers, before any local GPU (:mod:`smcspec.backends.llamacpp_rpc`).
+        fair_share: before each forward, lower the thread count to the cores other
+            processes leave free (:mod:`smcspec.backends.cpu_share`), and raise it back when
+            they are free again; only where nothing is offloaded. False: always ``threads``.
     """
 
     threads: int | None = None
@@ -126,6 +130,7 @@ class LlamaCppSettings:
     kv_type: str = "f16"
     gpu_layers: int = 0
     rpc_servers: tuple[str, ...] = ()
+    fair_share: bool = True
 
     def offload(self) -> str | None:
         """What runs off this process's CPU, for the tuner's cost key (None: nothing)."""
@@ -328,6 +333,8 @@ class LlamaCppModel:
             lib.llama_model_free(self._model)
             raise ModelFileError(f"llama.cpp cannot create a context for {self.path}")
         self._memory = lib.llama_get_memory(self._ctx)
+        self.threads_now = self.threads  # what llama.cpp runs with (fair_share may lower it)
+        self.set_fair_share(settings.fair_share)
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         self.vocab_size = self.n_vocab
         self.context_length = lib.llama_model_n_ctx_train(self._model)
@@ -467,11 +474,25 @@ class LlamaCppModel:
             start += n_out
         return out
 
+    def set_fair_share(self, on: bool) -> None:
+        """Follow the cores other processes leave free (see ``LlamaCppSettings.fair_share``;
+        never where layers are offloaded), or run every forward with ``threads``."""
+        self._share = None
+        if on and self.offload is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            self._share = FairShare(self.threads, cpus)
+        elif self.threads_now != self.threads:
+            self._lib.llama_set_n_threads(self._ctx, self.threads, self.threads)
+            self.threads_now = self.threads
+
     def _run(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
         """``llama_decode`` over ``(token, position, sequences, wants_logits)`` rows, in
         chunks of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk).
         A row of several sequences is one token (one KV cell) shared by all of them."""
         lib, batch = self._lib, self._batch
+        if self._share is not None and self._share.update() != self.threads_now:
+            self.threads_now = self._share.threads
+            lib.llama_set_n_threads(self._ctx, self.threads_now, self.threads_now)
         n_out = sum(r[3] for r in rows)
         chunks = [rows[i : i + self.n_batch] for i in range(0, len(rows), self.n_batch)]
         out = None if len(chunks) == 1 else torch.empty(n_out, self.n_vocab)
