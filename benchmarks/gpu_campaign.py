@@ -57,7 +57,8 @@ import torch
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.config import ModelConfig
-from smcspec.backends.torch.transformer import Transformer, rope_inv_freq
+from smcspec.backends.torch.transformer import Transformer
+from smcspec.backends.torch.weights import empty_model
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
 from smcspec.scheduler import BatchScheduler, Request
 from smcspec.tuning.cache import cpu_model
@@ -156,14 +157,7 @@ def _fill(t: torch.Tensor, name: str, gen: torch.Generator) -> None:
 
 def torch_model(shape: Shape, device: str, dtype: torch.dtype, seed: int) -> Transformer:
     """Our transformer of ``shape`` with random weights on ``device`` (built there, no copy)."""
-    cfg = shape.config()
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    model = model.to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model = empty_model(shape.config(), dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -255,7 +249,7 @@ def write_gguf(shape: Shape, path: Path, half: bool, seed: int) -> Path:
 
 
 # ---------------------------------------------------------------------------- the pair
-def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path):
+def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path, upper_bound: bool):
     """(target, draft, target copy as a draft) LoadedModels on ``backend``; the copy (same
     weights) is the draft of the acceptance-1 ``sd`` upper bound."""
     target_shape, draft_shape = pair
@@ -297,7 +291,7 @@ def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path):
     ]
     t = LlamaCppModel(files[0], settings)
     d = LlamaCppModel(files[1], settings)
-    copy = LlamaCppModel(files[0], settings) if upper_bound(args, pair) else None
+    copy = LlamaCppModel(files[0], settings) if upper_bound else None
     return (
         wrap(t, target_shape, files[0]),
         wrap(d, draft_shape, files[1]),
@@ -385,17 +379,11 @@ def _small(stats: dict) -> dict:
     return {k: stats[k] for k in keep if k in stats}
 
 
-def upper_bound(args, pair: tuple[Shape, Shape]) -> bool:
-    """Whether ``pair`` gets the acceptance-1 ``sd`` rows (its target loaded twice)."""
-    names = [n for n, p in (TINY if args.tiny else PAIRS).items() if p == pair]
-    return any(n in args.upper_bound_pairs for n in names)
-
-
-def systems(args, pair: tuple[Shape, Shape]) -> list[list[System]]:
+def systems(args, upper_bound: bool) -> list[list[System]]:
     """The groups of systems compared side by side (each group alternated run by run)."""
     grid = [System("smc", n, k) for n in args.particles for k in args.draft_tokens]
     groups = [[System("ar"), *grid]]
-    if upper_bound(args, pair):
+    if upper_bound:  # the acceptance-1 sd rows (the pair's target loaded twice)
         groups[0] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
     for b in args.batches:
         groups.append([System("ar", batch=b), System("smc", 8, 8, batch=b)])
@@ -436,7 +424,8 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     workdir = Path(args.workdir) / f"{backend}-{pair_name}"
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    target, draft, copy = load_pair(backend, pair, args, workdir)
+    upper = pair_name in args.upper_bound_pairs
+    target, draft, copy = load_pair(backend, pair, args, workdir, upper)
     base = dict(backend=backend, pair=pair_name, target=pair[0].name, draft=pair[1].name)
     c.row(
         kind="load",
@@ -455,7 +444,7 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
             pred = predicted_speedup(costs, n, k)
             c.row(kind="roofline", n=n, k=k, costs_s=costs, **pred, **base)
     warm = argparse.Namespace(**{**vars(args), "max_new_tokens": min(16, args.max_new_tokens)})
-    for group in systems(args, pair):
+    for group in systems(args, upper):
         for s in group:  # warm-up (kernels compiled, caches allocated), not recorded
             run_system(engines, s, warm, 0)
         times: dict[System, list[dict]] = {s: [] for s in group}

@@ -55,7 +55,8 @@ _LOG_CALLBACK = None  # llama.cpp's log callback (logs silenced), made on first 
 
 
 def _llama():
-    """The low-level ``llama_cpp`` module, with the backend initialised and logs silenced.
+    """The low-level ``llama_cpp`` module, with the backend initialised and its log silenced but
+    for errors.
 
     Raises:
         ConfigError: llama-cpp-python is not installed.
@@ -71,7 +72,7 @@ def _llama():
     with _INIT_LOCK:
         if not _INITIALISED:
             # the callback object must outlive every llama.cpp call: kept in the module
-            _LOG_CALLBACK = llama_cpp.llama_log_callback(_silent)
+            _LOG_CALLBACK = llama_cpp.llama_log_callback(_errors_only)
             llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
             llama_cpp.llama_backend_init()
             _INITIALISED = True
@@ -81,7 +82,7 @@ def _llama():
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
 
 
-def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp's log, silenced but for its errors (e.g. the CUDA error printed just before
     an abort), which go to stderr."""
     if level == GGML_LOG_LEVEL_ERROR:

@@ -57,13 +57,7 @@ def load_hf_dir(
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{directory} has no *.safetensors weight files")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    model = model.to(dt)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 buffer, not cast to dtype
+    model = empty_model(cfg, dt, device)
     load_weights(model, files)
     model.eval()
     try:
@@ -71,6 +65,22 @@ def load_hf_dir(
     except Exception as exc:  # transformers raises many types for a bad tokenizer dir
         raise ModelFileError(f"cannot load the tokenizer in {directory}: {exc}") from exc
     return LoadedModel(model=model, tokenizer=tok, path=directory, config=cfg, name=directory.name)
+
+
+def empty_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
+) -> Transformer:
+    """A :class:`Transformer` of ``cfg`` allocated on ``device`` in ``dtype``, its weights
+    uninitialised (built on the meta device, so nothing is allocated twice); tied embeddings
+    tied, the RoPE frequencies a float32 buffer."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model = model.to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 buffer, not cast to dtype
+    return model
 
 
 def _hf_names(i: int) -> dict[str, str]:
