@@ -249,9 +249,17 @@ def write_gguf(shape: Shape, path: Path, half: bool, seed: int) -> Path:
 
 
 # ---------------------------------------------------------------------------- the pair
-def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path, upper_bound: bool):
+def load_pair(
+    backend: str,
+    pair: tuple[Shape, Shape],
+    args,
+    workdir: Path,
+    upper_bound: bool,
+    reuse: bool = False,
+):
     """(target, draft, target copy as a draft) LoadedModels on ``backend``; the copy (same
-    weights) is the draft of the acceptance-1 ``sd`` upper bound."""
+    weights) is the draft of the acceptance-1 ``sd`` upper bound. ``reuse``: GGUF files
+    already in ``workdir`` are loaded as they are, not written again."""
     target_shape, draft_shape = pair
     tok = synthetic_tokenizer(target_shape.vocab)
     gpu = args.device == "cuda"
@@ -286,9 +294,10 @@ def load_pair(backend: str, pair: tuple[Shape, Shape], args, workdir: Path, uppe
         n_batch=2048,
         gpu_layers=-1 if gpu else 0,
     )
-    files = [
-        write_gguf(s, workdir / f"{s.name}.gguf", half=gpu, seed=i + 1) for i, s in enumerate(pair)
-    ]
+    files = [workdir / f"{s.name}.gguf" for s in pair]
+    for i, (s, f) in enumerate(zip(pair, files, strict=True)):
+        if not (reuse and f.exists()):
+            write_gguf(s, f, half=gpu, seed=i + 1)
     t = LlamaCppModel(files[0], settings)
     d = LlamaCppModel(files[1], settings)
     copy = LlamaCppModel(files[0], settings) if upper_bound else None

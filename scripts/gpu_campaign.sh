@@ -47,40 +47,10 @@ WORK=${CAMPAIGN_WORK:-/tmp/smcspec-campaign}
 LIBS="$PWD/.campaign/llama_cpp/lib"
 mkdir -p "$WORK"
 
-# 1. packages the machine lacks (none where smcspec's are installed: the rehearsal)
-if ! "$PY" -c "import fastapi, gguf, llguidance, uvicorn" >/dev/null 2>&1 \
-    && ls .campaign/wheels/*.whl >/dev/null 2>&1; then
-    if [ ! -f "$WORK/site/.done" ]; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$WORK/site" .campaign/wheels/*.whl >>"$LOG" 2>&1 \
-            || { log "installing the carried wheels failed"; exit 1; }
-        touch "$WORK/site/.done"
-    fi
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-"$PY" -c "import smcspec" 2>>"$LOG" || { log "smcspec does not import (see $LOG)"; exit 1; }
-
-# 2. llama.cpp: the installed build, or one built here from the carried source
-if "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
-    log "llama_cpp is installed: no build"
-elif [ -d .campaign/llama.cpp ] && [ -d .campaign/llama_cpp ]; then
-    export PYTHONPATH="$PWD/.campaign:$PYTHONPATH"
-    # On the H200 (CUDA 13, 2026-11-26) this build's libggml-cuda.so exported libstdc++'s own
-    # symbols (std::ostream, std::codecvt), and libllama bound to them and crashed in
-    # llama_model_load (SIGSEGV in print_info, on the CPU path too). Loading the system
-    # libstdc++ first makes every library bind to it; with it, the llamacpp GPU tests passed.
-    stdcxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
-    [ -n "$stdcxx" ] && export LD_PRELOAD="$stdcxx${LD_PRELOAD:+:$LD_PRELOAD}"
-    if [ "$PHASE" != llamacpp ] && [ ! -f "$WORK/build.started" ]; then
-        touch "$WORK/build.started"
-        log "building llama.cpp in the background (log: build.log)"
-        setsid nohup nice -n 10 bash -c "bash scripts/build_llamacpp_libs.sh .campaign/llama.cpp '$LIBS' \
-            && touch '$WORK/build.ok'; touch '$WORK/build.done'" >"$WORK/build.log" 2>&1 </dev/null &
-    fi
-else
-    log "no llama_cpp and no carried source (.campaign/): the llamacpp backend is skipped"
-fi
+# 1-2. packages the machine lacks; llama.cpp (built in the background unless --phase llamacpp)
+START_BUILD=$([ "$PHASE" = llamacpp ] && echo 0 || echo 1)
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh || exit 1
 
 BENCH=("$PY" benchmarks/gpu_campaign.py --device "$DEVICE" --out "$OUT"
        --workdir "$WORK/models")
