@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import gpu_campaign as campaign
+
 from smcspec import Engine
 
 
