@@ -327,6 +327,25 @@ def test_generate_at_temperature_0_is_greedy_on_every_method(pair, capsys, metho
     assert result["greedy"] is True and result["text"] == text
 
 
+def test_fixed_threads_turns_the_fair_share_off(monkeypatch):
+    """``--fixed-threads`` reaches Engine.load as ``fair_share=False``; without it, True."""
+    import smcspec.engine
+    from smcspec.cli.common import load_engine
+
+    seen = []
+
+    def fake_load(*a, **kw):
+        seen.append(kw["fair_share"])
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(smcspec.engine.Engine, "load", fake_load)
+    cases = ((["generate", "x"], True), (["generate", "x", "--fixed-threads"], False))
+    for argv, expected in cases:
+        with pytest.raises(RuntimeError, match="stop before"):
+            load_engine(parse_args(argv))
+        assert seen[-1] is expected
+
+
 def test_provenance_names_what_computed():
     """A llamacpp run's reports name llama.cpp's version and threads, not torch's dtype."""
     import argparse
@@ -338,7 +357,9 @@ def test_provenance_names_what_computed():
     ns = argparse.Namespace(backend="llamacpp", threads=1, device="cpu", dtype="float32")
     line = provenance(ns)
     assert f"llama-cpp-python {version('llama_cpp_python')}" in line
-    assert "1 llama.cpp threads" in line and "float32" not in line
+    assert "1 llama.cpp threads (fewer while cores are busy)" in line and "float32" not in line
+    ns.fixed_threads = True
+    assert "1 llama.cpp threads;" in provenance(ns)
     chosen = argparse.Namespace(backend="auto", resolved_backend="llamacpp", threads=None,
                                 device="cpu", dtype="float32")  # fmt: skip
     assert "physical-core llama.cpp threads" in provenance(chosen)  # what auto chose

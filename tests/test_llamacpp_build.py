@@ -186,6 +186,16 @@ def test_offloaded_settings_key_their_costs_apart():
     assert rpc == "gpu_layers=-1;rpc=h:1,h:2"
 
 
+def test_cuda_graphs_are_off_where_layers_are_offloaded():
+    """The H200's graph-replay abort (docs/gpu.md): offloaded models ask llama.cpp for no
+    CUDA graphs unless told otherwise; CPU-only models set nothing."""
+    from smcspec.backends.llamacpp import LlamaCppSettings
+
+    assert LlamaCppSettings().environment() == {}
+    assert LlamaCppSettings(gpu_layers=-1).environment() == {"GGML_CUDA_DISABLE_GRAPHS": "1"}
+    assert LlamaCppSettings(gpu_layers=4, cuda_graphs=True).environment() == {}
+
+
 def test_the_cost_key_names_what_is_offloaded(tmp_path):
     from types import SimpleNamespace
 

@@ -1,4 +1,5 @@
-"""``sample_categorical``: the two-level inverse-CDF sampler draws from the given distribution."""
+"""``sample_categorical``: the two-level inverse-CDF sampler draws from the given
+distribution; ``tempered_log_probs`` finds a NaN logit anywhere."""
 
 from __future__ import annotations
 
@@ -58,3 +59,31 @@ def test_batch_shape_dtype_and_tiny_masses():
 def test_rows_without_a_valid_distribution_raise(row):
     with pytest.raises(NumericalError):
         sample_categorical(torch.tensor([[0.2, 0.3, 0.5], row]), None)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1e-8, 0.0])
+@pytest.mark.parametrize("position", [0, 1, 77, 255, 256, 1000, 151935])
+def test_a_nan_logit_anywhere_raises(temperature, position):
+    """tempered_log_probs checks one column of its output for NaN (a NaN logit makes its
+    whole row NaN) and only then the logits: a NaN at any position, in any row, at any
+    temperature, must still raise."""
+    from smcspec.sampling.distributions import tempered_log_probs
+
+    logits = torch.randn(3, 151936, generator=torch.Generator().manual_seed(position))
+    tempered_log_probs(logits, temperature)  # finite: no error
+    logits[2, position] = float("nan")
+    with pytest.raises(NumericalError, match="NaN"):
+        tempered_log_probs(logits, temperature)
+
+
+def test_infinite_logits_without_nan_do_not_raise():
+    """Only NaN is an error: a -inf logit (a banned token) or a row of them, and +inf, are
+    left to the sampler, as before the one-column check."""
+    from smcspec.sampling.distributions import tempered_log_probs
+
+    logits = torch.randn(3, 1000)
+    logits[0, 5] = -torch.inf
+    logits[1] = -torch.inf
+    logits[2, 7] = torch.inf
+    out = tempered_log_probs(logits, 0.7)
+    assert torch.isfinite(out[0, :5]).all() and out[0, 5] == -torch.inf

@@ -143,6 +143,7 @@ class Engine:
         log: Callable[[str], None] | None = None,
         gpu_layers: int | None = None,
         rpc: str | list[str] | None = None,
+        fair_share: bool = True,
     ) -> Engine:
         """Load a pair. ``None`` selects the default model (installed from PyPI packages).
 
@@ -163,6 +164,9 @@ class Engine:
             rpc: ``HOST:PORT[,HOST:PORT...]`` of llama.cpp RPC servers
                 (``smcspec rpc-server``) that take the **target**'s offloaded layers; the
                 draft stays local (llamacpp backend).
+            fair_share: llamacpp on the CPU: before each forward, use only the cores other
+                processes leave free (:mod:`smcspec.backends.cpu_share`); False keeps
+                ``threads`` whatever else runs.
         Raises:
             ModelFileError, ConfigError (an RPC server that cannot be reached, a build
             without RPC).
@@ -180,7 +184,9 @@ class Engine:
         if gpu_layers is not None and gpu_layers < -1:
             raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {gpu_layers}")
         local = gpu_layers if gpu_layers is not None else offload
-        opts["llamacpp"] = LlamaCppSettings(threads=threads, gpu_layers=local)
+        opts["llamacpp"] = LlamaCppSettings(
+            threads=threads, gpu_layers=local, fair_share=fair_share
+        )
         target_opts = dict(opts)
         if rpc:
             from smcspec.backends.llamacpp_rpc import check_reachable, parse_endpoints
@@ -190,7 +196,7 @@ class Engine:
                 check_reachable(endpoint)
             layers = gpu_layers if gpu_layers is not None else -1
             target_opts["llamacpp"] = LlamaCppSettings(
-                threads=threads, gpu_layers=layers, rpc_servers=servers
+                threads=threads, gpu_layers=layers, rpc_servers=servers, fair_share=fair_share
             )
         if with_draft and quantize_draft is not None:
             draft = _requantized(draft, quantize_draft, backend, device, threads, log)

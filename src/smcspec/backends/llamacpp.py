@@ -122,6 +122,14 @@ class LlamaCppSettings:
         fair_share: before each forward, lower the thread count to the cores other
             processes leave free (:mod:`smcspec.backends.cpu_share`), and raise it back when
             they are free again; only where nothing is offloaded. False: always ``threads``.
+        cuda_graphs: let llama.cpp's CUDA backend replay its forwards as CUDA graphs. Off by
+            default where layers are offloaded: on an H200 (CUDA 13, the llama.cpp of
+            llama-cpp-python 0.3.36) every SMC-SD grid run (96-128 new tokens) with graphs on
+            aborted with "illegal instruction" (6 runs over two lendings; with
+            ``CUDA_LAUNCH_BLOCKING=1`` the fault surfaced at ``cudaGraphLaunch``), and the
+            same grid with graphs off ran through (docs/gpu.md). llama.cpp reads the switch
+            (the environment variable ``GGML_CUDA_DISABLE_GRAPHS``) once per process: the
+            first offloaded model decides.
     """
 
     threads: int | None = None
@@ -132,6 +140,14 @@ class LlamaCppSettings:
     gpu_layers: int = 0
     rpc_servers: tuple[str, ...] = ()
     fair_share: bool = True
+    cuda_graphs: bool = False
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables llama.cpp must see before its first forward (set with
+        ``os.environ.setdefault``, so a user's own value wins)."""
+        if self.gpu_layers != 0 and not self.cuda_graphs:
+            return {"GGML_CUDA_DISABLE_GRAPHS": "1"}
+        return {}
 
     def offload(self) -> str | None:
         """What runs off this process's CPU, for the tuner's cost key (None: nothing)."""
@@ -314,6 +330,8 @@ class LlamaCppModel:
         self.settings = settings = settings or LlamaCppSettings()
         self.path = Path(path)
         settings.validate(int(getattr(lib, "LLAMA_MAX_SEQ", 256)))
+        for name, value in settings.environment().items():
+            os.environ.setdefault(name, value)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = settings.gpu_layers
         self._devices = None  # the device array must outlive the model

@@ -37,6 +37,7 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
         log=note,
         gpu_layers=args.gpu_layers,
         rpc=args.rpc,
+        fair_share=not args.fixed_threads,
     )
     args.resolved_backend = engine.target.backend  # what --backend auto chose, for reports
     return engine
@@ -123,9 +124,10 @@ def machine_line(args: argparse.Namespace) -> str:
         from importlib.metadata import version
 
         threads = args.threads or "physical-core"
+        share = "" if getattr(args, "fixed_threads", False) else " (fewer while cores are busy)"
         return (
             f"{cpu_model()} CPU, {os.cpu_count()} cores, {threads} llama.cpp "
-            f"threads; llama-cpp-python {version('llama_cpp_python')}, weights as the GGUF "
+            f"threads{share}; llama-cpp-python {version('llama_cpp_python')}, weights as the GGUF "
             "files store them"
         )
     if args.device.startswith("cuda") and torch.cuda.is_available():

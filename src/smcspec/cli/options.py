@@ -108,6 +108,12 @@ def _model_group(g: argparse._ArgumentGroup) -> None:
         "--threads", type=int, default=None, help="llamacpp threads (default: physical cores)"
     )
     g.add_argument(
+        "--fixed-threads",
+        action="store_true",
+        help="llamacpp on the CPU: keep --threads busy even while other processes use cores "
+        "(default: each forward uses the cores left free)",
+    )
+    g.add_argument(
         "--gpu-layers",
         type=int,
         default=None,
