@@ -117,10 +117,11 @@ def main() -> int:
         f"{date.today()}, {machine_name('cpu')}, threads = {threads} "
         f"(the physical cores), default pair on the llamacpp backend, {args.max_new_tokens} "
         f"new tokens per run, T = 0.7, median of {args.reps} runs per cell, systems alternated "
-        "run by run. A competitor is `python -c \"while True: pass\"` at the same priority. "
+        'run by run. A competitor is `python -c "while True: pass"` at the same priority. '
         "Command: `python benchmarks/contention.py " + " ".join(sys.argv[1:]) + "`.",
         "",
-        "| system | " + " | ".join(f"{c} competing: tokens/s (share of idle)" for c in conds)
+        "| system | "
+        + " | ".join(f"{c} competing: tokens/s (share of idle)" for c in conds)
         + " |",
         "| --- | " + " | ".join("---:" for _ in conds) + " |",
     ]

@@ -67,9 +67,7 @@ def load_hf_dir(
     return LoadedModel(model=model, tokenizer=tok, path=directory, config=cfg, name=directory.name)
 
 
-def empty_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
-) -> Transformer:
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Transformer:
     """A :class:`Transformer` of ``cfg`` allocated on ``device`` in ``dtype``, its weights
     uninitialised (built on the meta device, so nothing is allocated twice); tied embeddings
     tied, the RoPE frequencies a float32 buffer."""
