@@ -532,7 +532,7 @@ def environment(args) -> dict:
         import llama_cpp
 
         env["llama_cpp"] = f"{llama_cpp.__version__} ({Path(llama_cpp.__file__).parent})"
-        from smcspec.backends.llamacpp_rpc import gpu_devices
+        from smcspec.backends.llamacpp.rpc import gpu_devices
 
         env["llama_cpp_gpus"] = gpu_devices()
         env["llama_cpp_ok"] = True

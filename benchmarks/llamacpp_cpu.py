@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, object] = {"llama.cpp-ar": None}
     runners = {s.name: (engine, s.config) for s in specs}
     if args.quantize_draft:
-        from smcspec.backends.llamacpp import quantize_gguf
+        from smcspec.models.quantize import quantize_gguf
 
         src = ensure_packaged_model(DEFAULT_DRAFT, cache_root())
         dst = cache_root() / "quantized" / f"{src.stem}-{args.quantize_draft}.gguf"

@@ -1,6 +1,6 @@
 """A backend that fails fatally: llama.cpp's abort hook and what the server then answers.
 
-- :func:`smcspec.backends.llamacpp_faults.on_abort` is checked against ggml's real
+- :func:`smcspec.backends.llamacpp.faults.on_abort` is checked against ggml's real
   ``ggml_abort`` in child processes: the handler runs first with the short message, its own
   exit status wins, an exception in it still ends in SIGABRT, and leaving the block restores
   ggml's default (message on stderr, SIGABRT); the CLI prints it as one ``error:`` line.
@@ -35,8 +35,8 @@ from smcspec.server import create_app
 QUIET = {**os.environ, "GGML_NO_BACKTRACE": "1"}
 SCRIPT = """
 import ctypes, os
-from smcspec.backends.llamacpp_faults import on_abort
-from smcspec.backends.llamacpp_rpc import ggml_library
+from smcspec.backends.llamacpp.faults import on_abort
+from smcspec.backends.llamacpp.rpc import ggml_library
 
 lib = ggml_library()
 def handler(message):
@@ -84,7 +84,7 @@ def test_the_cli_turns_an_abort_into_one_error_line():
     code = (
         "import ctypes\n"
         "from smcspec.cli import llamacpp_aborts_as_errors\n"
-        "from smcspec.backends.llamacpp_rpc import ggml_library\n"
+        "from smcspec.backends.llamacpp.rpc import ggml_library\n"
         "with llamacpp_aborts_as_errors():\n"
         "    ggml_library().ggml_abort(b'/src/ggml-rpc.cpp', 9, b'Remote RPC server crashed')\n"
     )

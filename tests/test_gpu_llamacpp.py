@@ -21,7 +21,7 @@ from smcspec.errors import ConfigError
 pytestmark = pytest.mark.gpu
 pytest.importorskip("llama_cpp")
 from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402
-from smcspec.backends.llamacpp_rpc import gpu_devices  # noqa: E402
+from smcspec.backends.llamacpp.rpc import gpu_devices  # noqa: E402
 
 try:
     DEVICES = gpu_devices()

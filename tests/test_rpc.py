@@ -30,7 +30,7 @@ from smcspec.decoding import decode_sd
 
 pytest.importorskip("llama_cpp")
 from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402
-from smcspec.backends.llamacpp_rpc import parse_endpoints, supports_rpc  # noqa: E402
+from smcspec.backends.llamacpp.rpc import parse_endpoints, supports_rpc  # noqa: E402
 
 if not supports_rpc():
     if os.environ.get("CI"):
@@ -227,7 +227,7 @@ def test_serve_with_a_lost_rpc_server_fails_its_requests_then_exits_for_its_supe
 def test_a_real_rpc_server_passes_the_handshake():
     """A fresh server: llama.cpp's serves one client at a time, and the module's servers are
     held by the ``models`` fixture's target."""
-    from smcspec.backends.llamacpp_rpc import RPC_PROTO_VERSION, check_reachable
+    from smcspec.backends.llamacpp.rpc import RPC_PROTO_VERSION, check_reachable
 
     proc, endpoint = start_rpc_server()
     try:
@@ -247,7 +247,7 @@ def test_a_bad_rpc_address_is_one_error_line_and_exit_1_within_10_s(tmp_path, co
     from live_server import Server as HttpServer
     from test_rpc_handshake import listener, rpc_answer, silent
 
-    from smcspec.backends.llamacpp_rpc import RPC_PROTO_VERSION
+    from smcspec.backends.llamacpp.rpc import RPC_PROTO_VERSION
 
     target_file, draft_file = (
         make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, num_hidden_layers=1)[0] for s in (1, 2)

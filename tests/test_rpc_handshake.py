@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 from live_server import free_port
 
-from smcspec.backends.llamacpp_rpc import (
+from smcspec.backends.llamacpp.rpc import (
     RPC_CMD_HELLO,
     RPC_CONN_CAPS_SIZE,
     RPC_PROTO_VERSION,

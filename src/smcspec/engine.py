@@ -189,7 +189,7 @@ class Engine:
         )
         target_opts = dict(opts)
         if rpc:
-            from smcspec.backends.llamacpp_rpc import check_reachable, parse_endpoints
+            from smcspec.backends.llamacpp.rpc import check_reachable, parse_endpoints
 
             servers = parse_endpoints(rpc)
             for endpoint in servers:  # before any model loads: a bad address fails fast

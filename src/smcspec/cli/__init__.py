@@ -59,7 +59,7 @@ def llamacpp_aborts_as_errors() -> Iterator[None]:
     if importlib.util.find_spec("llama_cpp") is None:
         yield
         return
-    from smcspec.backends.llamacpp_faults import on_abort
+    from smcspec.backends.llamacpp.faults import on_abort
 
     def handler(message: str) -> None:
         print(f"error: the model's backend failed: {message}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until stopped (SIGINT/SIGTERM). Raises ConfigError for a bad port or threads,
     or a llama.cpp build without RPC."""
     from smcspec.backends.llamacpp import physical_cores
-    from smcspec.backends.llamacpp_rpc import serve_rpc, supports_rpc
+    from smcspec.backends.llamacpp.rpc import serve_rpc, supports_rpc
     from smcspec.server.app import is_loopback
 
     if not 1 <= args.port <= 65535:

@@ -61,7 +61,7 @@ def resolve_backend(backend: str, path: Path, device: str | torch.device) -> str
 def llamacpp_gpus() -> list[str]:
     """The GPU devices of the installed llama.cpp build (none without llama-cpp-python)."""
     try:
-        from smcspec.backends.llamacpp_rpc import gpu_devices
+        from smcspec.backends.llamacpp.rpc import gpu_devices
 
         return gpu_devices()
     except Exception:  # llama-cpp-python missing or unloadable: no GPU through it

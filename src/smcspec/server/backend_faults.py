@@ -1,5 +1,5 @@
 """What ``smcspec serve`` does when llama.cpp fails fatally (see
-:mod:`smcspec.backends.llamacpp_faults`): a lost RPC server or a GPU error ends the process,
+:mod:`smcspec.backends.llamacpp.faults`): a lost RPC server or a GPU error ends the process,
 but first every request running or queued gets an OpenAI-shaped 500 (a streamed one an error
 event and ``[DONE]``), later requests a 503, ``/health`` turns 503, and the HTTP server shuts
 down gracefully; then the process exits with status 1 for its supervisor to restart it.
@@ -36,7 +36,7 @@ def fail_requests_on_abort(
     if not any(m.backend == "llamacpp" for m in models):
         yield
         return
-    from smcspec.backends.llamacpp_faults import on_abort
+    from smcspec.backends.llamacpp.faults import on_abort
 
     def handler(message: str) -> None:
         log.critical("llama.cpp failed fatally (%s): failing every request, then exiting", message)

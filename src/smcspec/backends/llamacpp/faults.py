@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from smcspec.backends.llamacpp_rpc import ggml_library
+from smcspec.backends.llamacpp.rpc import ggml_library
 
 log = logging.getLogger(__name__)
 

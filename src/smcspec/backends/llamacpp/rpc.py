@@ -13,7 +13,7 @@ an error. :func:`check_reachable` therefore does the protocol's HELLO exchange w
 server first, with a timeout, so that a wrong address, another protocol, a silent listener
 or another protocol version is a clear error instead of an abort or a hang; a server lost
 later ends the process. ``smcspec serve`` sees that abort first
-(:mod:`smcspec.backends.llamacpp_faults`): its requests get errors, then it exits with 1.
+(:mod:`smcspec.backends.llamacpp.faults`): its requests get errors, then it exits with 1.
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
 def ggml_library() -> ctypes.CDLL:
     """libggml of the installed llama-cpp-python build (loaded by llama_cpp already)."""
     if "ggml" not in _LIBS:
-        from smcspec.backends.llamacpp import _llama
+        from smcspec.backends.llamacpp.lib import library
 
-        llama_cpp = _llama()
+        llama_cpp = library()
         libdir = Path(llama_cpp.__file__).parent / "lib"
         names = sorted(libdir.glob("libggml.so*")) + sorted(libdir.glob("libggml.dylib"))
         names += sorted(libdir.glob("ggml.dll"))

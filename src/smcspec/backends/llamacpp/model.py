@@ -1,0 +1,258 @@
+"""A GGUF model in one llama.cpp context: :class:`LlamaCppModel` (see the package notes)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from smcspec.backends.cpu_share import FairShare
+from smcspec.backends.llamacpp.lib import library
+from smcspec.backends.llamacpp.sequences import SequenceCache
+from smcspec.backends.llamacpp.settings import LlamaCppSettings, physical_cores
+from smcspec.backends.pool import Lease, ResourcePool
+from smcspec.errors import ContextLengthError, ModelFileError
+
+
+class LlamaCppModel:
+    """A GGUF model in one llama.cpp context (see the module notes).
+
+    Args:
+        path: the GGUF file.
+        settings: :class:`LlamaCppSettings`.
+    Raises:
+        ModelFileError: llama.cpp cannot load the file.
+        ConfigError: llama-cpp-python is missing, or a setting is out of range.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self, path: str | os.PathLike, settings: LlamaCppSettings | None = None) -> None:
+        lib = self._lib = library()
+        self.settings = settings = settings or LlamaCppSettings()
+        self.path = Path(path)
+        settings.validate(int(getattr(lib, "LLAMA_MAX_SEQ", 256)))
+        for name, value in settings.environment().items():
+            os.environ.setdefault(name, value)
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = settings.gpu_layers
+        self._devices = None  # the device array must outlive the model
+        if settings.rpc_servers:
+            from smcspec.backends.llamacpp.rpc import local_gpus, rpc_devices
+
+            self._devices = rpc_devices(settings.rpc_servers, local_gpus())
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        self.offload = settings.offload()
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp cannot load {self.path}")
+        self.threads = settings.threads or physical_cores()
+        self._ctx = lib.llama_init_from_model(
+            self._model, settings.context_params(lib, self.threads)
+        )
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            raise ModelFileError(f"llama.cpp cannot create a context for {self.path}")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self.threads_now = self.threads  # what llama.cpp runs with (fair_share may lower it)
+        self.set_fair_share(settings.fair_share)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        self.vocab_size = self.n_vocab
+        self.context_length = lib.llama_model_n_ctx_train(self._model)
+        self.n_batch = lib.llama_n_batch(self._ctx)
+        # each token may belong to every sequence (distinct rows shared by several particles)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, settings.max_sequences)
+        self._lock = threading.RLock()
+        self._free_ids = list(range(settings.max_sequences - 1, -1, -1))
+        self.pool = ResourcePool(
+            self.path.name,
+            {"sequences": settings.max_sequences, "kv_cells": settings.kv_cells},
+            on_take=self._take_ids,
+            on_release=self._give_back_ids,
+        )
+        self._free = weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
+
+    # ------------------------------------------------------------------ sequences
+
+    def release(self) -> None:
+        """Free the llama.cpp model and context now instead of at garbage collection
+        (idempotent; the model cannot be used afterwards). A model on RPC servers must be
+        released while they still run: freeing it talks to them, and llama.cpp aborts the
+        process if they are gone."""
+        self._free()
+
+    def token_texts(self, n: int | None = None) -> list[bytes]:
+        """The text llama.cpp holds for token ids ``0 .. n-1`` (default: the vocabulary),
+        as stored in the GGUF file (byte-level BPE tokens in their ``Ġ`` form)."""
+        vocab = self._lib.llama_model_get_vocab(self._model)
+        get = self._lib.llama_vocab_get_text
+        return [get(vocab, i) or b"" for i in range(self.n_vocab if n is None else n)]
+
+    def _take_ids(self, lease: Lease) -> None:
+        lease.items["ids"] = [self._free_ids.pop() for _ in range(lease.amounts["sequences"])]
+
+    def _give_back_ids(self, lease: Lease) -> None:
+        with self._lock:
+            for s in lease.items.get("ids", []):
+                self._lib.llama_memory_seq_rm(self._memory, s, -1, -1)
+                self._free_ids.append(s)
+
+    def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
+        """What a cache of ``rows`` particles, ``capacity`` generated tokens each, after a
+        ``prompt_len``-token prompt can ever take from :attr:`pool`: a sequence id per row
+        (and a spare for resampling) and, at most, the prompt's cells once plus every row's
+        own generated cells."""
+        return {
+            "sequences": rows + (1 if rows > 1 else 0),
+            "kv_cells": prompt_len + rows * capacity,
+        }
+
+    def new_cache(
+        self, rows: int, capacity: int, lease: Lease | None = None, shared_rows: bool = True
+    ) -> SequenceCache:
+        """A cache of ``rows`` particles holding up to ``capacity`` generated tokens each.
+
+        With ``lease`` (from :attr:`pool`, reserved with :meth:`cache_need`) the ids come
+        from it; without, the cache reserves its own (prompt cells not counted) and must be
+        closed (:meth:`SequenceCache.close`). ``shared_rows``: compute each distinct row of
+        a forward once (the module notes); ``False`` computes every row.
+
+        Raises:
+            ContextLengthError: without a lease, the pool cannot hold the cache now.
+        """
+        if lease is not None:
+            return SequenceCache(self, lease, rows, capacity, owned=False, shared_rows=shared_rows)
+        need = self.cache_need(rows, capacity, 0)
+        own = self.pool.try_reserve(need)
+        if own is None:
+            free = self.pool.free()
+            raise ContextLengthError(
+                f"out of llama.cpp sequence ids or KV cells: {need['sequences']} sequences and "
+                f"{need['kv_cells']} cells needed, {free['sequences']} and {free['kv_cells']} "
+                f"free of {self.settings.max_sequences} and {self.settings.kv_cells} (fewer "
+                "particles or concurrent requests, or larger max_sequences/kv_cells)"
+            )
+        return SequenceCache(self, own, rows, capacity, owned=True, shared_rows=shared_rows)
+
+    # ------------------------------------------------------------------ forwards
+    def prefill(self, prompt: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+        """Decode ``prompt`` (int64 ``[P]``) once and share it with every row.
+
+        Returns float32 ``[V]`` logits after the last prompt token (a copy).
+        """
+        tokens = [int(t) for t in prompt.tolist()]
+        cache._check_open()
+        first = cache.ids[0]
+        with self._lock:
+            rows = [(t, p, (first,), p == len(tokens) - 1) for p, t in enumerate(tokens)]
+            logits = self._run(rows)[0].clone()
+            for s in cache.ids[1:]:
+                self._lib.llama_memory_seq_cp(self._memory, first, s, -1, -1)
+        cache.prompt_len = len(tokens)
+        return logits
+
+    def decode(
+        self, tokens: torch.Tensor, cache: SequenceCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Append ``tokens`` (int64 ``[R, T]``) to every row; logits ``[R, T|1, V]``."""
+        return self.decode_batch([(tokens, cache, last_only)])[0]
+
+    def decode_batch(
+        self, items: list[tuple[torch.Tensor, SequenceCache, bool]]
+    ) -> list[torch.Tensor]:
+        """Several requests' :meth:`decode` in one ``llama_batch``.
+
+        Raises:
+            ContextLengthError: a cache's capacity, or the KV cells, are exhausted (every
+                request of the batch fails: its sequences may hold part of the batch).
+        """
+        rows: list[tuple[int, int, tuple[int, ...], bool]] = []
+        plans = []
+        for tokens, cache, last_only in items:
+            r, t = tokens.shape
+            cache._check_open()
+            if r != cache.rows:
+                raise ValueError(f"{r} token rows for a cache of {cache.rows} rows")
+            if cache.length + t > cache.capacity:
+                raise ContextLengthError(
+                    f"KV cache full: {cache.length} + {t} > capacity {cache.capacity}"
+                )
+            base = cache.prompt_len + cache.length
+            plan = cache.histories.plan(tokens.tolist(), last_only)
+            for tok, j, members, want in zip(
+                plan.tokens, plan.positions, plan.members, plan.outputs, strict=True
+            ):
+                rows.append((tok, base + j, tuple(cache.ids[i] for i in members), want))
+            plans.append(plan)
+        with self._lock:
+            logits = self._run(rows)
+        out, start = [], 0
+        for (tokens, cache, last_only), plan in zip(items, plans, strict=True):
+            cache.length += tokens.shape[1]
+            cache.histories.commit(plan)
+            n_out = sum(plan.outputs)
+            out.append(plan.expand_logits(logits[start : start + n_out], last_only))
+            start += n_out
+        return out
+
+    def set_fair_share(self, on: bool) -> None:
+        """Follow the cores other processes leave free (see ``LlamaCppSettings.fair_share``;
+        never where layers are offloaded), or run every forward with ``threads``."""
+        self._share = None
+        if on and self.offload is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            self._share = FairShare(self.threads, cpus)
+        elif self.threads_now != self.threads:
+            self._lib.llama_set_n_threads(self._ctx, self.threads, self.threads)
+            self.threads_now = self.threads
+
+    def _run(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
+        """``llama_decode`` over ``(token, position, sequences, wants_logits)`` rows, in
+        chunks of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk).
+        A row of several sequences is one token (one KV cell) shared by all of them."""
+        lib, batch = self._lib, self._batch
+        if self._share is not None and self._share.update() != self.threads_now:
+            self.threads_now = self._share.threads
+            lib.llama_set_n_threads(self._ctx, self.threads_now, self.threads_now)
+        n_out = sum(r[3] for r in rows)
+        chunks = [rows[i : i + self.n_batch] for i in range(0, len(rows), self.n_batch)]
+        out = None if len(chunks) == 1 else torch.empty(n_out, self.n_vocab)
+        done = 0
+        for chunk in chunks:
+            for k, (tok, pos, seqs, want) in enumerate(chunk):
+                batch.token[k] = tok
+                batch.pos[k] = pos
+                batch.n_seq_id[k] = len(seqs)
+                ids = batch.seq_id[k]
+                for m, seq in enumerate(seqs):
+                    ids[m] = seq
+                batch.logits[k] = want
+            batch.n_tokens = len(chunk)
+            rc = lib.llama_decode(self._ctx, batch)
+            if rc == 1:
+                raise ContextLengthError(
+                    f"llama.cpp KV cache full ({self.settings.kv_cells} cells shared by all "
+                    "requests): fewer concurrent requests or particles, or more kv_cells"
+                )
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            m = sum(r[3] for r in chunk)
+            if m == 0:
+                continue
+            view = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(m, self.n_vocab))
+            if out is None:
+                return torch.from_numpy(view)
+            out[done : done + m] = torch.from_numpy(view)
+            done += m
+        return out if out is not None else torch.empty(0, self.n_vocab)
+
+
+def _free_context(lib, model, ctx, batch) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
