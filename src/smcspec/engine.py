@@ -23,12 +23,9 @@ import torch
 from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
 from smcspec.chat import encode_chat, encode_raw
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
-from smcspec.decoding import DecodeOutput, Program, ar_program, run_program, sd_program, smc_program
-from smcspec.decoding.ar import ar_caches
+from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.common import hit_token_cap
-from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
-from smcspec.decoding.sd import sd_caches
-from smcspec.decoding.smc import smc_caches
+from smcspec.decoding.registry import Decoder, decoder_for
 from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import LoadedModel, cache_root, load_model
@@ -85,11 +82,13 @@ class GenerationResult:
 
 @dataclass
 class Job:
-    """A validated request: prompt token ids, the config with its seed fixed, stop tokens."""
+    """A validated request: prompt token ids, the config with its seed fixed, stop tokens, and
+    the decoder that runs it (:func:`~smcspec.decoding.registry.decoder_for`, decided once)."""
 
     ids: list[int]
     config: GenerationConfig
     stop_ids: frozenset[int]
+    decoder: Decoder
 
 
 class TextStreamer:
@@ -333,14 +332,7 @@ class Engine:
 
     def cache_needs(self, job: Job) -> list[CacheNeed]:
         """The KV caches ``job``'s decoder opens (see :meth:`program`)."""
-        cfg, n = job.config, len(job.ids)
-        if cfg.method == "ar":
-            return ar_caches(cfg, n)
-        if cfg.draft == "ngram":
-            return ngram_caches(cfg, n)
-        if cfg.method == "sd" or cfg.greedy:  # greedy smc runs as greedy sd
-            return sd_caches(cfg, n)
-        return smc_caches(cfg, n)
+        return job.decoder.caches(job.config, len(job.ids))
 
     def pool_needs(self, job: Job) -> dict[str, dict[str, int]]:
         """What ``job`` can ever take from each model's pool: role -> resource -> amount."""
@@ -395,7 +387,8 @@ class Engine:
             ConfigError, ContextLengthError (see :meth:`generate`).
         """
         cfg = (config or GenerationConfig()).validate()
-        if cfg.method != "ar" and cfg.draft == "model" and self.draft is None:
+        decoder = decoder_for(cfg)
+        if decoder.draft_model and self.draft is None:
             raise ConfigError(f"method {cfg.method!r} needs a draft model; none is loaded")
         tools = cfg.constraint.template_tools() if isinstance(cfg.constraint, ToolCalls) else None
         if _is_token_list(prompt):
@@ -407,15 +400,15 @@ class Engine:
         if any(not 0 <= i < self.vocab for i in ids):
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
         if fit_context:
-            room = self._context_room(len(ids), cfg)
+            room = self._context_room(len(ids), cfg, decoder)
             if 1 <= room < cfg.max_new_tokens:
                 cfg = replace(cfg, max_new_tokens=room)
-        self._check_context(len(ids), cfg)
+        self._check_context(len(ids), cfg, decoder)
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
         seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
-        return Job(ids=ids, config=cfg, stop_ids=stop_ids)
+        return Job(ids=ids, config=cfg, stop_ids=stop_ids, decoder=decoder)
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
@@ -439,11 +432,13 @@ class Engine:
         on_tokens: Callable[[list[int]], None] | None = None,
         reservation: Reservation | None = None,
     ) -> Program:
-        """The decoder program of ``job`` (see :mod:`smcspec.decoding.program`), its caches
-        drawn on ``reservation`` (:meth:`try_reserve`); greedy ``smc`` runs as greedy ``sd``."""
+        """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), its caches
+        drawn on ``reservation`` (:meth:`try_reserve`)."""
         cfg = job.config
         gen = torch.Generator(device=self.target.model.device).manual_seed(cfg.seed)
-        common = dict(
+        return job.decoder.program(
+            self.target.model,
+            self.draft.model if self.draft is not None else None,
             prompt=job.ids,
             cfg=cfg,
             stop_ids=job.stop_ids,
@@ -452,14 +447,6 @@ class Engine:
             on_tokens=on_tokens,
             reservation=reservation,
         )
-        tgt = self.target.model
-        if cfg.method == "ar":
-            return ar_program(tgt, **common)
-        if cfg.draft == "ngram":
-            return ngram_sd_program(tgt, **common)
-        if cfg.method == "sd" or cfg.greedy:
-            return sd_program(tgt, self.draft.model, **common)
-        return smc_program(tgt, self.draft.model, **common)
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -478,12 +465,7 @@ class Engine:
         stats = {**out.stats, "seed": cfg.seed}
         if cfg.greedy:
             stats["greedy"] = True
-        if cfg.method == "smc" and cfg.greedy:
-            stats.update(ran_as="sd", draft_tokens=cfg.draft_tokens)
-        elif cfg.method == "smc":
-            stats.update(particles=cfg.particles, draft_tokens=cfg.draft_tokens)
-        elif cfg.method == "sd":
-            stats.update(draft_tokens=cfg.draft_tokens)
+        stats.update(job.decoder.stats(cfg))
         return GenerationResult(
             text=text,
             token_ids=out.tokens,
@@ -500,21 +482,22 @@ class Engine:
             ),
         )
 
-    def _context_room(self, prompt_len: int, cfg: GenerationConfig) -> int:
+    def _context_and_overshoot(self, cfg: GenerationConfig, decoder: Decoder) -> tuple[int, int]:
+        """The context every model the decoder runs has, and the tokens its last round may
+        run past the budget."""
+        limits = [self.target.context_length]
+        if self.draft is not None and decoder.draft_model:
+            limits.append(self.draft.context_length)
+        return min(limits), cfg.draft_tokens if decoder.draft_tokens else 0
+
+    def _context_room(self, prompt_len: int, cfg: GenerationConfig, decoder: Decoder) -> int:
         """New tokens the context leaves after ``prompt_len`` (the last round's overshoot
         counted)."""
-        limits = [self.target.context_length]
-        if self.draft is not None and cfg.method != "ar" and cfg.draft == "model":
-            limits.append(self.draft.context_length)
-        k = 0 if cfg.method == "ar" else cfg.draft_tokens
-        return min(limits) - prompt_len - k - 1
+        ctx, k = self._context_and_overshoot(cfg, decoder)
+        return ctx - prompt_len - k - 1
 
-    def _check_context(self, prompt_len: int, cfg: GenerationConfig) -> None:
-        limits = [self.target.context_length]
-        if self.draft is not None and cfg.method != "ar" and cfg.draft == "model":
-            limits.append(self.draft.context_length)
-        ctx = min(limits)
-        k = 0 if cfg.method == "ar" else cfg.draft_tokens
+    def _check_context(self, prompt_len: int, cfg: GenerationConfig, decoder: Decoder) -> None:
+        ctx, k = self._context_and_overshoot(cfg, decoder)
         need = prompt_len + cfg.max_new_tokens + k + 1
         if need > ctx:
             raise ContextLengthError(

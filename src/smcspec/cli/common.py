@@ -15,7 +15,9 @@ NGRAM = "ngram"  # --draft ngram: n-gram drafts from the text, no draft model
 def needs_model_draft(configs: list[GenerationConfig]) -> bool:
     """Whether any of ``configs`` drafts with the draft model (smc, or sd without
     ``--draft ngram``)."""
-    return any(c.method != "ar" and c.draft == "model" for c in configs)
+    from smcspec.decoding.registry import decoder_for
+
+    return any(decoder_for(c).draft_model for c in configs)
 
 
 def load_engine(args: argparse.Namespace, with_draft: bool = True):

@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.registry import decoder_for
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
 from smcspec.eval.harness import MethodSpec, answer_stop_ids
@@ -171,7 +172,7 @@ def roofline_rows(
     measured = {r["method"]: r["ratio_vs_baseline"] for r in rows}
     out = []
     for s in specs:
-        if s.config.method != "smc":
+        if decoder_for(s.config).name != "smc":
             continue
         n, k = s.config.particles, s.config.draft_tokens
         costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k)

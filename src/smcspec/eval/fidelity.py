@@ -31,7 +31,8 @@ import torch
 
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.config import GenerationConfig
-from smcspec.decoding import decode_ar, decode_sd, decode_smc
+from smcspec.decoding import run_program
+from smcspec.decoding.registry import decoder_for
 from smcspec.eval.exact import (
     LogProbs,
     conditional_log_probs,
@@ -110,14 +111,16 @@ def sample_outputs(
         out, and each run's log-normaliser estimate ``stats["log_normalizer"]`` (smc with a
         constraint or reward; NaN otherwise), in run order.
     """
-    models = (target,) if cfg.method == "ar" else (target, draft)
-    decode = {"ar": decode_ar, "sd": decode_sd, "smc": decode_smc}[cfg.method]
+    decoder = decoder_for(cfg)
     vocab = target.cfg.vocab_size
     counts: Counter = Counter()
     log_zs: list[float] = []
     for i in range(runs):
         g = torch.Generator().manual_seed(seed0 + i)
-        out = decode(*models, prompt, cfg, frozenset(), vocab, g)
+        program = decoder.program(
+            target, draft, prompt=prompt, cfg=cfg, stop_ids=frozenset(), vocab=vocab, generator=g
+        )
+        out = run_program(program)
         counts[tuple(out.tokens)] += 1
         log_zs.append(float(out.stats.get("log_normalizer", math.nan)))
     return counts, log_zs
