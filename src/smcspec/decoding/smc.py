@@ -543,15 +543,7 @@ def _bank_finished(
         ps.finished = torch.ones_like(ps.finished)  # nothing left to run
         return
     logw = torch.where(running, ps.logw, torch.full_like(ps.logw, -math.inf))
-    anc = RESAMPLERS[st.resampler](logw, st.generator)
-    ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
-    ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
-    tcache.reorder(anc)
-    dcache.reorder(anc)
-    ps.phi = ps.phi[anc]
-    ps.logw = torch.zeros_like(ps.logw)
-    ps.equal_start = True
-    ps.resamples += 1
+    _take_ancestors(ps, RESAMPLERS[st.resampler](logw, st.generator), tcache, dcache)
 
 
 def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
@@ -564,9 +556,14 @@ def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcach
     ps.equal_start = False
     if st.n < 2 or ess >= st.ess_threshold * st.n:
         return
-    ps.equal_start = True
     ps.log_z += log_mean_weight(ps.logw)
-    anc = RESAMPLERS[st.resampler](ps.logw, st.generator)
+    _take_ancestors(ps, RESAMPLERS[st.resampler](ps.logw, st.generator), tcache, dcache)
+
+
+def _take_ancestors(ps: _Particles, anc: torch.Tensor, tcache: KVCache, dcache: KVCache) -> None:
+    """Make particle ``i`` a copy of particle ``anc[i]`` (int64 ``[N]``): tokens, lengths,
+    ended flags, pending tokens, both KV caches, twists and matchers; the copies restart at
+    equal log-weights. Serves resampling and banking alike."""
     ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
     ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
     tcache.reorder(anc)
@@ -575,6 +572,7 @@ def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcach
     if ps.states:
         ps.states = reorder(ps.states, anc)
     ps.logw = torch.zeros_like(ps.logw)
+    ps.equal_start = True
     ps.resamples += 1
 
 
