@@ -43,6 +43,7 @@ def child() -> None:
     from smcspec.backends.llamacpp import LlamaCppSettings
     from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
     from smcspec.models.loading import cache_root, gguf_tokenizer, load_model
+    from smcspec.tuning import tune
 
     times["imports"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -59,7 +60,7 @@ def child() -> None:
     engine = Engine(target, draft)
     times["models"] = time.perf_counter() - t
     t = time.perf_counter()
-    engine.tune()
+    tune(engine)
     times["tuning"] = time.perf_counter() - t
     print(json.dumps({k: round(v, 2) for k, v in times.items()}))
 

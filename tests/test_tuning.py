@@ -25,6 +25,7 @@ from smcspec.tuning import (
     predict,
     predict_all,
     sd_tokens_per_round,
+    tune,
 )
 from smcspec.tuning import tuner as tuner_module
 from smcspec.tuning.cache import cache_file, cost_key, read_costs
@@ -295,7 +296,7 @@ def own_cache(tmp_path, monkeypatch):
 
 def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     notes: list[str] = []
-    first = engine.tune(min_particles=4, log=notes.append)
+    first = tune(engine, min_particles=4, log=notes.append)
     assert len(notes) == 1 and "measuring" in notes[0] and str(first.cache_path) in notes[0]
     assert first.cache_path.parent == own_cache / "costs" and first.measured_seconds > 0
     assert first.smc.setting.method == "smc" and first.smc.setting.particles >= 4
@@ -317,23 +318,23 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
 
     monkeypatch.setattr(tuner_module, "measure_forwards", refuse)
     monkeypatch.setattr(tuner_module, "measure_acceptance", refuse)
-    again = engine.tune(min_particles=4, log=notes.append)
+    again = tune(engine, min_particles=4, log=notes.append)
     assert len(notes) == 1 and again.measured_seconds == 0
     assert again.predictions == first.predictions and again.auto == first.auto
-    assert engine.tune(min_particles=8).smc.setting.particles >= 8  # same costs, other floor
+    assert tune(engine, min_particles=8).smc.setting.particles >= 8  # same costs, other floor
 
 
 def test_remeasure_replaces_the_cached_costs(engine, own_cache):
-    first = engine.tune()
+    first = tune(engine)
     notes: list[str] = []
-    again = engine.tune(remeasure=True, log=notes.append)
+    again = tune(engine, remeasure=True, log=notes.append)
     assert again.measured_seconds > 0 and len(notes) == 1
     assert again.cache_path == first.cache_path
     assert read_costs(first.cache_path, first.key).target == again.costs.target
 
 
 def test_other_sampling_measures_only_alpha_again(engine, own_cache, monkeypatch):
-    engine.tune()
+    tune(engine)
     calls = []
     real = tuner_module.measure_acceptance
 
@@ -343,8 +344,8 @@ def test_other_sampling_measures_only_alpha_again(engine, own_cache, monkeypatch
 
     monkeypatch.setattr(tuner_module, "measure_forwards", lambda *a: pytest.fail("re-measured"))
     monkeypatch.setattr(tuner_module, "measure_acceptance", count)
-    engine.tune(GenerationConfig(temperature=1.0))
-    engine.tune(GenerationConfig(temperature=1.0))
+    tune(engine, GenerationConfig(temperature=1.0))
+    tune(engine, GenerationConfig(temperature=1.0))
     assert calls == [1.0]
 
 
@@ -355,12 +356,12 @@ def test_a_corrupt_cache_file_is_measured_again(engine, own_cache, content):
     path = cache_file(cost_key(engine, SMALL_GRID.context))
     path.parent.mkdir(parents=True)
     if content == "wrong shape":
-        engine.tune()
+        tune(engine)
         data = json.loads(path.read_text())
         data["target"]["1x1"] = -1.0
         content = json.dumps(data).encode()
     path.write_bytes(content)
-    tuning = engine.tune()
+    tuning = tune(engine)
     assert tuning.cache_path == path and tuning.measured_seconds > 0
     assert read_costs(path, tuning.key).target  # rewritten, readable
 
@@ -375,7 +376,7 @@ def test_the_key_names_machine_backend_and_model_files(engine, own_cache):
 
 
 def test_a_draftless_engine_predicts_ar_only(engine, own_cache):
-    tuning = Engine(engine.target).tune()
+    tuning = tune(Engine(engine.target))
     assert [p.setting.name for p in tuning.predictions] == ["ar"] and tuning.smc is None
     assert tuning.config(GenerationConfig(), "auto").method == "ar"
     with pytest.raises(ConfigError, match="draft"):
@@ -383,7 +384,7 @@ def test_a_draftless_engine_predicts_ar_only(engine, own_cache):
 
 
 def test_table_marks_the_choices(engine, own_cache):
-    table = format_table(engine.tune(min_particles=4))
+    table = format_table(tune(engine, min_particles=4))
     rows = [ln for ln in table.splitlines() if ln.startswith("| ")]
     assert rows[0].startswith("| method | N | K |")
     assert sum("auto" in r for r in rows[1:]) == 1

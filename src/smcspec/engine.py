@@ -22,7 +22,7 @@ import torch
 
 from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
 from smcspec.chat import encode_chat, encode_raw
-from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
+from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.common import hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
@@ -208,36 +208,6 @@ class Engine:
         opts["tokenizer"] = tgt.backend != "llamacpp"
         drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
         return cls(tgt, drf)
-
-    def tune(
-        self,
-        config: GenerationConfig | None = None,
-        min_particles: int = 4,
-        particles: int | None = None,
-        draft_tokens: int | None = None,
-        log: Callable[[str], None] | None = None,
-        remeasure: bool = False,
-        min_ess: float = DEFAULT_MIN_ESS,
-    ):
-        """Predicted tokens/s of every ar, sd(K) and smc(N, K) setting on this machine, and
-        the fastest ones (:func:`smcspec.tuning.tune`): ``.auto`` (any method), ``.smc``
-        (N >= ``min_particles`` and a predicted ESS after a round of at least ``min_ess``
-        of N), ``.predictions`` (the table, with each smc setting's predicted ESS),
-        ``.config(base, method)``.
-
-        The forward costs are measured once per machine, backend and pair (about a minute
-        on a 2-core CPU for the default pair, on an otherwise idle machine) and cached under
-        ``$SMCSPEC_CACHE/costs``; ``remeasure=True`` measures them again.
-
-        Raises:
-            ConfigError: bad ``min_particles``, or no setting meets the restrictions.
-        """
-        from smcspec.tuning import tune
-
-        return tune(
-            self, config, min_particles, particles, draft_tokens, log=log, remeasure=remeasure,
-            min_ess=min_ess,
-        )  # fmt: skip
 
     def _stop_ids(self) -> set[int]:
         tok = self.tokenizer

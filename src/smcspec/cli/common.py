@@ -60,7 +60,10 @@ def wants_tuning(args: argparse.Namespace) -> bool:
 
 def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
     """Measured costs (cached) -> predictions -> the chosen setting, for ``args``."""
-    return engine.tune(
+    from smcspec.tuning import tune
+
+    return tune(
+        engine,
         cfg,
         min_particles=args.min_particles,
         particles=args.particles,

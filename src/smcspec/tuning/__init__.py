@@ -5,8 +5,9 @@ model pair, :mod:`smcspec.tuning.cache`), predicts tokens/s of every ``ar``, ``s
 ``smc`` (N, K) setting with the roofline (:mod:`smcspec.tuning.predict`), and chooses::
 
     from smcspec import Engine
+    from smcspec.tuning import tune
     engine = Engine.load()
-    tuning = engine.tune(min_particles=4)
+    tuning = tune(engine, min_particles=4)
     print(tuning.auto.setting.name, tuning.auto.tokens_per_second)  # the fastest of all
     cfg = tuning.config(method="smc")       # the fastest smc setting with N >= 4
 
