@@ -17,6 +17,7 @@ from live_server import Server
 from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
 
 from smcspec import Engine, GenerationConfig
+from smcspec.backends.pool import pool_needs
 from smcspec.backends.torch import load_hf_dir
 from smcspec.scheduler import PoolLeakError
 from smcspec.server import create_app
@@ -37,8 +38,9 @@ def _engine(backend: str, root) -> Engine:
     engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
     # KV bytes for one request of 8 particles and 48 tokens (and a bit), on both models
     job = engine.prepare("ab cd ef", GenerationConfig(max_new_tokens=48, **SMC8), chat=True)
-    for role, model in (("target", engine.target.model), ("draft", engine.draft.model)):
-        model.kv_budget_bytes = int(engine.pool_needs(job)[role]["kv_bytes"] * 1.5)
+    needs = pool_needs(engine.models(), engine.cache_needs(job))
+    for role, model in engine.models().items():
+        model.kv_budget_bytes = int(needs[role]["kv_bytes"] * 1.5)
     return engine
 
 

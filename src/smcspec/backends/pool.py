@@ -196,3 +196,44 @@ class Reservation:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ------------------------------------------------------------- a request on a model pair
+def pool_needs(models: Mapping[str, Any], caches: list[CacheNeed]) -> dict[str, dict[str, int]]:
+    """What a request opening ``caches`` can ever take from each model's pool: role ->
+    resource -> amount (``models``: role -> a model with ``cache_need``, see
+    :class:`~smcspec.backends.base.DecoderModel`)."""
+    needs: dict[str, dict[str, int]] = {}
+    for c in caches:
+        amounts = models[c.role].cache_need(c.rows, c.capacity, c.prompt_len)
+        total = needs.setdefault(c.role, {})
+        for k, v in amounts.items():
+            total[k] = total.get(k, 0) + v
+    return needs
+
+
+def never_fits(models: Mapping[str, Any], caches: list[CacheNeed]) -> str | None:
+    """Why a request opening ``caches`` can never run on these models' pools (even alone),
+    or None."""
+    for role, amounts in pool_needs(models, caches).items():
+        reason = models[role].pool.never_fits(amounts)
+        if reason is not None:
+            return f"the request can never fit: the {role} {reason}"
+    return None
+
+
+def try_reserve(
+    models: Mapping[str, Any], caches: list[CacheNeed], owner: object | None = None
+) -> Reservation | None:
+    """Reserve everything a request opening ``caches`` can ever use on every model,
+    all-or-nothing; None when it does not fit now. The caller releases it
+    (:meth:`Reservation.release`); ``owner`` tags the leases (a scheduler checks its own
+    for leaks)."""
+    leases: dict[str, Lease] = {}
+    for role, amounts in pool_needs(models, caches).items():
+        lease = models[role].pool.try_reserve(amounts, owner=owner)
+        if lease is None:
+            Reservation(leases).release()
+            return None
+        leases[role] = lease
+    return Reservation(leases)
