@@ -136,3 +136,47 @@ def test_truncation_defaults_are_off_and_errors_name_the_field():
     ):
         with pytest.raises(ConfigError, match=name):
             GenerationConfig(**kwargs).validate()
+
+
+def _other_value(f):
+    """A valid value of CLI field ``f`` other than its default, and its argv."""
+    opt = f.metadata["option"]
+    flag = "--" + f.name.replace("_", "-")
+    if f.default is True:
+        return False, ["--no-" + f.name.replace("_", "-")]
+    if opt.choices is not None:
+        return opt.choices[-1], [flag, opt.choices[-1]]
+    if f.type in ("int", "int | None"):
+        return 5, [flag, "5"]
+    value = 0.9 if f.default == 1.0 else round(f.default + 0.05, 2)
+    return value, [flag, str(value)]
+
+
+def test_every_cli_setting_has_a_flag_that_reaches_the_config():
+    """Settings are declared once (config.py): each field carrying an Option is a flag of
+    generate, serve, bench and eval, with the field's default, and a value given on the
+    command line arrives in the GenerationConfig."""
+    from smcspec.cli import parse_args
+    from smcspec.cli.options import cli_fields, config_from_args
+
+    fields = cli_fields()
+    assert len(fields) >= 12
+    defaults = config_from_args(parse_args(["generate", "x"]))
+    for f in fields:
+        assert getattr(defaults, f.name) == f.default, f.name
+        value, argv = _other_value(f)
+        for command in (["generate", "x"], ["serve"], ["bench"], ["eval", "gsm8k"]):
+            cfg = config_from_args(parse_args([*command, *argv]))
+            assert getattr(cfg, f.name) == value, (command, f.name)
+
+
+def test_every_server_setting_is_a_field_of_the_smc_object():
+    """Each field marked ``server`` is an optional field of the request's ``smc`` object, and
+    nothing else is there but the constraint strings."""
+    from smcspec.server.schemas import SmcOptions
+
+    marked = {f.name for f in dataclasses.fields(GenerationConfig) if f.metadata.get("server")}
+    assert {"method", "particles", "draft_tokens", "alpha", "draft_p_min"} <= marked
+    assert set(SmcOptions.model_fields) == marked | {"regex", "grammar"}
+    for name in marked:
+        assert SmcOptions.model_fields[name].default is None

@@ -1,4 +1,8 @@
-"""Generation settings shared by the CLI, the Python API and (later) the server."""
+"""Generation settings shared by the CLI, the Python API and the server.
+
+Each setting is declared once, here: its default and, for those the command line exposes,
+its flag and help (:class:`Option` in the field's metadata, read by
+:func:`smcspec.cli.options.decoding_options`)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,37 @@ DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 MAX_PARTICLES = 256
 MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a :class:`GenerationConfig` field appears on the command line.
+
+    Attributes:
+        order: its place among the generic decoding options of ``--help`` (ascending).
+        help: argparse's help (None: none shown).
+        choices: the allowed values (argparse checks them).
+        metavar: argparse's metavar.
+    A bool field that defaults to True becomes ``--no-<name>`` (stores False); every other
+    field ``--<name>`` with the field's type and default.
+    """
+
+    order: int
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+def option(default, order: int, server: bool = False, **kwargs):
+    """A dataclass field with ``default`` exposed on the command line (:class:`Option`) and,
+    with ``server``, in the server's per-request ``smc`` object."""
+    return field(default=default, metadata={"option": Option(order, **kwargs), "server": server})
+
+
+def server_setting(default, choices: tuple[str, ...] | None = None):
+    """A dataclass field with ``default`` in the server's ``smc`` object only (``choices``:
+    the values its schema allows)."""
+    return field(default=default, metadata={"server": True, "server_choices": choices})
 
 
 @dataclass(frozen=True)
@@ -79,28 +114,51 @@ class GenerationConfig:
     Defaults are the SMC-SD authors' (N=4, K=4, T_d=T_t=0.7, alpha=1, kappa=0.5, systematic).
     """
 
-    method: str = "smc"
+    method: str = server_setting("smc", METHODS)
     max_new_tokens: int = 128
-    temperature: float = 0.7
-    draft_temperature: float = 0.7
-    particles: int = 4
-    draft_tokens: int = 4
-    alpha: float = 1.0
-    ess_threshold: float = 0.5
-    resampler: str = "systematic"
-    finished_particles: str = "bank"
-    seed: int | None = None
+    temperature: float = option(0.7, 1, help="target temperature T_t (0: greedy on every method)")
+    draft_temperature: float = option(0.7, 2, server=True, help="draft temperature T_d")
+    particles: int = server_setting(4)
+    draft_tokens: int = server_setting(4)
+    alpha: float = option(1.0, 4, server=True, help="power exponent of the SMC target")
+    ess_threshold: float = option(
+        0.5, 8, server=True, help="kappa: resample when ESS < kappa*N (0 disables)"
+    )
+    resampler: str = option("systematic", 9, server=True, choices=tuple(RESAMPLERS))
+    finished_particles: str = option(
+        "bank",
+        10,
+        server=True,
+        choices=FINISHED_PARTICLES,
+        help="smc: bank a particle that ends with its share of the round's weight (default), "
+        "or keep it among the running ones (the paper's rule)",
+    )
+    seed: int | None = option(None, 11)
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    top_k: int = option(0, 5, help="keep the k most likely tokens (0 or -1: off)")
+    top_p: float = option(
+        1.0, 6, help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)"
+    )
+    min_p: float = option(0.0, 7, help="keep tokens with p >= min_p * max p, in [0, 1] (0: off)")
     constraint: Constraint | TokenConstraint | None = None
     reward: Reward | None = None
-    shared_rows: bool = True
-    draft: str = "model"
-    draft_p_min: float = 0.0
+    shared_rows: bool = option(
+        True,
+        12,
+        help="compute every particle row of a forward, also those that repeat another "
+        "particle's prefix (default: each distinct row once; the output is the same)",
+    )
+    draft: str = server_setting("model", DRAFTS)
+    draft_p_min: float = option(
+        0.0,
+        3,
+        server=True,
+        metavar="P",
+        help="sd: stop a round's drafting when the draft's most likely token has less than "
+        "probability P (llama.cpp's --draft-p-min; default 0: off; the output stays exact)",
+    )
 
     @property
     def greedy(self) -> bool:

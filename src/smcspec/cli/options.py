@@ -4,12 +4,12 @@ constraint they describe."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
-    FINISHED_PARTICLES,
     METHODS,
     GenerationConfig,
     check_min_ess,
@@ -19,7 +19,6 @@ from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
-from smcspec.sampling.resampling import RESAMPLERS
 
 DEFAULT_PARTICLES = GenerationConfig.particles
 
@@ -169,59 +168,34 @@ def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
         f"sd and eval: {DEFAULT_DRAFT_TOKENS})",
     )
     d.add_argument("--max-new-tokens", "-m", type=int, default=None, help=m_help)
-    d.add_argument(
-        "--temperature",
-        type=float,
-        default=0.7,
-        help="target temperature T_t (0: greedy on every method)",
-    )
-    d.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature T_d")
-    d.add_argument(
-        "--draft-p-min",
-        type=float,
-        default=0.0,
-        metavar="P",
-        help="sd: stop a round's drafting when the draft's most likely token has less than "
-        "probability P (llama.cpp's --draft-p-min; default 0: off; the output stays exact)",
-    )
-    d.add_argument("--alpha", type=float, default=1.0, help="power exponent of the SMC target")
-    d.add_argument(
-        "--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)"
-    )
-    d.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)",
-    )
-    d.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="keep tokens with p >= min_p * max p, in [0, 1] (0: off)",
-    )
-    d.add_argument(
-        "--ess-threshold",
-        type=float,
-        default=0.5,
-        help="kappa: resample when ESS < kappa*N (0 disables)",
-    )
-    d.add_argument("--resampler", choices=list(RESAMPLERS), default="systematic")
-    d.add_argument(
-        "--finished-particles",
-        choices=list(FINISHED_PARTICLES),
-        default="bank",
-        help="smc: bank a particle that ends with its share of the round's weight (default), "
-        "or keep it among the running ones (the paper's rule)",
-    )
-    d.add_argument("--seed", type=int, default=None)
-    d.add_argument(
-        "--no-shared-rows",
-        dest="shared_rows",
-        action="store_false",
-        help="compute every particle row of a forward, also those that repeat another "
-        "particle's prefix (default: each distinct row once; the output is the same)",
-    )
+    decoding_options(d)
+
+
+def decoding_options(d: argparse._ArgumentGroup) -> None:
+    """The :class:`GenerationConfig` fields that carry an :class:`~smcspec.config.Option`, as
+    argparse options, in their ``order`` (flag, type, default, choices and help from the
+    field: declared once, in ``config.py``)."""
+    for f in sorted(cli_fields(), key=lambda f: f.metadata["option"].order):
+        opt = f.metadata["option"]
+        kwargs = {"help": opt.help} if opt.help is not None else {}
+        if f.default is True:
+            d.add_argument(
+                f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", **kwargs
+            )
+            continue
+        if opt.choices is not None:
+            kwargs["choices"] = list(opt.choices)
+        if opt.metavar is not None:
+            kwargs["metavar"] = opt.metavar
+        kind = {"float": float, "int": int, "int | None": int, "str": None}[f.type]
+        if kind is not None:
+            kwargs["type"] = kind
+        d.add_argument(f"--{f.name.replace('_', '-')}", default=f.default, **kwargs)
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The :class:`GenerationConfig` fields exposed as generic decoding options."""
+    return [f for f in dataclasses.fields(GenerationConfig) if "option" in f.metadata]
 
 
 def tuning_options() -> argparse.ArgumentParser:
@@ -262,20 +236,9 @@ def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
     return GenerationConfig(
         method="smc" if args.method == "auto" else args.method,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        draft_temperature=args.draft_temperature,
         particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
         draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
-        alpha=args.alpha,
-        ess_threshold=args.ess_threshold,
-        resampler=args.resampler,
-        finished_particles=args.finished_particles,
-        seed=args.seed,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        shared_rows=args.shared_rows,
-        draft_p_min=args.draft_p_min,
+        **{f.name: getattr(args, f.name) for f in cli_fields()},
         **extra,
     ).validate()  # fail on bad options before spending time loading models
 

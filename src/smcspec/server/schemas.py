@@ -9,11 +9,13 @@ send extras such as ``user``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from smcspec.config import GenerationConfig
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
 from smcspec.tool_calls import FunctionTool, ToolCalls
@@ -25,22 +27,26 @@ _MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "au
                 "file": "file", "input_file": "file"}  # fmt: skip
 
 
-class SmcOptions(BaseModel):
-    """The ``smc`` extra field: per-request decoder settings (server defaults otherwise)."""
+def _smc_options() -> type[BaseModel]:
+    """The ``smc`` extra field: per-request decoder settings (server defaults otherwise). Its
+    fields are the :class:`GenerationConfig` fields marked ``server`` (``config.py``), each
+    optional, plus ``regex`` (the output must match this regular expression) and ``grammar``
+    (the output must follow this Lark grammar)."""
+    base = {"float": float, "int": int, "str": str}
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(GenerationConfig):
+        if not f.metadata.get("server"):
+            continue
+        choices = f.metadata.get("server_choices")
+        kind = Literal[choices] if choices else base[f.type]
+        fields[f.name] = (kind | None, None)
+    fields |= {"regex": (str | None, None), "grammar": (str | None, None)}
+    return create_model(
+        "SmcOptions", __config__=ConfigDict(extra="forbid"), __doc__=_smc_options.__doc__, **fields
+    )
 
-    model_config = ConfigDict(extra="forbid")
-    method: Literal["smc", "sd", "ar"] | None = None
-    particles: int | None = None
-    draft_tokens: int | None = None
-    draft_temperature: float | None = None
-    alpha: float | None = None
-    ess_threshold: float | None = None
-    resampler: str | None = None
-    finished_particles: str | None = None  # "bank" (default) or "keep" (the paper's rule)
-    draft: Literal["model", "ngram"] | None = None  # sd: the draft model or n-gram drafts
-    draft_p_min: float | None = None  # sd: stop drafting below this top draft probability
-    regex: str | None = None  # the output must match this regular expression
-    grammar: str | None = None  # the output must follow this Lark grammar
+
+SmcOptions = _smc_options()
 
 
 class StreamOptions(BaseModel):
