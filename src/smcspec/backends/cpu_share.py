@@ -83,6 +83,8 @@ class FairShare:
         interval_s: the shortest window measured (shorter calls reuse the last answer).
         read: the clock-less reader of :class:`CpuTimes` (tests pass a fake).
         clock: monotonic seconds.
+        niced: whether this process runs niced (then its user time is not in
+            ``/proc/stat``'s un-niced sum and is not subtracted); default: its priority.
     """
 
     def __init__(
@@ -92,9 +94,10 @@ class FairShare:
         interval_s: float = 0.25,
         read: Callable[[], CpuTimes | None] = read_cpu_times,
         clock: Callable[[], float] = time.monotonic,
+        niced: Callable[[], bool] = lambda: os.getpriority(os.PRIO_PROCESS, 0) > 0,
     ) -> None:
         self.wanted, self.cores, self.interval_s = wanted, cores, interval_s
-        self._read, self._clock = read, clock
+        self._read, self._clock, self._niced = read, clock, niced
         self._last: tuple[float, CpuTimes] | None = None
         self.threads = wanted
         self.others_busy = 0.0
@@ -111,7 +114,7 @@ class FairShare:
         if self._last is not None:
             t0, prev = self._last
             own = times.own_system - prev.own_system
-            if os.getpriority(os.PRIO_PROCESS, 0) <= 0:  # our user time is in the un-niced sum
+            if not self._niced():  # our user time is in the un-niced sum
                 own += times.own_user - prev.own_user
             self.others_busy = max(0.0, (times.busy - prev.busy - own) / (now - t0))
             self.threads = fair_threads(self.wanted, self.cores, self.others_busy)
