@@ -1,7 +1,7 @@
 """Fixtures for every test module.
 
-Tests that are not marked ``slow`` (those use the real default pair from the user's cache)
-get ``$SMCSPEC_CACHE`` pointed at one temporary directory for the session, so nothing they
+Tests that are not marked ``real_pair`` (those use the real default pair from the user's
+cache) get ``$SMCSPEC_CACHE`` pointed at one temporary directory for the session, so nothing they
 do (tokenizers, measured costs, re-quantized drafts) is written to the user's cache; and the
 tuner (:mod:`smcspec.tuning`), which ``generate``/``serve``/``bench`` run for ``smc`` without
 -N/-K, measures a small grid on tiny models (a fraction of a second instead of seconds).
@@ -36,13 +36,13 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="session")
 def test_cache_dir(tmp_path_factory):
-    """The session's ``$SMCSPEC_CACHE`` for tests that are not ``slow``."""
+    """The session's ``$SMCSPEC_CACHE`` for tests that are not ``real_pair``."""
     return tmp_path_factory.mktemp("smcspec-cache")
 
 
 @pytest.fixture(autouse=True)
 def _test_cache_and_small_tuning_grid(request, monkeypatch, test_cache_dir):
-    if request.node.get_closest_marker("slow") is not None:
+    if request.node.get_closest_marker("real_pair") is not None:
         return
     monkeypatch.setenv("SMCSPEC_CACHE", str(test_cache_dir))
     monkeypatch.setattr("smcspec.tuning.tuner.default_grid", lambda device: SMALL_GRID)

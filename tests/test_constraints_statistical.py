@@ -36,6 +36,8 @@ from smcspec.eval.fidelity import CONSTRAINT_TABLE, letter_count_reward, sample_
 from smcspec.eval.stats import total_variation as tv_exact
 from smcspec.potentials import DeadEndError
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 T = 1.0
 LENGTH = 3

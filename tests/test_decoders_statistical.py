@@ -19,6 +19,8 @@ import smcspec.decoding.sd as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd, decode_smc
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 T = 1.0
 LENGTH = 3

@@ -124,6 +124,7 @@ def _run_fidelity_command(out) -> str:
     return (out / "fidelity.md").read_text()
 
 
+@pytest.mark.slow
 def test_eval_fidelity_command_reports_potentials(tmp_path, capsys):
     """The command's new sections hold the expected behaviour (200 seeded runs, seeds 0-199;
     an exact sampler's TV at 200 runs is about 0.10 over A's 16 sequences, 0.20 over 64).

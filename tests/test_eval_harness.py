@@ -96,6 +96,7 @@ def test_summary_rescore_and_report(engine, tmp_path):
     json.dumps(rows)  # serialisable
 
 
+@pytest.mark.slow
 def test_fidelity_grid_small():
     target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
     rows, draft_tv = fidelity_grid(target, draft, [1, 2, 0], 2, [1, 8], [2], runs=300)

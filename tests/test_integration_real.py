@@ -25,7 +25,7 @@ from smcspec.models import load_model
 from smcspec.models.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_packaged_model
 from smcspec.models.loading import cache_root
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
 PROMPT = "Write a Python function that returns the squares of a list of numbers, and explain it."
 
 

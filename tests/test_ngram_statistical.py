@@ -28,6 +28,8 @@ from smcspec.decoding import decode_ar, decode_ngram_sd
 from smcspec.decoding.ngram import NgramIndex
 from smcspec.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0, 3, 1, 2, 0, 3, 1, 2]
 V, LENGTH, RUNS = 4, 4, 3000
 

@@ -9,7 +9,7 @@ import torch
 
 from smcspec import Engine, GenerationConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
 PROMPT = "Write a Python function that checks whether a number is prime."
 # llama.cpp's logits for a token scored in a batch of K+1 and alone differ slightly (other
 # kernel paths and activation quantization); a greedy choice can flip only where the

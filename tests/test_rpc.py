@@ -32,6 +32,8 @@ pytest.importorskip("llama_cpp")
 from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402
 from smcspec.backends.llamacpp.rpc import parse_endpoints, supports_rpc  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 if not supports_rpc():
     if os.environ.get("CI"):
         raise RuntimeError("CI is set but the llama.cpp build has no RPC: setup.sh must build it")

@@ -23,6 +23,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd
 from smcspec.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 V, LENGTH, RUNS = 4, 3, 3000
 

@@ -271,6 +271,7 @@ def test_finished_particles_rule_is_a_request_option(server):
     assert stats["bank"]["banked"] >= 1 and stats["keep"]["banked"] == 0
 
 
+@pytest.mark.slow
 def test_overload_gets_429(engine):
     srv = Server(
         create_app(

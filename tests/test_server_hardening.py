@@ -25,6 +25,8 @@ from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.server import create_app
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 MODEL = "tiny"
 BIG = 2**70
 USER = [{"role": "user", "content": "ab cd"}]

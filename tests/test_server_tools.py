@@ -15,7 +15,7 @@ from live_server import Server
 from smcspec import Engine, GenerationConfig
 from smcspec.server import create_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
 MODEL = "smcspec-default"
 WEATHER = {
     "type": "object",

@@ -26,6 +26,8 @@ from enumerable import chisquare_p, stopped_sequence_log_probs, tiny_transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 V, LENGTH, STOP = 3, 9, 0
 RUNS = 1000

@@ -22,6 +22,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.potentials import DeadEndError
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 LENGTH = 5
 V = 3

@@ -26,6 +26,8 @@ from smcspec.decoding import decode_sd, decode_smc
 pytest.importorskip("llama_cpp")
 from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 LENGTH, T, V = 3, 8.0, 4
 

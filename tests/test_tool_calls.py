@@ -351,6 +351,7 @@ def _tv(p: dict, counts: Counter, runs: int) -> float:
     return 0.5 * sum(abs(p.get(k, 0.0) - counts.get(k, 0) / runs) for k in keys)
 
 
+@pytest.mark.slow
 def test_smc_calls_approach_the_conditional(engine, tok):
     """Two tools with the same arguments: which call the target prefers shows only tokens
     after the choice, so locally-masked decoding (masked AR, SMC with one particle) keeps

@@ -31,6 +31,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.sampling.truncation import truncate_log_probs
 
+pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+
 PROMPT = [1, 2, 0]
 T = 1.0
 LENGTH = 3

@@ -428,6 +428,7 @@ def test_generate_keeps_an_explicit_n_or_k(gguf_pair, capsys):
     assert (out["particles"], out["draft_tokens"]) == (3, 2) and "tuned" not in out
 
 
+@pytest.mark.slow
 def test_serve_chooses_once_at_startup(gguf_pair, tmp_path):
     """A real ``smcspec serve --method auto`` process: the setting is chosen (and the costs
     measured) once, before it serves; every request without a method of its own then runs
