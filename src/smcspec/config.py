@@ -46,6 +46,15 @@ def option(default, order: int, server: bool = False, **kwargs):
     return field(default=default, metadata={"option": Option(order, **kwargs), "server": server})
 
 
+_FIELD_TYPES = {"float": float, "int": int, "int | None": int, "str": str}
+
+
+def field_type(f) -> type:
+    """The Python type of a scalar :class:`GenerationConfig` field (its annotation is a string
+    under ``from __future__ import annotations``); KeyError for any other field."""
+    return _FIELD_TYPES[f.type]
+
+
 def server_setting(default, choices: tuple[str, ...] | None = None):
     """A dataclass field with ``default`` in the server's ``smc`` object only (``choices``:
     the values its schema allows)."""

@@ -14,6 +14,7 @@ from smcspec.config import (
     GenerationConfig,
     check_min_ess,
     check_min_particles,
+    field_type,
 )
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
@@ -187,8 +188,8 @@ def decoding_options(d: argparse._ArgumentGroup) -> None:
             kwargs["choices"] = list(opt.choices)
         if opt.metavar is not None:
             kwargs["metavar"] = opt.metavar
-        kind = {"float": float, "int": int, "int | None": int, "str": None}[f.type]
-        if kind is not None:
+        kind = field_type(f)
+        if kind is not str:  # argparse's own
             kwargs["type"] = kind
         d.add_argument(f"--{f.name.replace('_', '-')}", default=f.default, **kwargs)
 

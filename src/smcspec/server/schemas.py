@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from smcspec.config import GenerationConfig
+from smcspec.config import GenerationConfig, field_type
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
 from smcspec.tool_calls import FunctionTool, ToolCalls
@@ -32,13 +32,12 @@ def _smc_options() -> type[BaseModel]:
     fields are the :class:`GenerationConfig` fields marked ``server`` (``config.py``), each
     optional, plus ``regex`` (the output must match this regular expression) and ``grammar``
     (the output must follow this Lark grammar)."""
-    base = {"float": float, "int": int, "str": str}
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(GenerationConfig):
         if not f.metadata.get("server"):
             continue
         choices = f.metadata.get("server_choices")
-        kind = Literal[choices] if choices else base[f.type]
+        kind = Literal[choices] if choices else field_type(f)
         fields[f.name] = (kind | None, None)
     fields |= {"regex": (str | None, None), "grammar": (str | None, None)}
     return create_model(
