@@ -293,6 +293,7 @@ def load_pair(
         max_sequences=256,
         n_batch=2048,
         gpu_layers=-1 if gpu else 0,
+        logits_device=args.logits_device or args.device,
     )
     files = [workdir / f"{s.name}.gguf" for s in pair]
     for i, (s, f) in enumerate(zip(pair, files, strict=True)):
@@ -441,6 +442,9 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         seconds=round(time.perf_counter() - t0, 2),
         target_params=pair[0].parameters(),
         draft_params=pair[1].parameters(),
+        # what llama.cpp's CUDA backend saw (smcspec sets it where layers are offloaded)
+        ggml_cuda_disable_graphs=os.environ.get("GGML_CUDA_DISABLE_GRAPHS"),
+        logits_device=str(target.model.device),
         **base,
     )
     engines = {"pair": Engine(target, draft)}
@@ -661,6 +665,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pairs that also run sd with draft = target (target loaded twice)",
     )
     ap.add_argument("--threads", type=int, default=4, help="llama.cpp CPU threads")
+    ap.add_argument(
+        "--logits-device",
+        choices=("cpu", "cuda"),
+        help="llamacpp: where logits go for sampling (default: --device)",
+    )
     ap.add_argument("--kv-cells", type=int, default=65536)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)

@@ -11,6 +11,12 @@ forwards. ``--write-only`` writes the GGUF files and exits (while something else
 
   python benchmarks/gpu_probe.py --workdir W --systems smc-n4-k4
   python benchmarks/gpu_probe.py --workdir W --systems ar,smc-n8-k8 --profile --max-new-tokens 64
+  python benchmarks/gpu_probe.py --workdir W --systems ar,smc-n8-k8 --logits-devices cpu,cuda \
+      --reps 3
+
+``--logits-devices cpu,cuda`` loads the pair once per device named (where the decoders sample:
+``LlamaCppSettings.logits_device``) and alternates them run by run, so that each system's
+figures on both are taken side by side; each line names the device (``@cpu``, ``@cuda``).
 
 Systems are named as in the campaign's report: ``ar``, ``smc-nN-kK``.
 """
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--logits-devices", default="", help="e.g. cpu,cuda (default: --device)")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each system on each device")
     ap.add_argument("--write-only", action="store_true")
     a = ap.parse_args(argv)
     shapes = (campaign.TINY if a.tiny else campaign.PAIRS)[a.pair]
@@ -63,48 +71,45 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {s.name} in {time.perf_counter() - t0:.1f} s", flush=True)
         return 0
     systems = [parse_system(x) for x in a.systems.split(",")]
-    args = campaign.parse_args(
-        [
-            "--device",
-            a.device,
-            "--out",
-            str(workdir),
-            "--workdir",
-            str(workdir),
-            "--max-new-tokens",
-            str(a.max_new_tokens),
-            "--prompt-tokens",
-            str(a.prompt_tokens),
-        ]
-    )
-    t0 = time.perf_counter()
-    target, draft, _ = campaign.load_pair("llamacpp", shapes, args, workdir, False, reuse=True)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    engines = {"pair": Engine(target, draft)}
+    devices = [d for d in a.logits_devices.split(",") if d] or [a.device]
+    base = ["--device", a.device, "--out", str(workdir), "--workdir", str(workdir)]
+    base += ["--max-new-tokens", str(a.max_new_tokens), "--prompt-tokens", str(a.prompt_tokens)]
+    pairs = {}
+    for dev in devices:
+        args = campaign.parse_args([*base, "--logits-device", dev])
+        t0 = time.perf_counter()
+        target, draft, _ = campaign.load_pair("llamacpp", shapes, args, workdir, False, reuse=True)
+        print(f"loaded in {time.perf_counter() - t0:.1f} s (logits on {dev})", flush=True)
+        pairs[dev] = ({"pair": Engine(target, draft)}, args)
     failed = 0
     for s in systems:
-        print(f"run {s.label}", flush=True)
-        try:
-            r = campaign.run_system(engines, s, args, 1)
-        except Exception as exc:  # a Python-level failure: say so and go on
-            failed += 1
-            print(f"fail {s.label}: {exc!r}", flush=True)
-            continue
-        print(
-            f"ok {s.label}: {r['tokens']} tokens in {r['seconds']:.3f} s, "
-            f"{r['tokens'] / r['seconds']:.1f} tokens/s {r.get('stats', {})}",
-            flush=True,
-        )
+        for rep in range(a.reps):
+            for dev, (engines, args) in pairs.items():
+                label = f"{s.label}@{dev}" if len(pairs) > 1 else s.label
+                print(f"run {label}", flush=True)
+                try:
+                    r = campaign.run_system(engines, s, args, 1 + rep)
+                except Exception as exc:  # a Python-level failure: say so and go on
+                    failed += 1
+                    print(f"fail {label}: {exc!r}", flush=True)
+                    continue
+                print(
+                    f"ok {label}: {r['tokens']} tokens in {r['seconds']:.3f} s, "
+                    f"{r['tokens'] / r['seconds']:.1f} tokens/s {r.get('stats', {})}",
+                    flush=True,
+                )
         if a.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            r = campaign.run_system(engines, s, args, 2)
-            prof.disable()
-            print(f"profile {s.label}: {r['tokens']} tokens in {r['seconds']:.3f} s", flush=True)
-            for key in ("tottime", "cumulative"):
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(25)
-                print(out.getvalue(), flush=True)
+            for dev, (engines, args) in pairs.items():
+                label = f"{s.label}@{dev}" if len(pairs) > 1 else s.label
+                prof = cProfile.Profile()
+                prof.enable()
+                r = campaign.run_system(engines, s, args, 1 + a.reps)
+                prof.disable()
+                print(f"profile {label}: {r['tokens']} tokens in {r['seconds']:.3f} s", flush=True)
+                for key in ("tottime", "cumulative"):
+                    out = io.StringIO()
+                    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(25)
+                    print(out.getvalue(), flush=True)
     return 1 if failed else 0
 
 

@@ -229,6 +229,19 @@ def test_a_reservation_gives_a_request_its_sequences_and_cells_until_it_is_relea
     other.release()
 
 
+def test_a_cache_closed_after_its_model_was_released_does_not_touch_the_freed_context(files):
+    """Closing a cache, or releasing its lease, after ``release()`` hands its ids back without
+    calling into the freed llama.cpp context (before: a segfault, seen on the H200)."""
+    model = _llama(files["f32"][0], max_sequences=8, kv_cells=256)
+    cache = model.new_cache(2, 8)
+    lease = model.pool.try_reserve(model.cache_need(2, 8, len(PROMPT)))
+    model.prefill(PROMPT, cache)
+    model.release()
+    cache.close()
+    lease.release()
+    assert not model.pool.in_use
+
+
 def test_a_llamacpp_pair_checks_its_vocabulary_through_llama_cpp(files, tmp_path, monkeypatch):
     """Engine.load loads a llamacpp draft without a tokenizer; the pair's shared vocabulary
     is then compared through llama.cpp's token texts, and a mismatch is still refused."""

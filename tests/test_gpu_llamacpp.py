@@ -8,6 +8,8 @@ that exact SD on the GPU still samples the target's enumerated distribution.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from enumerable import chisquare_p, total_variation
@@ -80,3 +82,47 @@ def test_exact_sd_on_the_gpu_matches_the_target(models):
     # chi-square over the 64 sequences, p-value bound 1e-3; TV at 1000 runs' noise (~0.1)
     assert chisquare_p(exact, counts, runs) > 1e-3
     assert total_variation(exact, counts, runs) < 0.15
+
+
+needs_torch_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="PyTorch sees no CUDA device (logits_device='cuda')"
+)
+
+
+@needs_torch_cuda
+def test_logits_on_the_torch_gpu_equal_host_logits(models, tmp_path):
+    cpu, gpu, _ = models
+    on_cuda = LlamaCppModel(gpu.path, replace(GPU, logits_device="cuda"))
+    try:
+        assert on_cuda.device.type == "cuda"
+        ids = torch.tensor([3, 1, 2, 0, 1])
+        rows = torch.tensor([[1, 2, 3], [0, 0, 1], [1, 2, 3]])  # rows 0 and 2 share a row
+        out = []
+        for model in (gpu, on_cuda):
+            cache = model.new_cache(3, 8)
+            first = model.prefill(ids, cache)
+            out.append((first.clone(), model.decode(rows, cache).clone()))
+            cache.close()
+        assert out[1][0].device.type == "cuda" and out[1][1].device.type == "cuda"
+        torch.testing.assert_close(out[1][0].cpu(), out[0][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[1][1].cpu(), out[0][1], atol=1e-5, rtol=0)
+    finally:
+        on_cuda.release()
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_every_method_samples_on_the_torch_gpu(models, method):
+    _, gpu, draft = models
+    cuda = replace(GPU, logits_device="cuda")
+    pair = [LlamaCppModel(gpu.path, cuda), LlamaCppModel(draft.path, cuda)]
+    try:
+        cfg = GenerationConfig(method=method, max_new_tokens=12, particles=8, draft_tokens=3)
+        decode = {"ar": decode_ar, "sd": decode_sd, "smc": decode_smc}[method]
+        models_ = pair[:1] if method == "ar" else pair
+        g = torch.Generator(device="cuda").manual_seed(0)
+        out = decode(*models_, PROMPT, cfg, frozenset(), V, g)
+        assert len(out.tokens) >= 12 and all(0 <= t < V for t in out.tokens)
+    finally:
+        for m in pair:
+            m.release()

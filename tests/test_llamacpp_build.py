@@ -196,6 +196,22 @@ def test_cuda_graphs_are_off_where_layers_are_offloaded():
     assert LlamaCppSettings(gpu_layers=4, cuda_graphs=True).environment() == {}
 
 
+def test_logits_device_is_checked_before_anything_loads():
+    """``logits_device``: the CPU by default; a GPU only where PyTorch sees one; anything
+    else refused by name (ConfigError, before llama.cpp is touched)."""
+    import torch
+
+    from smcspec.backends.llamacpp import LlamaCppSettings
+    from smcspec.errors import ConfigError
+
+    LlamaCppSettings().validate(256)
+    with pytest.raises(ConfigError, match="cpu or cuda"):
+        LlamaCppSettings(logits_device="gpu").validate(256)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            LlamaCppSettings(logits_device="cuda:0").validate(256)
+
+
 def test_the_cost_key_names_what_is_offloaded(tmp_path):
     from types import SimpleNamespace
 

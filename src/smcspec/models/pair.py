@@ -37,8 +37,9 @@ def load_pair(
 
     Args:
         target, draft: GGUF file or Hugging Face directory, or None for the default.
-        device: ``cpu`` or ``cuda``. dtype: ``float32`` | ``bfloat16`` | ``float16``
-            (torch backend).
+        device: ``cpu`` or ``cuda``: where the models run and where the decoders sample
+            (a llamacpp pair's logits are copied there). dtype: ``float32`` | ``bfloat16`` |
+            ``float16`` (torch backend).
         with_draft: load no draft (only ``method="ar"`` is then possible).
         backend: ``auto`` (llama.cpp for GGUF files on the CPU when installed, else
             torch), ``torch`` or ``llamacpp``.
@@ -73,7 +74,10 @@ def load_pair(
     if gpu_layers is not None and gpu_layers < -1:
         raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {gpu_layers}")
     local = gpu_layers if gpu_layers is not None else offload
-    opts["llamacpp"] = LlamaCppSettings(threads=threads, gpu_layers=local, fair_share=fair_share)
+    # logits_device: a GGUF pair on --device cuda samples, weighs and resamples on the GPU
+    opts["llamacpp"] = LlamaCppSettings(
+        threads=threads, gpu_layers=local, fair_share=fair_share, logits_device=device
+    )
     target_opts = dict(opts)
     if rpc:
         from smcspec.backends.llamacpp.rpc import check_reachable, parse_endpoints
@@ -83,7 +87,11 @@ def load_pair(
             check_reachable(endpoint)
         layers = gpu_layers if gpu_layers is not None else -1
         target_opts["llamacpp"] = LlamaCppSettings(
-            threads=threads, gpu_layers=layers, rpc_servers=servers, fair_share=fair_share
+            threads=threads,
+            gpu_layers=layers,
+            rpc_servers=servers,
+            fair_share=fair_share,
+            logits_device=device,
         )
     if with_draft and quantize_draft is not None:
         draft = _requantized(draft, quantize_draft, backend, device, threads, log)

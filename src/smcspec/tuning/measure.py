@@ -89,6 +89,7 @@ def quantiles_of_log_weights(
     """Quantiles (0 %, 1 %, ..., 100 %) of ``log p_T(x) - log q_T(x)``, ``x ~ q_T``, pooled
     over the positions of :func:`pair_log_probs` (``draws`` seeded draws per position)."""
     g = torch.Generator().manual_seed(seed)
+    lp, lq = lp.cpu(), lq.cpu()  # for the seeded CPU generator (logits may be on a GPU)
     x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
     w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
     w = w[torch.isfinite(w)]

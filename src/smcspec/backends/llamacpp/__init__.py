@@ -23,7 +23,9 @@ One model is one llama.cpp context with a **unified KV cache** shared by every r
   never merged;
 * logits come back as float32 torch tensors over llama.cpp's own buffer (no copy), valid
   until the next forward of the same model; prefill logits are copied, as a program may
-  hold them across another request's prefill.
+  hold them across another request's prefill. With ``LlamaCppSettings.logits_device``
+  ``cuda`` every forward's logits are copied to the GPU instead, so that the decoders'
+  host-side work (sampling, weighting, resampling) runs there.
 
 All calls into one context hold the model's lock, so a model can be shared by threads.
 

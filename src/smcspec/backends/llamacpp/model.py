@@ -37,6 +37,7 @@ class LlamaCppModel:
         self.settings = settings = settings or LlamaCppSettings()
         self.path = Path(path)
         settings.validate(int(getattr(lib, "LLAMA_MAX_SEQ", 256)))
+        self.device = torch.device(settings.logits_device)
         for name, value in settings.environment().items():
             os.environ.setdefault(name, value)
         mparams = lib.llama_model_default_params()
@@ -98,8 +99,10 @@ class LlamaCppModel:
 
     def _give_back_ids(self, lease: Lease) -> None:
         with self._lock:
+            alive = self._free.alive  # a cache closed after release(): nothing to clear
             for s in lease.items.get("ids", []):
-                self._lib.llama_memory_seq_rm(self._memory, s, -1, -1)
+                if alive:
+                    self._lib.llama_memory_seq_rm(self._memory, s, -1, -1)
                 self._free_ids.append(s)
 
     def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
@@ -143,14 +146,16 @@ class LlamaCppModel:
     def prefill(self, prompt: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         """Decode ``prompt`` (int64 ``[P]``) once and share it with every row.
 
-        Returns float32 ``[V]`` logits after the last prompt token (a copy).
+        Returns float32 ``[V]`` logits after the last prompt token (a copy, on
+        :attr:`device`).
         """
         tokens = [int(t) for t in prompt.tolist()]
         cache._check_open()
         first = cache.ids[0]
         with self._lock:
             rows = [(t, p, (first,), p == len(tokens) - 1) for p, t in enumerate(tokens)]
-            logits = self._run(rows)[0].clone()
+            logits = self._run(rows)[0]
+            logits = logits.clone() if self.device.type == "cpu" else logits
             for s in cache.ids[1:]:
                 self._lib.llama_memory_seq_cp(self._memory, first, s, -1, -1)
         cache.prompt_len = len(tokens)
@@ -213,8 +218,9 @@ class LlamaCppModel:
 
     def _run(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
         """``llama_decode`` over ``(token, position, sequences, wants_logits)`` rows, in
-        chunks of ``n_batch``; float32 ``[outputs, V]`` (llama.cpp's buffer when one chunk).
-        A row of several sequences is one token (one KV cell) shared by all of them."""
+        chunks of ``n_batch``; float32 ``[outputs, V]`` on :attr:`device` (on the CPU,
+        llama.cpp's own buffer when one chunk). A row of several sequences is one token (one
+        KV cell) shared by all of them."""
         lib, batch = self._lib, self._batch
         if self._share is not None and self._share.update() != self.threads_now:
             self.threads_now = self._share.threads
@@ -246,10 +252,10 @@ class LlamaCppModel:
                 continue
             view = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(m, self.n_vocab))
             if out is None:
-                return torch.from_numpy(view)
+                return torch.from_numpy(view).to(self.device)
             out[done : done + m] = torch.from_numpy(view)
             done += m
-        return out if out is not None else torch.empty(0, self.n_vocab)
+        return (out if out is not None else torch.empty(0, self.n_vocab)).to(self.device)
 
 
 def _free_context(lib, model, ctx, batch) -> None:

@@ -4,6 +4,7 @@ computes on by default."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,12 @@ class LlamaCppSettings:
             same grid with graphs off ran through (docs/gpu.md). llama.cpp reads the switch
             (the environment variable ``GGML_CUDA_DISABLE_GRAPHS``) once per process: the
             first offloaded model decides.
+        logits_device: where forwards return their logits (``cpu``, or ``cuda[:i]`` with a
+            CUDA build of PyTorch). llama.cpp always hands them over in host memory; on
+            ``cuda`` they are copied to the GPU once per forward (37 MB for 8 x 9 rows of a
+            128,256-token vocabulary), and the decoders' sampling, weighting and resampling
+            run there instead of on the host CPU, where they took about half of an SMC-SD
+            round on an H200 (docs/gpu.md). The model's ``device`` is this device.
     """
 
     threads: int | None = None
@@ -65,6 +72,7 @@ class LlamaCppSettings:
     rpc_servers: tuple[str, ...] = ()
     fair_share: bool = True
     cuda_graphs: bool = False
+    logits_device: str = "cpu"
 
     def environment(self) -> dict[str, str]:
         """Environment variables llama.cpp must see before its first forward (set with
@@ -94,6 +102,17 @@ class LlamaCppSettings:
             raise ConfigError(f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}")
         if self.kv_type not in _KV_TYPES:
             raise ConfigError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        if self.logits_device != "cpu":
+            import torch
+
+            if not re.fullmatch(r"cuda(:\d+)?", self.logits_device):
+                raise ConfigError(
+                    f"logits_device must be cpu or cuda[:index], got {self.logits_device!r}"
+                )
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"logits_device {self.logits_device}: this PyTorch sees no CUDA device"
+                )
 
     def context_params(self, lib: Any, threads: int) -> Any:
         """llama.cpp's ``llama_context_params`` for these settings: one unified KV cache of
