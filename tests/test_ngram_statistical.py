@@ -25,7 +25,7 @@ from enumerable import (
 import smcspec.decoding.sd as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_ngram_sd
-from smcspec.decoding.ngram import NgramIndex
+from smcspec.decoding.ngram import NgramIndex, next_draft_length
 from smcspec.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
@@ -82,21 +82,28 @@ def test_the_index_proposes_the_longest_recent_match():
     assert NgramIndex().propose(2) == []
 
 
-@pytest.mark.parametrize("kw", [{}, {"temperature": 0.5, "top_k": 3}],
-                         ids=["T=1", "T=0.5,top_k=3"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    # adaptive: 5 tokens, so that a round after a rejection drafts 1 where fixed drafts 2
+    [{}, {"temperature": 0.5, "top_k": 3}, {"draft_schedule": "adaptive", "max_new_tokens": 5}],
+    ids=["T=1", "T=0.5,top_k=3", "adaptive"],
+)
 def test_ngram_sd_samples_the_target_exactly(target, kw):
     cfg = _cfg(**kw)
-    if kw:
-        exact = processed_sequence_log_probs(target, PROMPT, LENGTH, cfg.temperature,
+    length = cfg.max_new_tokens
+    if "top_k" in kw:
+        exact = processed_sequence_log_probs(target, PROMPT, length, cfg.temperature,
                                              top_k=cfg.top_k)  # fmt: skip
     else:
-        exact = sequence_log_probs(target, PROMPT, LENGTH, 1.0)
+        exact = sequence_log_probs(target, PROMPT, length, 1.0)
     counts, drafted = _sample(target, cfg)
     assert drafted >= 1.5 * RUNS  # most runs drafted 2 tokens in their one round
     exact = {seq: lp for seq, lp in exact.items() if lp > -math.inf}  # top-k's kept sets
     assert set(counts) <= set(exact)  # nothing outside them is ever drawn
     # chi-square over the sequences (those expected fewer than 5 times pooled), p > 1e-3;
-    # measured p 0.13 (T=1), 0.79 (T=0.5, top-k 3); TV at sampling noise (0.033, 0.015)
+    # measured p 0.13 (T=1), 0.79 (T=0.5, top-k 3), 0.145 (adaptive, which drafted 10,620
+    # tokens against fixed K's 11,151 on the same seeds); TV at sampling noise (0.033,
+    # 0.015, 0.049 over 1,024 sequences)
     assert pooled_chisquare_p(exact, counts, RUNS) > 1e-3
     assert total_variation(exact, counts, RUNS) < 0.06
 
@@ -112,11 +119,21 @@ def test_a_rule_that_accepts_every_drafted_token_fails(target, monkeypatch):
     assert pooled_chisquare_p(exact, counts, 1000) < 1e-6
 
 
+def test_the_adaptive_draft_length_follows_acceptance():
+    assert next_draft_length(4, 8, drafted=4, accepted=4) == 6  # all accepted: 2 more
+    assert next_draft_length(7, 8, drafted=7, accepted=7) == 8  # never past draft_tokens
+    assert next_draft_length(4, 8, drafted=4, accepted=1) == 3  # a rejection: 1 fewer
+    assert next_draft_length(1, 8, drafted=1, accepted=0) == 1  # never below 1
+    assert next_draft_length(5, 8, drafted=0, accepted=0) == 5  # nothing drafted: unchanged
+    assert next_draft_length(3, 8, drafted=2, accepted=2) == 5  # a short match, all accepted
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_greedy_ngram_sd_equals_greedy_ar(target, seed):
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+def test_greedy_ngram_sd_equals_greedy_ar(target, seed, schedule):
     prompt = [int(t) for t in torch.randint(0, V, (12,), generator=torch.Generator()
                                             .manual_seed(seed))]  # fmt: skip
-    cfg = _cfg(temperature=0.0, max_new_tokens=24)
+    cfg = _cfg(temperature=0.0, max_new_tokens=24, draft_schedule=schedule)
     g = torch.Generator().manual_seed(seed)
     ngram = decode_ngram_sd(target, prompt, cfg, frozenset(), V, g)
     ar_cfg = GenerationConfig(method="ar", temperature=0.0, max_new_tokens=24)
@@ -132,5 +149,7 @@ def test_smc_and_constraints_refuse_the_ngram_draft():
 
     with pytest.raises(ConfigError, match="constraints"):
         GenerationConfig(method="sd", draft="ngram", constraint=Regex("a+")).validate()
-    with pytest.raises(ConfigError, match="unknown draft"):
+    with pytest.raises(ConfigError, match="unknown draft "):
         GenerationConfig(method="sd", draft="eagle").validate()
+    with pytest.raises(ConfigError, match="unknown draft_schedule 'always'"):
+        GenerationConfig(method="sd", draft="ngram", draft_schedule="always").validate()

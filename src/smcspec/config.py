@@ -7,7 +7,7 @@ its flag and help (:class:`Option` in the field's metadata, read by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Reward, TokenConstraint
@@ -17,6 +17,7 @@ from smcspec.sampling.resampling import RESAMPLERS
 METHODS = ("smc", "sd", "ar")
 DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
+DRAFT_SCHEDULES = ("fixed", "adaptive")  # GenerationConfig.draft_schedule
 MAX_PARTICLES = 256
 MAX_DRAFT_TOKENS = 64
 
@@ -112,6 +113,10 @@ class GenerationConfig:
             ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
             :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
             proposal does not cover the target, so its weights are undefined.
+        draft_schedule: ``sd`` with n-gram drafts: ``"fixed"`` drafts up to ``draft_tokens``
+            tokens every round; ``"adaptive"`` lets each round's length follow the last
+            round's acceptance (:func:`smcspec.decoding.ngram.next_draft_length`: at most
+            ``draft_tokens``, at least 1). The output stays exact either way.
         shared_rows: each forward computes the distinct particle rows only (particles
             with the same history and token share one row; the output does not change,
             see :mod:`smcspec.backends.shared_rows`); ``False`` computes every row, for
@@ -167,6 +172,15 @@ class GenerationConfig:
         metavar="P",
         help="sd: stop a round's drafting when the draft's most likely token has less than "
         "probability P (llama.cpp's --draft-p-min; default 0: off; the output stays exact)",
+    )
+    draft_schedule: str = option(
+        "fixed",
+        13,
+        server=True,
+        choices=DRAFT_SCHEDULES,
+        help="sd with n-gram drafts: 'adaptive' lets each round's draft length follow the last "
+        "round's acceptance (at most --draft-tokens); 'fixed' (default) drafts up to "
+        "--draft-tokens every round",
     )
 
     @property
@@ -225,15 +239,13 @@ class GenerationConfig:
             raise ConfigError(f"draft_p_min must be in [0, 1] (0 is off), got {self.draft_p_min}")
 
     def _check_choices(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.finished_particles not in FINISHED_PARTICLES:
-            raise ConfigError(
-                f"unknown finished_particles {self.finished_particles!r}; choose from "
-                f"{', '.join(FINISHED_PARTICLES)}"
+        for f in fields(self):  # every field declared with its choices (option or server)
+            choices = f.metadata.get("server_choices") or getattr(
+                f.metadata.get("option"), "choices", None
             )
-        if self.draft not in DRAFTS:
-            raise ConfigError(f"unknown draft {self.draft!r}; choose from {', '.join(DRAFTS)}")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
         if self.draft == "ngram" and self.method == "smc":
             raise ConfigError(
                 "SMC-SD cannot use the n-gram draft: its importance weights p/q need a "
@@ -242,10 +254,6 @@ class GenerationConfig:
             )
         if self.draft == "ngram" and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
-        if self.resampler not in RESAMPLERS:
-            raise ConfigError(
-                f"unknown resampler {self.resampler!r}; choose from {', '.join(RESAMPLERS)}"
-            )
 
     def _check_potentials(self) -> None:
         if self.constraint is not None and not isinstance(

@@ -75,6 +75,22 @@ class NgramIndex:
         return []
 
 
+def next_draft_length(k: int, k_max: int, drafted: int, accepted: int) -> int:
+    """The next round's draft length under ``draft_schedule="adaptive"``.
+
+    Hugging Face's ``num_assistant_tokens_schedule="heuristic"`` rule, capped at ``k_max``
+    (``cfg.draft_tokens``): 2 more after a round whose every drafted token was accepted, 1
+    fewer (at least 1) after a round that rejected one; unchanged after a round that drafted
+    nothing (no n-gram recurred). The length depends only on past rounds, so each round's
+    verification stays exact.
+    """
+    if drafted == 0:
+        return k
+    if accepted == drafted:
+        return min(k_max, k + 2)
+    return max(1, k - 1)
+
+
 def ngram_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
     """The KV cache :func:`ngram_sd_program` opens: one row on the target (no draft model)."""
     return [CacheNeed("target", 1, cache_capacity(cfg.max_new_tokens, cfg.draft_tokens),
@@ -128,9 +144,10 @@ def _ngram_rounds(
     index = NgramIndex()
     index.extend([*prompt, tok])
     rounds = drafted = accepted = 0
+    k_round = cfg.draft_tokens  # the round's draft length (adaptive: follows acceptance)
     finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
     while not finished:
-        k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
+        k = min(k_round, cfg.max_new_tokens - len(out) - 1)
         d_tokens = index.propose(k) if k > 0 else []
         dev = target.device  # each drafted token's draft distribution: a point mass
         d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
@@ -140,6 +157,8 @@ def _ngram_rounds(
         rounds += 1
         drafted += len(d_tokens)
         accepted += n
+        if cfg.draft_schedule == "adaptive":
+            k_round = next_draft_length(k_round, cfg.draft_tokens, len(d_tokens), n)
         new, stopped = cut_at_stop([*d_tokens[:n], nxt], stop_ids)
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
