@@ -14,12 +14,13 @@ from smcspec.decoding.common import (
     with_caches,
 )
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.potentials import DeadEndError, compiled_constraint, mask_log_probs, timed_start
+from smcspec.potentials import DeadEndError, compiled_constraint, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
     sample_categorical,
     step_log_probs,
 )
+from smcspec.sampling.masking import mask_log_probs
 from smcspec.sampling.truncation import truncate_log_probs
 
 

@@ -45,7 +45,6 @@ from smcspec.potentials import (
     ConstraintState,
     DeadEndError,
     compiled_constraint,
-    mask_log_probs,
     timed_start,
 )
 from smcspec.sampling.distributions import (
@@ -53,6 +52,7 @@ from smcspec.sampling.distributions import (
     sample_categorical,
     step_log_probs,
 )
+from smcspec.sampling.masking import mask_log_probs
 from smcspec.sampling.speculative import speculative_verify
 from smcspec.sampling.truncation import truncate_log_probs
 

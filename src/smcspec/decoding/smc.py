@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import smcspec.decoding.smc_potentials as hooks
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed, Reservation
 from smcspec.config import GenerationConfig
@@ -61,10 +62,7 @@ from smcspec.potentials import (
     Reward,
     TokenConstraint,
     compiled_constraint,
-    mask_log_probs,
-    masked_power_log_probs,
     reorder,
-    stack_masks,
     timed_start,
 )
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
@@ -115,46 +113,6 @@ def _power_target(
         return lp.exp(), None
     log_r, log_z = power_log_probs(lp, alpha)
     return log_r.exp(), log_z
-
-
-def _masked_power_target(
-    logits: torch.Tensor,
-    t_t: float,
-    alpha: float,
-    trunc: tuple[int, float, float],
-    mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities ``∝ p~(v)^alpha m(v)`` (float32 ``[R, V]``) and the bonus log-weight
-    ``logsumexp_v(alpha*log p~(v) + log m(v))`` (float64 ``[R]``; ``-inf`` where nothing the
-    mask allows has target mass: that row is uniform, for sampling only, and the particle
-    must get weight zero if it keeps the token). Source: ``docs/constraints.md``,
-    "Hard constraints"."""
-    lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
-    log_r, log_z = masked_power_log_probs(lp, alpha, mask)
-    bad = ~torch.isfinite(log_z)
-    probs = torch.where(bad[:, None], torch.ones_like(log_r), log_r.exp())
-    return probs, log_z
-
-
-def _masked_proposal(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The masked draft ``log q'(v) = log norm(q * m)`` (float32 ``[R, V]``); a row whose mask
-    misses the draft's kept set (only with ``truncate_draft``) is uniform over the mask."""
-    empty = ~(mask & (lq > -math.inf)).any(-1, keepdim=True)
-    return mask_log_probs(torch.where(empty, torch.zeros_like(lq), lq), mask)
-
-
-def _masks(
-    constraint: TokenConstraint | None,
-    states: list[ConstraintState],
-    open_: torch.Tensor,
-    vocab: int,
-    dev: torch.device,
-) -> torch.Tensor:
-    """bool ``[N, V]`` masks of the open particles (all True elsewhere or without a
-    constraint)."""
-    if constraint is None:
-        return torch.ones(open_.shape[0], vocab, dtype=torch.bool, device=dev)
-    return stack_masks(states, open_.tolist(), vocab, dev)
 
 
 @dataclass(frozen=True)
@@ -392,8 +350,8 @@ def _initial_particles(
         ps.finished = torch.full((n,), done, dtype=torch.bool, device=dev)
     else:
         root, clock = timed_start(st.constraint) if st.constraint is not None else (None, None)
-        m0 = _masks(st.constraint, [root], torch.ones(1, dtype=torch.bool), st.vocab, dev)
-        probs0, lz0 = _masked_power_target(first[None], st.t_t, st.alpha, st.trunc, m0)
+        m0 = hooks.masks(st.constraint, [root], torch.ones(1, dtype=torch.bool), st.vocab, dev)
+        probs0, lz0 = hooks.masked_power_target(first[None], st.t_t, st.alpha, st.trunc, m0)
         if not math.isfinite(float(lz0[0])):
             raise DeadEndError("no first token is allowed by the constraint (dead end)")
         ps.log_z += float(lz0[0])  # x0's weight, the same for every particle
@@ -402,13 +360,13 @@ def _initial_particles(
         ps.finished = torch.isin(x0s, st.stop_t) | (st.max_new_tokens == 1)
         if root is not None:
             ps.states = [root.copy() for _ in range(n)]
-            bad = _consume(ps.states, ~ps.finished, x0s)
+            bad = hooks.consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
                 ps.logw[bad] = -math.inf
                 ps.finished[bad] = True
                 ps.dead += len(bad)
         if st.twisted:
-            ps.phi = _log_twist(st.reward, tokens, ps.lengths, ps.finished, dev)
+            ps.phi = hooks.log_twist(st.reward, tokens, ps.lengths, ps.finished, dev)
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()
@@ -431,17 +389,17 @@ def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCa
         lq = tempered_log_probs(d_logits[:, -1, : st.vocab], st.t_d)
         lq = truncate_log_probs(lq, *st.d_trunc)
         if st.constraint is not None:
-            m = _masks(st.constraint, ps.states, open_, st.vocab, dev)
+            m = hooks.masks(st.constraint, ps.states, open_, st.vocab, dev)
             empty = ~m.any(-1)  # a dead end at block position j+1
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
-            lq = _masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+            lq = hooks.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
         d = sample_categorical(lq.exp(), st.generator)
         drafted[:, j] = d
         draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
         if st.constraint is not None:
             open_ = open_ & ~torch.isin(d, st.stop_t)
-            bad = _consume(ps.states, open_, d)
+            bad = hooks.consume(ps.states, open_, d)
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
@@ -461,8 +419,8 @@ def _score_block(
     lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], st.t_t), *st.trunc)
     b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
     if st.potential:  # after all K drafted tokens
-        m = _masks(st.constraint, ps.states, b.open_, st.vocab, st.dev)
-        probs, norm = _masked_power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc, m)
+        m = hooks.masks(st.constraint, ps.states, b.open_, st.vocab, st.dev)
+        probs, norm = hooks.masked_power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc, m)
         empty = ~m.any(-1) | ~torch.isfinite(norm)
         b.dead_pos = torch.where(empty & b.open_, k + 1, b.dead_pos)
         b.bonus_norm = torch.where(empty, torch.zeros_like(norm), norm)
@@ -471,7 +429,7 @@ def _score_block(
     b.bonus = sample_categorical(probs, st.generator)
     if st.constraint is not None:
         alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, st.stop_t)
-        bad = _consume(ps.states, alive, b.bonus)
+        bad = hooks.consume(ps.states, alive, b.bonus)
         b.dead_pos[bad] = k + 1
 
 
@@ -504,7 +462,7 @@ def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
         ps.finished = ps.finished | killed
         if st.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
             grew = ~was_finished & ~killed
-            new_phi = _log_twist(st.reward, ps.tokens, ps.lengths, ps.finished, st.dev, grew)
+            new_phi = hooks.log_twist(st.reward, ps.tokens, ps.lengths, ps.finished, st.dev, grew)
             ps.logw = torch.where(grew, ps.logw + new_phi - ps.phi, ps.logw)
             ps.phi = torch.where(grew, new_phi, ps.phi)
         if not bool(torch.isfinite(ps.logw).any()):
@@ -661,39 +619,6 @@ def _output(
         particles=particles,
         log_normalizer=ps.log_z if math.isfinite(ps.log_z) else None,
     )
-
-
-def _consume(states: list[ConstraintState], rows: torch.Tensor, toks: torch.Tensor) -> list[int]:
-    """Advance ``states[i]`` by ``toks[i]`` for each row set in ``rows`` (bool ``[N]``);
-    returns the rows whose matcher refused the token (:class:`DeadEndError`)."""
-    bad = []
-    for i in rows.nonzero()[:, 0].tolist():
-        try:
-            states[i].consume([int(toks[i])])
-        except DeadEndError:
-            bad.append(i)
-    return bad
-
-
-def _log_twist(
-    reward,
-    tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    finished: torch.Tensor,
-    dev: torch.device,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """float64 ``[N]``: ``log phi`` of each particle's tokens: ``beta * R`` for a finished
-    particle, ``beta * prefix_fn`` otherwise (0 for rows outside ``rows``)."""
-    n = tokens.shape[0]
-    out = torch.zeros(n, dtype=torch.float64)
-    sel = range(n) if rows is None else rows.nonzero()[:, 0].tolist()
-    for done in (True, False):
-        idx = [i for i in sel if bool(finished[i]) == done]
-        if idx:
-            seqs = [tokens[i, : int(lengths[i])].tolist() for i in idx]
-            out[idx] = reward.log_potential(seqs, prefix=not done)
-    return out.to(dev)
 
 
 def decode_smc(*args, **kwargs) -> DecodeOutput:
