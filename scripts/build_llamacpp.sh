@@ -2,7 +2,7 @@
 # Build llama-cpp-python for the machine this runs on, once, and install it into the active
 # venv (run by scripts/setup.sh after smcspec itself is installed).
 #
-# The build is chosen by smcspec.backends.llamacpp_build (a pure function of the host, unit
+# The build is chosen by scripts/llamacpp_build.py (a pure function of the host, unit
 # tested): CUDA where nvidia-smi and nvcc are found, Metal on Apple Silicon, the CPU otherwise;
 # RPC (llama.cpp's rpc-server protocol) in every build. llama.cpp's GGML_NATIVE=ON build crashed
 # with SIGILL on an AMX CPU (tilezero on multi-token batches), so the build is never native:
@@ -11,7 +11,7 @@
 # seconds, and a machine with other features builds its own.
 set -euo pipefail
 VERSION="0.3.36"
-plan=$(python -m smcspec.backends.llamacpp_build)
+plan=$(python "$(dirname "$0")/llamacpp_build.py")
 accelerator=$(printf '%s\n' "$plan" | sed -n 1p)
 args=$(printf '%s\n' "$plan" | sed -n 2p)
 key=$(printf '%s %s' "$VERSION" "$args" | sha256sum | cut -c1-16)

@@ -13,7 +13,7 @@
 #          an absolute RUNPATH. With OUT_DIR=.campaign/llama_cpp/lib no LLAMA_CPP_LIB_PATH is
 #          needed, and smcspec's RPC code (which looks for libggml in llama_cpp/lib) works.
 #
-# The CMake arguments are the second line of `python -m smcspec.backends.llamacpp_build` (the
+# The CMake arguments are the second line of `python scripts/llamacpp_build.py` (the
 # build planner: CUDA with the card's CMAKE_CUDA_ARCHITECTURES where nvidia-smi and nvcc are
 # found, RPC always, the CPU's instruction sets), plus, here only:
 #   LLAMA_BUILD_COMMON/APP/SERVER=OFF  libllama alone: the trimmed tree has no common/, app/,
@@ -50,8 +50,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
     export CUDACXX="${CUDACXX:-/usr/local/cuda/bin/nvcc}"
 fi
-plan=$(PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" \
-    -m smcspec.backends.llamacpp_build)
+plan=$("${PYTHON:-python3}" "$repo/scripts/llamacpp_build.py")
 accelerator=$(printf '%s\n' "$plan" | sed -n 1p)
 read -r -a plan_args <<<"$(printf '%s\n' "$plan" | sed -n 2p)"
 args=(

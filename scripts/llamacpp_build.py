@@ -1,4 +1,6 @@
-"""Which llama.cpp build ``scripts/build_llamacpp.sh`` makes: a pure function of the host.
+"""Which llama.cpp build ``scripts/build_llamacpp.sh`` (and ``build_llamacpp_libs.sh``) makes:
+a pure function of the host. It sits beside the build scripts, not in the runtime package:
+smcspec never imports it.
 
 - **CUDA** where ``nvidia-smi`` (a driver) and ``nvcc`` (a toolkit to compile with) are both
   found: ``-DGGML_CUDA=ON``; the CPU code is still built for the CPU found. The kernels are
@@ -11,7 +13,7 @@
 - **RPC** in every build (``-DGGML_RPC=ON``): llama.cpp's ``rpc-server`` protocol, to spread
   a target over machines.
 
-``python -m smcspec.backends.llamacpp_build`` prints the accelerator on the first line and
+``python scripts/llamacpp_build.py`` prints the accelerator on the first line and
 the CMake arguments on the second (what the script reads). Flags follow llama.cpp's
 ``docs/build.md`` (``GGML_CUDA``, ``GGML_METAL``, ``GGML_RPC``, and ``CMAKE_CUDA_ARCHITECTURES``
 from the cards' compute capabilities, "Override Compute Capability Specifications") and

@@ -1,19 +1,18 @@
-"""The llama.cpp build chosen from faked hosts (``smcspec.backends.llamacpp_build``)."""
+"""The llama.cpp build chosen from faked hosts (``scripts/llamacpp_build.py``)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from smcspec.backends.llamacpp_build import (
-    BuildHost,
-    build_plan,
-    detect_host,
-    parse_compute_caps,
-)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "llamacpp_build.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import llamacpp_build as build  # noqa: E402  (beside the build scripts, not in the package)
+from llamacpp_build import BuildHost, build_plan, detect_host, parse_compute_caps  # noqa: E402
 
 AVX2_HOST = frozenset({"fpu", "avx", "avx2", "fma", "f16c", "bmi2"})
 AMX_HOST = AVX2_HOST | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
@@ -98,8 +97,6 @@ def test_parse_compute_caps(text, archs):
 
 
 def test_detect_host_without_nvidia_smi_knows_no_architecture(monkeypatch):
-    import smcspec.backends.llamacpp_build as build
-
     real_which = build.shutil.which
     monkeypatch.setattr(
         build.shutil, "which", lambda name: None if name == "nvidia-smi" else real_which(name)
@@ -139,7 +136,7 @@ def test_detect_host_reads_cpuinfo(tmp_path):
 
 def test_the_command_prints_what_the_build_script_reads():
     out = subprocess.run(
-        [sys.executable, "-m", "smcspec.backends.llamacpp_build"],
+        [sys.executable, str(SCRIPT)],
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
     assert out[0] in ("cpu", "cuda", "metal") and "-DGGML_RPC=ON" in out[1].split()
