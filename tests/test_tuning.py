@@ -29,7 +29,14 @@ from smcspec.tuning import (
 )
 from smcspec.tuning import tuner as tuner_module
 from smcspec.tuning.cache import cache_file, cost_key, read_costs
-from smcspec.tuning.predict import meets_floor, predicted_ess, sd_accepted_per_round
+from smcspec.tuning.predict import (
+    CHOICE_MARGIN,
+    DEFAULT_SMC,
+    Prediction,
+    meets_floor,
+    predicted_ess,
+    sd_accepted_per_round,
+)
 
 NS, KS = (1, 2, 4, 8, 16), (2, 4, 8)
 
@@ -136,8 +143,32 @@ def test_ties_go_to_more_particles_only_within_the_tolerance():
     preds = predict_all(all_settings(), costs)
     by_n = {n: choose(preds, "smc", particles=n).tokens_per_second for n in NS}
     assert by_n[8] > 0.95 * by_n[4] > by_n[16]  # 8 within 5 % of the fastest, 16 not
-    assert choose(preds, "smc", tie=0.0).setting.particles == 4  # strictly the fastest
+    assert choose(preds, "smc", tie=0.0).setting.particles == 4  # the fastest
     assert choose(preds, "smc", tie=0.05).setting.particles == 8
+
+
+def test_the_documented_default_is_kept_unless_another_is_faster_by_the_margin():
+    """smc N=8 K=2 (DEFAULT_SMC) stays the choice while it is predicted within
+    CHOICE_MARGIN of the fastest and meets the floors; an explicit N or K, a faster setting
+    beyond the margin, or a default below --min-ess move the choice."""
+
+    def preds(default_tps: float, default_ess: float = 6.0) -> list[Prediction]:
+        rows = [(Setting("ar"), 10.0, None), (Setting("smc", 8, 4), 5.0, 5.0),
+                (Setting("smc", 16, 2), 4.5, 9.0),
+                (Setting("smc", *DEFAULT_SMC), default_tps, default_ess)]  # fmt: skip
+        return [Prediction(s, tokens_per_round=t, round_seconds=1.0, ess=e) for s, t, e in rows]
+
+    kw = dict(min_ess=4, default=DEFAULT_SMC)
+    near = 5.0 * (1 - CHOICE_MARGIN) + 0.01  # just inside the margin of smc-n8-k4
+    assert choose(preds(near), "smc", **kw).setting == Setting("smc", *DEFAULT_SMC)
+    assert choose(preds(near), "smc", **kw, margin=0.0).setting == Setting("smc", 8, 4)
+    assert choose(preds(near), "smc", min_ess=4).setting == Setting("smc", 8, 4)  # no default
+    far = 5.0 * (1 - CHOICE_MARGIN) - 0.01  # just outside it
+    assert choose(preds(far), "smc", **kw).setting == Setting("smc", 8, 4)
+    below = preds(near, default_ess=3.0)  # the default misses the fidelity floor
+    assert choose(below, "smc", **kw).setting == Setting("smc", 8, 4)
+    assert choose(preds(near), "smc", **kw, draft_tokens=2).setting.particles == 16  # K given
+    assert choose(preds(near), "auto", **kw).setting == Setting("ar")  # ar is the fastest
 
 
 def test_choose_errors_are_clear():

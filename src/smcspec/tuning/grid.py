@@ -26,7 +26,8 @@ class TuningGrid:
             tokens (N x (K+1)) are not measured, except at the smallest allowed N.
         context: prompt tokens before the timed forwards (attention length).
         reps: timed forwards per shape (the median is kept; one untimed warm-up first).
-        acceptance_tokens: new tokens of the sd run that measures alpha.
+        acceptance_tokens: new tokens of the sd runs that measure alpha, in all (split
+            between :data:`~smcspec.tuning.measure.ACCEPTANCE_PROMPTS`).
         acceptance_draft_tokens: K of that run.
     """
 
@@ -35,7 +36,7 @@ class TuningGrid:
     max_forward_tokens: int = CPU_MAX_FORWARD_TOKENS
     context: int = 100
     reps: int = 3
-    acceptance_tokens: int = 128
+    acceptance_tokens: int = 256
     acceptance_draft_tokens: int = 4
 
     def settings(

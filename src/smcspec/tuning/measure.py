@@ -4,7 +4,7 @@ per-token log-weights (SMC-SD's degeneracy).
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
 (:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
 ``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it too). alpha comes
-from one short real sd run on a fixed prompt and seed
+from short real sd runs on fixed, varied prompts and a fixed seed, pooled
 (:func:`smcspec.tuning.predict.alpha_from_counts`).
 """
 
@@ -27,9 +27,18 @@ if TYPE_CHECKING:
     from smcspec.models.loading import LoadedModel
     from smcspec.tuning.pair import TunablePair
 
-ACCEPTANCE_PROMPT = (
-    "Write a Python function that returns the prime numbers below n, and explain how it works."
+ACCEPTANCE_PROMPTS = (
+    "Write a Python function that returns the prime numbers below n, and explain how it works.",
+    "A train leaves at 9:40 and arrives at 13:05, stopping twice for 12 minutes. How long is "
+    "it moving? Think step by step.",
+    "Describe a quiet morning in a harbour town in a short paragraph.",
+    'Give the capital, population and main language of Norway as JSON with keys "capital", '
+    '"population" and "language".',
 )
+"""The sd runs that measure acceptance and the log-weights, pooled: code, arithmetic
+reasoning, prose and JSON (one prompt made the tuner's choice wander between machines and
+runs, issue 40)."""
+ACCEPTANCE_PROMPT = ACCEPTANCE_PROMPTS[0]
 ACCEPTANCE_SEED = 0
 
 
@@ -44,6 +53,7 @@ class Acceptance:
     drafted: int
     rounds: int
     log_weight_quantiles: list[float] | None = None  # see log_weight_quantiles()
+    prompts: int = 1  # the prompts pooled (ACCEPTANCE_PROMPTS; 1 in caches written before)
     draft_top_probs: list[list[float]] | None = None  # see top_probabilities(), of q_T
     target_top_probs: list[list[float]] | None = None  # and of p_T
 
@@ -89,7 +99,6 @@ def quantiles_of_log_weights(
     """Quantiles (0 %, 1 %, ..., 100 %) of ``log p_T(x) - log q_T(x)``, ``x ~ q_T``, pooled
     over the positions of :func:`pair_log_probs` (``draws`` seeded draws per position)."""
     g = torch.Generator().manual_seed(seed)
-    lp, lq = lp.cpu(), lq.cpu()  # for the seeded CPU generator (logits may be on a GPU)
     x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
     w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
     w = w[torch.isfinite(w)]
@@ -198,11 +207,12 @@ def measure_forwards(
 def measure_acceptance(
     engine: TunablePair, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
 ) -> Acceptance:
-    """alpha, the per-token log-weight quantiles (:func:`log_weight_quantiles` on the run's
-    output) and both models' most likely probabilities there (:func:`top_probabilities`)
-    of ``engine``'s pair from one sd run of up to ``new_tokens`` tokens (EOS ignored) with
-    ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``, on
-    :data:`ACCEPTANCE_PROMPT` (chat template when the tokenizer has one) and seed 0.
+    """alpha, the per-token log-weight quantiles (:func:`quantiles_of_log_weights` on the
+    runs' outputs) and both models' most likely probabilities there
+    (:func:`top_probabilities`) of ``engine``'s pair, pooled over one sd run per prompt of
+    :data:`ACCEPTANCE_PROMPTS` (chat template when the tokenizer has one), ``new_tokens``
+    tokens in all split evenly between them (EOS ignored), ``draft_tokens`` drafts a round,
+    the temperatures and truncation of ``sampling``, seed 0.
 
     Raises:
         ConfigError: the engine has no draft, or the model context is too short.
@@ -210,41 +220,53 @@ def measure_acceptance(
     if engine.draft is None:
         raise ConfigError("measuring sd's acceptance needs a draft model")
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    ids = engine.encode(ACCEPTANCE_PROMPT, chat=chat)
     ctx = min(engine.target.context_length, engine.draft.context_length)
-    budget = min(new_tokens, ctx - len(ids) - draft_tokens - 2)
-    if budget < 2:
-        raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
-    cfg = replace(
-        sampling,
-        method="sd",
-        draft_tokens=draft_tokens,
-        max_new_tokens=budget,
-        seed=ACCEPTANCE_SEED,
-        ignore_eos=True,
-        constraint=None,
-        reward=None,
-        return_particles=False,
-        stop_token_ids=(),
-    )
-    result = engine.generate(ids, cfg)
-    s = result.stats
+    each = max(2, new_tokens // len(ACCEPTANCE_PROMPTS))
+    counts = {"accepted": 0, "drafted": 0, "rounds": 0}
+    logs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    total = 0
+    greedy = sampling.greedy
+    for prompt in ACCEPTANCE_PROMPTS:
+        ids = engine.encode(prompt, chat=chat)
+        budget = min(each, ctx - len(ids) - draft_tokens - 2)
+        if budget < 2:
+            raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
+        cfg = replace(
+            sampling,
+            method="sd",
+            draft_tokens=draft_tokens,
+            max_new_tokens=budget,
+            seed=ACCEPTANCE_SEED,
+            ignore_eos=True,
+            constraint=None,
+            reward=None,
+            return_particles=False,
+            stop_token_ids=(),
+        )
+        result = engine.generate(ids, cfg)
+        for name in counts:
+            counts[name] += result.stats[name]
+        total += budget
+        if not greedy:
+            logs.append(pair_log_probs(
+                engine.target.model, engine.draft.model, ids, result.token_ids,
+                cfg.temperature, cfg.draft_temperature, engine.vocab,
+            ))  # fmt: skip
     quantiles = draft_top = target_top = None
-    if not cfg.greedy:
-        lp, lq = pair_log_probs(
-            engine.target.model, engine.draft.model, ids, result.token_ids,
-            cfg.temperature, cfg.draft_temperature, engine.vocab,
-        )  # fmt: skip
+    if logs:
+        lp = torch.cat([p for p, _ in logs])
+        lq = torch.cat([q for _, q in logs])
         quantiles = quantiles_of_log_weights(lp, lq)
         draft_top, target_top = top_probabilities(lq), top_probabilities(lp)
     return Acceptance(
-        alpha=alpha_from_counts(s["accepted"], s["drafted"], s["rounds"]),
+        alpha=alpha_from_counts(counts["accepted"], counts["drafted"], counts["rounds"]),
         draft_tokens=draft_tokens,
-        new_tokens=budget,
-        accepted=s["accepted"],
-        drafted=s["drafted"],
-        rounds=s["rounds"],
+        new_tokens=total,
+        accepted=counts["accepted"],
+        drafted=counts["drafted"],
+        rounds=counts["rounds"],
         log_weight_quantiles=quantiles,
         draft_top_probs=draft_top,
         target_top_probs=target_top,
+        prompts=len(ACCEPTANCE_PROMPTS),
     )

@@ -386,6 +386,19 @@ def predict_all(
     return [predict(s, costs, shared_rows) for s in settings]
 
 
+DEFAULT_SMC = (8, 2)
+"""The documented smc setting (N, K) on a CPU (``docs/usage/cli.md``; the GSM8K run's): on a
+CPU the tuner keeps it unless another is predicted faster by more than :data:`CHOICE_MARGIN`
+(on a GPU, where SMC-SD's best settings differ, it takes the fastest)."""
+
+CHOICE_MARGIN = 0.3
+"""How much faster (a fraction) another smc setting must be predicted than
+:data:`DEFAULT_SMC` to replace it: the spread of one setting's predicted tokens/s between
+three fresh measurements on one idle 2-core machine reached 31% for N >= 4 (median 18%;
+``docs/benchmarks/tuner-stability/``), all of it from the timed forwards (alpha and the
+log-weights come from seeded runs and repeat exactly)."""
+
+
 def choose(
     predictions: Sequence[Prediction],
     method: str = "auto",
@@ -394,6 +407,8 @@ def choose(
     draft_tokens: int | None = None,
     tie: float = 0.05,
     min_ess: float = 0.0,
+    default: tuple[int, int] | None = None,
+    margin: float = CHOICE_MARGIN,
 ) -> Prediction:
     """The fastest predicted setting.
 
@@ -412,6 +427,11 @@ def choose(
             count as ties (measurement noise) and the one with the most particles wins
             (more particles, better fidelity, at no measurable cost; where N rows cost what
             one row costs, as on a memory-bound GPU, this picks the largest N).
+        default, margin: when the fastest is smc and neither N nor K is given, the smc
+            setting ``default`` (N, K) is kept if it is a candidate (the floors included)
+            and predicted within ``margin`` (a fraction) of the fastest, so that noise in
+            the measurements does not move the choice (None: no default; the tuner passes
+            :data:`DEFAULT_SMC` on a CPU only).
     Raises:
         ConfigError: an unknown method, or no prediction meets the restrictions.
     """
@@ -443,6 +463,11 @@ def choose(
             + (f", K = {draft_tokens}" if draft_tokens is not None else "")
         )
     best = max(candidates, key=lambda p: p.tokens_per_second)
+    if best.setting.method == "smc" and particles is None and draft_tokens is None:
+        kept = [p for p in candidates if p.setting.method == "smc"
+                and (p.setting.particles, p.setting.draft_tokens) == default]  # fmt: skip
+        if kept and kept[0].tokens_per_second >= (1 - margin) * best.tokens_per_second:
+            return kept[0]
     if best.setting.method == "smc" and particles is None:
         floor = (1 - tie) * best.tokens_per_second
         near = [p for p in candidates if p.setting.method == "smc" and p.tokens_per_second >= floor]

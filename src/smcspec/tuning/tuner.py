@@ -18,8 +18,15 @@ from smcspec.tuning.cache import (
     write_costs,
 )
 from smcspec.tuning.grid import TuningGrid, default_grid, shapes
-from smcspec.tuning.measure import measure_acceptance, measure_forwards
-from smcspec.tuning.predict import ForwardCosts, Prediction, Setting, choose, predict_all
+from smcspec.tuning.measure import ACCEPTANCE_PROMPTS, measure_acceptance, measure_forwards
+from smcspec.tuning.predict import (
+    DEFAULT_SMC,
+    ForwardCosts,
+    Prediction,
+    Setting,
+    choose,
+    predict_all,
+)
 
 if TYPE_CHECKING:
     from smcspec.tuning.pair import TunablePair
@@ -129,7 +136,7 @@ def tune(
     predictions = tuple(predict_all(settings, costs, cfg.shared_rows))
     pick = dict(
         min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
-        min_ess=min_ess,
+        min_ess=min_ess, default=DEFAULT_SMC if device == "cpu" else None,
     )  # fmt: skip
     return Tuning(
         predictions=predictions,
@@ -159,9 +166,11 @@ def _measure_missing(
     want_target, want_draft = shapes(settings)
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
+    had = record.acceptance.get(acc_key, {})
+    # a cache written before the log-weights, profiles or pooled prompts is completed once
     missing_acceptance = engine.draft is not None and (
-        acc_key not in record.acceptance or "draft_top_probs" not in record.acceptance[acc_key]
-    )  # a cache written before the log-weights and profiles were measured is completed once
+        "draft_top_probs" not in had or had.get("prompts", 1) < len(ACCEPTANCE_PROMPTS)
+    )
     if not (missing_target or missing_draft or missing_acceptance):
         return 0.0
     if log is not None:
