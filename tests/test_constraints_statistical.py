@@ -22,7 +22,7 @@ import pytest
 import torch
 from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc_potentials as hooks_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.eval.automaton import NextTokenAutomaton
@@ -132,7 +132,7 @@ def test_smc_without_the_mask_correction_fails(setup, monkeypatch):
     def no_renormalisation(lq, mask):  # samples q' but records log q_T(d): wrong weights
         return lq.masked_fill(~mask, -math.inf)
 
-    monkeypatch.setattr(smc_module, "_masked_proposal", no_renormalisation)
+    monkeypatch.setattr(hooks_module, "masked_proposal", no_renormalisation)
     counts, _ = sample_outputs(target, draft, PROMPT, _smc(16, constraint=dfa), 1000)
     # the same threshold the correct rule meets (0.12) fails clearly (measured 0.67)
     assert total_variation(cond, counts, 1000) > 0.2
@@ -190,7 +190,7 @@ def test_smc_without_the_twist_ratio_fails(setup, monkeypatch):
     reward = letter_count_reward(1, REWARD_BETA, VOCAB, twisted=True)
     want, _ = tilted_log_probs(exact, reward)
     monkeypatch.setattr(
-        smc_module, "_log_twist", lambda reward, tokens, *a, **k: torch.zeros(tokens.shape[0])
+        hooks_module, "log_twist", lambda reward, tokens, *a, **k: torch.zeros(tokens.shape[0])
     )
     counts = _reward_run(setup, reward, runs=400)
     assert total_variation(want, counts, 400) > _tv(exact, want) - 0.15
