@@ -38,7 +38,6 @@ ACCEPTANCE_PROMPTS = (
 """The sd runs that measure acceptance and the log-weights, pooled: code, arithmetic
 reasoning, prose and JSON (one prompt made the tuner's choice wander between machines and
 runs, issue 40)."""
-ACCEPTANCE_PROMPT = ACCEPTANCE_PROMPTS[0]
 ACCEPTANCE_SEED = 0
 
 
@@ -225,32 +224,30 @@ def measure_acceptance(
     counts = {"accepted": 0, "drafted": 0, "rounds": 0}
     logs: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = 0
-    greedy = sampling.greedy
+    run = replace(
+        sampling,
+        method="sd",
+        draft_tokens=draft_tokens,
+        seed=ACCEPTANCE_SEED,
+        ignore_eos=True,
+        constraint=None,
+        reward=None,
+        return_particles=False,
+        stop_token_ids=(),
+    )
     for prompt in ACCEPTANCE_PROMPTS:
         ids = engine.encode(prompt, chat=chat)
         budget = min(each, ctx - len(ids) - draft_tokens - 2)
         if budget < 2:
             raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
-        cfg = replace(
-            sampling,
-            method="sd",
-            draft_tokens=draft_tokens,
-            max_new_tokens=budget,
-            seed=ACCEPTANCE_SEED,
-            ignore_eos=True,
-            constraint=None,
-            reward=None,
-            return_particles=False,
-            stop_token_ids=(),
-        )
-        result = engine.generate(ids, cfg)
+        result = engine.generate(ids, replace(run, max_new_tokens=budget))
         for name in counts:
             counts[name] += result.stats[name]
         total += budget
-        if not greedy:
+        if not run.greedy:
             logs.append(pair_log_probs(
                 engine.target.model, engine.draft.model, ids, result.token_ids,
-                cfg.temperature, cfg.draft_temperature, engine.vocab,
+                run.temperature, run.draft_temperature, engine.vocab,
             ))  # fmt: skip
     quantiles = draft_top = target_top = None
     if logs:
