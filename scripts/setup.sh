@@ -13,6 +13,13 @@ else
     python -m pip install --quiet "torch==2.13.0"
 fi
 python -m pip install --quiet -e ".[models,test,bench]"
+# bubblewrap: the sandbox of executed code (smcspec/sandbox.py); without it code runs with
+# resource limits only, with a warning
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+        || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap >/dev/null 2>&1) \
+        || echo "setup: could not install bubblewrap; executed code gets resource limits only" >&2
+fi
 bash scripts/build_llamacpp.sh  # the llamacpp backend, built for this CPU (cached)
 if ! command -v nvidia-smi >/dev/null 2>&1 && python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
     echo "setup: CUDA packages were installed on a CPU machine" >&2

@@ -33,6 +33,7 @@ TOY = HumanEvalProblem(
 
 def _run(completion: str, parent: Path, **kw):
     parent.mkdir(exist_ok=True)
+    kw.setdefault("sandbox", "rlimit")  # these tests check the rlimit runner itself
     res = run_completion(TOY, completion, workdir_parent=parent, **kw)
     assert list(parent.iterdir()) == [], "per-run temp dir must be removed"
     return res

