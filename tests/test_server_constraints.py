@@ -102,3 +102,36 @@ def test_invalid_constraints_get_400(server, extra):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_vote_over_particles_with_an_answer_regex(server):
+    """``smc.aggregate`` ``"vote"``: the choice's ``smcspec`` field carries the weighted vote
+    over the particles' answers (here: the last digit), in plain and streamed responses."""
+    c = server.client()
+    smc = {"method": "smc", "particles": 8, "aggregate": "vote", "answer_regex": "[0-9]"}
+    body = {"model": MODEL, "prompt": "ab", "seed": 4, "max_tokens": 16}
+    r = c.completions.create(**body, extra_body={"smc": smc})
+    vote = r.choices[0].model_extra["smcspec"]["vote"]
+    assert vote is not None and 0 < vote["share"] <= 1 and re.fullmatch("[0-9]", vote["answer"])
+    chunks = list(c.completions.create(**body, stream=True, extra_body={"smc": smc}))
+    last = [ch.choices[0].model_extra.get("smcspec") for ch in chunks if ch.choices]
+    assert [x for x in last if x][-1]["vote"] == vote  # same seed, same vote
+    r = c.completions.create(**body, extra_body={"smc": {"method": "smc"}})
+    assert "vote" not in r.choices[0].model_extra["smcspec"]
+
+
+@pytest.mark.parametrize(
+    "smc",
+    [
+        {"aggregate": "vote", "answer_regex": "("},
+        {"answer_regex": "[0-9]"},
+        {"aggregate": "vote", "method": "ar"},
+        {"aggregate": "majority"},
+    ],
+)
+def test_invalid_votes_get_400(server, smc):
+    body = {"model": MODEL, "prompt": "ab", "smc": smc}
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert httpx.get(server.url("/health")).status_code == 200

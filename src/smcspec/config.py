@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from smcspec.aggregate import Vote
 from smcspec.errors import ConfigError
 from smcspec.potentials import Constraint, Reward, TokenConstraint
 from smcspec.sampling.distributions import GREEDY_BELOW
@@ -106,6 +107,8 @@ class GenerationConfig:
             or an already compiled :class:`~smcspec.potentials.TokenConstraint`); ar and sd
             sample the locally-masked target, smc the conditional (``docs/constraints.md``).
         reward: a :class:`~smcspec.potentials.Reward` ``exp(beta * R(x))`` (smc only).
+        vote: a :class:`~smcspec.aggregate.Vote`: the result also carries the weighted vote
+            over the particles' extracted answers (smc only; the drawn answer is unchanged).
         draft_p_min: sd with the draft model: stop a round's drafting when the draft's most
             likely token has less than this probability (llama.cpp's ``--draft-p-min``;
             0: off, the default). The output stays exact.
@@ -158,6 +161,7 @@ class GenerationConfig:
     min_p: float = option(0.0, 7, help="keep tokens with p >= min_p * max p, in [0, 1] (0: off)")
     constraint: Constraint | TokenConstraint | None = None
     reward: Reward | None = None
+    vote: Vote | None = None
     shared_rows: bool = option(
         True,
         12,
@@ -275,6 +279,14 @@ class GenerationConfig:
                 raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
             if self.greedy:
                 raise ConfigError("a reward needs sampling (temperature > 0), not greedy decoding")
+        if self.vote is not None:
+            if not isinstance(self.vote, Vote):
+                raise ConfigError(f"vote must be a Vote, got {type(self.vote).__name__}")
+            if self.method != "smc" or self.greedy:
+                raise ConfigError(
+                    "a vote needs particles: method smc with temperature > 0 (for ar, draw "
+                    "several samples and vote over them, as eval's ar-sc-nN does)"
+                )
 
 
 DEFAULT_MIN_ESS = 4.0

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from smcspec.aggregate import Vote
 from smcspec.backends import pool
 from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
 from smcspec.chat import encode_chat, encode_raw
@@ -45,7 +46,11 @@ class GenerationResult:
 
     ``seconds`` is wall time from the start of prefill to the last token; ``tokens_per_second``
     is ``new_tokens / seconds``. ``particles`` (smc with ``return_particles``) holds
-    ``{"text", "tokens", "weight"}`` dicts with normalised weights.
+    ``{"text", "tokens", "weight"}`` dicts with normalised weights. ``vote`` (smc with
+    ``vote``) is the weighted vote over the particles' answers
+    (:class:`~smcspec.aggregate.Vote`): ``{"answer", "share", "text", "answers"}``, the
+    text being the particle that carries the answer with the largest weight; None when no
+    particle has an answer.
     """
 
     text: str
@@ -59,6 +64,7 @@ class GenerationResult:
     particles: list[dict[str, Any]] | None = None
     log_normalizer: float | None = None
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
+    vote: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
@@ -76,6 +82,8 @@ class GenerationResult:
         if self.particles is not None:
             d["particles"] = self.particles
             d["log_normalizer"] = self.log_normalizer
+        if self.vote is not None:
+            d["vote"] = self.vote
         return d
 
 
@@ -326,7 +334,7 @@ class Engine:
         """Turn a program's output into a :class:`GenerationResult`."""
         cfg = job.config
         text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-        particles = None
+        particles, vote = None, None
         if out.particles is not None:
             particles = [
                 {
@@ -336,6 +344,10 @@ class Engine:
                 }
                 for p in out.particles
             ]
+            if cfg.vote is not None:
+                vote = _vote(cfg.vote, particles)
+            if not cfg.return_particles:
+                particles = None
         stats = {**out.stats, "seed": cfg.seed}
         if cfg.greedy:
             stats["greedy"] = True
@@ -351,6 +363,7 @@ class Engine:
             stats=stats,
             particles=particles,
             log_normalizer=out.log_normalizer,
+            vote=vote,
             finish_reason=(
                 "length" if hit_token_cap(out.tokens, cfg.max_new_tokens, job.stop_ids) else "stop"
             ),
@@ -378,6 +391,19 @@ class Engine:
                 f"prompt of {prompt_len} tokens + max_new_tokens {cfg.max_new_tokens} "
                 f"(+{k + 1} for the last round) = {need} exceeds the model context of {ctx} tokens"
             )
+
+
+def _vote(vote: Vote, particles: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The result's ``vote`` field: the weighted vote over ``particles`` (decoded)."""
+    won = vote.tally([p["text"] for p in particles], [p["weight"] for p in particles])
+    if won is None:
+        return None
+    return {
+        "answer": won.answer,
+        "share": won.share,
+        "text": particles[won.index]["text"],
+        "answers": won.answers,
+    }
 
 
 def _check_text(text: str, what: str) -> None:

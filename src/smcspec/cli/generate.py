@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from smcspec.cli.common import load_engine, needs_model_draft, tuned_config, tuned_note
-from smcspec.cli.options import config_from_args, constraint_from_args
+from smcspec.cli.options import config_from_args, constraint_from_args, steering_from_args
 
 if TYPE_CHECKING:
     from smcspec.engine import GenerationResult
@@ -21,7 +21,10 @@ def run(args: argparse.Namespace) -> int:
         SmcspecError: bad options, prompt or constraint, model files, numerical failure.
     """
     cfg = config_from_args(
-        args, return_particles=args.particles_out, constraint=constraint_from_args(args)
+        args,
+        return_particles=args.particles_out,
+        constraint=constraint_from_args(args),
+        **steering_from_args(args),
     )
     engine = load_engine(args, with_draft=needs_model_draft([cfg]))
     engine.encode(args.prompt, chat=not args.no_chat)  # a bad prompt fails before tuning
@@ -84,6 +87,13 @@ def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str
             f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
             f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
         )
+    if result.vote is not None:
+        v = result.vote
+        line += (
+            f"; vote: {v['answer']!r} with {v['share']:.0%} of the weight ({v['answers']} answers)"
+        )
+    elif result.stats.get("ran_as", result.method) == "smc" and args.aggregate == "vote":
+        line += "; vote: no particle has an answer"
     if pick is not None:
         line += f"; {tuned_note(pick, args.method, args.min_ess)}"
     if result.finish_reason == "length":

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
@@ -261,3 +262,38 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
             raise ConfigError(f"cannot read {kind} file {path}: {exc}") from exc
         return JsonSchema(text) if kind == "JSON schema" else Grammar(text)
     return None
+
+
+def steering_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``reward`` and ``vote`` of ``generate``'s steering options: an execution reward on the
+    prompt's examples (``--reward examples``) or a tests file (``--tests``), and the weighted
+    vote (``--aggregate vote``) over ``--answer-regex`` or, with a reward, over what the code
+    does on the examples.
+
+    Raises :class:`ConfigError` for an unreadable tests file, no examples, a bad regex, or a
+    non-finite ``--reward-beta``.
+    """
+    from smcspec.aggregate import Vote
+    from smcspec.rewards import CodeExamples, code_of_prompt, examples_from_tests
+
+    out: dict[str, Any] = {}
+    examples = None
+    if args.reward == "examples":
+        examples = CodeExamples.from_prompt(args.prompt, sandbox=args.sandbox)
+    elif args.tests is not None:
+        try:
+            text = Path(args.tests).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read tests file {args.tests}: {exc}") from exc
+        found = examples_from_tests(text)
+        examples = CodeExamples(found, code_of_prompt(args.prompt), sandbox=args.sandbox)
+    if examples is not None:
+        out["reward"] = examples.reward(args.reward_beta)
+    if args.aggregate == "vote":
+        if args.answer_regex is None and examples is not None:
+            out["vote"] = Vote(examples.behaviour, "behaviour on the examples")
+        else:
+            out["vote"] = Vote.regex(*([args.answer_regex] if args.answer_regex else []))
+    elif args.answer_regex is not None:
+        raise ConfigError("--answer-regex needs --aggregate vote")
+    return out

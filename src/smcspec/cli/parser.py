@@ -42,6 +42,42 @@ def _generate(sub, common: list[argparse.ArgumentParser]) -> None:
     c.add_argument("--json-schema", metavar="FILE", help="output must be JSON valid under it")
     c.add_argument("--regex", metavar="PATTERN", help="output must match this regular expression")
     c.add_argument("--grammar", metavar="FILE", help="output must follow this Lark grammar")
+    r = g.add_argument_group("steering particles (smc)")
+    t = r.add_mutually_exclusive_group()
+    t.add_argument(
+        "--reward",
+        choices=["examples"],
+        help="examples: reward code by the share of the prompt's own examples it passes "
+        "(doctest lines or 'f(1) == 2'), run in a sandbox",
+    )
+    t.add_argument(
+        "--tests",
+        metavar="FILE",
+        help="reward code by the share of these examples it passes (assert statements or "
+        "doctest lines), run in a sandbox",
+    )
+    r.add_argument(
+        "--reward-beta", type=float, default=5.0, help="beta of exp(beta * R) (default 5)"
+    )
+    r.add_argument(
+        "--sandbox",
+        choices=["auto", "bwrap", "rlimit"],
+        default="auto",
+        help="where rewarded code runs: bubblewrap, or resource limits only (default auto: "
+        "bubblewrap where it works)",
+    )
+    r.add_argument(
+        "--aggregate",
+        choices=["none", "vote"],
+        default="none",
+        help="vote: also report the weighted vote over the particles' answers",
+    )
+    r.add_argument(
+        "--answer-regex",
+        metavar="PATTERN",
+        help="a particle's answer for the vote: the last match (its first group if any); "
+        "default the last number, or with --reward/--tests the code's behaviour on the examples",
+    )
 
 
 def _rpc_server(sub) -> None:

@@ -318,7 +318,8 @@ def _smc_rounds(
         else:
             _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
         emitted = _emit(ps, emitted, on_tokens)
-    out = _output(st, ps, cfg.return_particles, emitted, on_tokens, clock)
+    keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
+    out = _output(st, ps, keep, emitted, on_tokens, clock)
     out.stats.update(distinct_row_stats(target=tcache, draft=dcache))
     return out
 

@@ -37,7 +37,13 @@ from smcspec.eval.humaneval import extract_code
 from smcspec.potentials import Reward
 from smcspec.sandbox import Limits, run_python
 
-__all__ = ["CodeExamples", "Example", "examples_from_prompt", "examples_from_tests"]
+__all__ = [
+    "CodeExamples",
+    "Example",
+    "code_of_prompt",
+    "examples_from_prompt",
+    "examples_from_tests",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,15 @@ def _doctest_examples(text: str) -> list[Example]:
 def _entry_point(code: str) -> str | None:
     names = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", code, flags=re.MULTILINE)
     return names[-1] if names else None
+
+
+def code_of_prompt(prompt: str) -> str:
+    """The code a prompt gives the answer to build on: its first fenced block, else the
+    prompt itself if it has a top-level ``def``, else nothing."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", prompt, flags=re.DOTALL)
+    if blocks:
+        return blocks[0]
+    return prompt if _entry_point(prompt) else ""
 
 
 def examples_from_prompt(prompt: str, entry_point: str | None = None) -> list[Example]:
@@ -216,15 +231,14 @@ class CodeExamples:
         """Examples and code from a prompt: its first fenced code block (or, without one, the
         prompt itself) is ``prompt_code``. Raises :class:`ConfigError` if it has no
         example."""
-        blocks = re.findall(r"```[^\n]*\n(.*?)```", prompt, flags=re.DOTALL)
-        code = blocks[0] if blocks else prompt
+        code = code_of_prompt(prompt)
         examples = examples_from_prompt(code) or examples_from_prompt(prompt)
         if not examples:
             raise ConfigError(
                 "no examples in the prompt (doctest lines such as '>>> f(1)' then '2', or "
                 "'f(1) == 2'); pass a tests file instead"
             )
-        return cls(examples, prompt_code=code if blocks or _entry_point(prompt) else "", **kwargs)
+        return cls(examples, prompt_code=code, **kwargs)
 
     def program(self, text: str, nonce: str) -> tuple[str, bool]:
         """The program that runs ``text``'s code against the examples, and whether ``text``

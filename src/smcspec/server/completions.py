@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError
@@ -76,14 +77,28 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
         value = getattr(body, name)
         if value is not None:
             updates[name] = value
+    steering = {"regex", "grammar", "aggregate", "answer_regex"}
     if body.smc is not None:
-        extras = body.smc.model_dump(exclude={"regex", "grammar"})
+        extras = body.smc.model_dump(exclude=steering)
         updates.update({k: v for k, v in extras.items() if v is not None})
     try:
         updates["constraint"] = constraint_spec(body)
+        updates["vote"] = vote_spec(body)
         return replace(state.defaults, **updates).validate()
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from exc
+
+
+def vote_spec(body: CommonBody) -> Vote | None:
+    """The request's weighted vote (``smc.aggregate == "vote"``, answers by
+    ``smc.answer_regex``). Raises :class:`ConfigError` for a regex without the vote or an
+    invalid regex."""
+    smc = body.smc
+    if smc is None or smc.aggregate in (None, "none"):
+        if smc is not None and smc.answer_regex is not None:
+            raise ConfigError("smc.answer_regex needs smc.aggregate 'vote'")
+        return None
+    return Vote.regex(*([smc.answer_regex] if smc.answer_regex is not None else []))
 
 
 def generation_error(exc: BaseException) -> ApiError:
@@ -230,8 +245,12 @@ class Completion:
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def extra(self, c: Choice) -> dict[str, Any]:
-        """The ``smcspec`` field of a choice: the method and the decoder's stats."""
-        return {"method": self.cfg.method, **(c.result.stats if c.result else {})}
+        """The ``smcspec`` field of a choice: the method, the decoder's stats and, with
+        ``smc.aggregate`` ``"vote"``, the vote (None when no particle had an answer)."""
+        out = {"method": self.cfg.method, **(c.result.stats if c.result else {})}
+        if self.cfg.vote is not None and c.result is not None:
+            out["vote"] = c.result.vote
+        return out
 
     async def respond(self, request: Request) -> dict[str, Any] | Response:
         """The whole response, after every choice is done (non-streamed request)."""

@@ -30,8 +30,11 @@ _MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "au
 def _smc_options() -> type[BaseModel]:
     """The ``smc`` extra field: per-request decoder settings (server defaults otherwise). Its
     fields are the :class:`GenerationConfig` fields marked ``server`` (``config.py``), each
-    optional, plus ``regex`` (the output must match this regular expression) and ``grammar``
-    (the output must follow this Lark grammar)."""
+    optional, plus ``regex`` (the output must match this regular expression), ``grammar``
+    (the output must follow this Lark grammar), ``aggregate`` (``"vote"``: the response also
+    carries the weighted vote over the particles' answers) and ``answer_regex`` (a particle's
+    answer for the vote: the last match, its first group if any; default the last number).
+    Code rewards are not offered here: the server does not run code a client sends."""
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(GenerationConfig):
         if not f.metadata.get("server"):
@@ -40,6 +43,8 @@ def _smc_options() -> type[BaseModel]:
         kind = Literal[choices] if choices else field_type(f)
         fields[f.name] = (kind | None, None)
     fields |= {"regex": (str | None, None), "grammar": (str | None, None)}
+    fields |= {"aggregate": (Literal["none", "vote"] | None, None)}
+    fields |= {"answer_regex": (str | None, None)}
     return create_model(
         "SmcOptions", __config__=ConfigDict(extra="forbid"), __doc__=_smc_options.__doc__, **fields
     )
