@@ -172,11 +172,12 @@ def test_every_cli_setting_has_a_flag_that_reaches_the_config():
 
 def test_every_server_setting_is_a_field_of_the_smc_object():
     """Each field marked ``server`` is an optional field of the request's ``smc`` object, and
-    nothing else is there but the constraint strings."""
+    nothing else is there but the constraint strings and the vote's settings."""
     from smcspec.server.schemas import SmcOptions
 
     marked = {f.name for f in dataclasses.fields(GenerationConfig) if f.metadata.get("server")}
     assert {"method", "particles", "draft_tokens", "alpha", "draft_p_min"} <= marked
-    assert set(SmcOptions.model_fields) == marked | {"regex", "grammar"}
+    extras = {"regex", "grammar", "aggregate", "answer_regex"}
+    assert set(SmcOptions.model_fields) == marked | extras
     for name in marked:
         assert SmcOptions.model_fields[name].default is None
