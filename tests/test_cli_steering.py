@@ -18,8 +18,9 @@ def pair(tmp_path_factory):
 
 
 def _base(pair, prompt: str = "ab") -> list[str]:
-    return ["generate", prompt, "--target", pair[0], "--draft", pair[1], "--no-chat",
-            "--method", "smc", "-N", "4", "-K", "2", "-m", "8", "--seed", "3", "--json"]  # fmt: skip
+    models = ["--target", pair[0], "--draft", pair[1]]
+    setting = ["--method", "smc", "-N", "4", "-K", "2", "-m", "8", "--seed", "3"]
+    return ["generate", prompt, *models, "--no-chat", *setting, "--json"]
 
 
 def test_tests_file_reward_and_vote(pair, tmp_path, capsys) -> None:

@@ -150,3 +150,43 @@ def test_run_task_records_the_budget_and_whether_it_was_hit(engine, tmp_path):
         mine = [r for r in records if r["method"] == row["method"]]
         assert row["capped_known"] == 3
         assert row["capped"] == sum(r["hit_cap"] for r in mine)
+
+
+def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
+    """The steered and baseline settings run through the harness on the tiny pair: records
+    carry what each adds (samples, rewards, the vote beside the drawn answer's score)."""
+    from smcspec.eval.humaneval import HumanEvalProblem
+
+    specs = harness.method_specs(
+        "ar-greedy,ar-sc-n3,smc-n4-k2-vote", GenerationConfig(max_new_tokens=6)
+    )
+    rf = ResultFile(tmp_path / "g.jsonl")
+    records = harness.run_task(engine, "gsm8k", ITEMS[:2], specs, rf, progress=False)
+    by = {(r["method"], r["item"]): r for r in records}
+    assert len(by) == 6
+    assert by[("ar-sc-n3", "q0")]["samples"] == 3
+    assert (
+        "drawn_correct" in by[("smc-n4-k2-vote", "q0")] and "vote" in by[("smc-n4-k2-vote", "q0")]
+    )
+    assert by[("ar-greedy", "q0")]["stats"]["greedy"] is True
+    with pytest.raises(ConfigError, match="no reward"):
+        harness.run_task(
+            engine, "gsm8k", ITEMS[:1], harness.method_specs("ar-bon-n2", GenerationConfig()),
+            ResultFile(tmp_path / "bad.jsonl"), progress=False,
+        )  # fmt: skip
+    toy = HumanEvalProblem(
+        task_id="Toy/0",
+        prompt='def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n',
+        test="def check(candidate):\n    assert candidate(2, 3) == 5\n",
+        entry_point="add",
+        canonical_solution="    return a + b\n",
+    )
+    specs = harness.method_specs(
+        "ar-bon-n2,smc-n4-k2-reward-vote", GenerationConfig(max_new_tokens=6)
+    )
+    rf = ResultFile(tmp_path / "h.jsonl")
+    records = harness.run_task(engine, "humaneval", [toy], specs, rf, progress=False)
+    bon, smc = records
+    assert bon["rewards"] == [0.0, 0.0] and bon["samples"] == 2  # random text passes nothing
+    assert smc["reward"] == 0.0 and "log_normalizer" in smc["stats"]
+    assert report.summarize(records)  # the report reads the new records

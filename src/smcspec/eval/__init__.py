@@ -6,7 +6,10 @@ Modules:
         resource-limited subprocess.
     stats: Wilson interval, paired bootstrap, exact McNemar test, TV and KL distances.
     results: append-only, resumable JSONL result file.
-    harness: accuracy runs of several methods on the same questions and seeds (resumable);
+    harness: accuracy runs of several methods on the same questions and seeds (resumable),
+        smc steered by a reward or answering by vote among them;
+    baselines: n batched ``ar`` samples reranked by a reward (best-of-n) or voted
+        (self-consistency);
         report: their per-method summaries paired with a baseline, and ``summary.md``.
     exact: tiny enumerable models and the exact distributions the decoders must sample
         (with a constraint, a reward, a stop token).

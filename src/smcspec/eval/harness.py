@@ -11,26 +11,47 @@ file can be re-scored without generating again (:func:`rescore`). The records' s
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from tqdm import tqdm
 
+from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import hit_token_cap
-from smcspec.engine import Engine
+from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
-from smcspec.eval import gsm8k, humaneval
+from smcspec.eval import baselines, gsm8k, humaneval
 from smcspec.eval.fidelity import target_nll
 from smcspec.eval.results import ResultFile
+from smcspec.rewards import CodeExamples, examples_from_prompt
+
+REWARD_BETA = 5.0
+"""beta of ``-reward`` settings without a number (``smc-n8-k2-reward``): exp(5 R) weighs an
+answer that passes every example e^5 (about 150) times one that passes none."""
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A named decoding setting, e.g. ``smc-n4-k4``."""
+    """A named decoding setting, e.g. ``smc-n4-k4``.
+
+    Attributes:
+        name: as the reports name it.
+        config: the decoding setting.
+        samples: ``ar`` samples per item (best-of-n and self-consistency; 1 otherwise).
+        select: ``"bon"`` (rerank by the reward), ``"sc"`` (majority answer) or None.
+        reward_beta: smc steered by the task's reward (HumanEval: the prompt's examples) with
+            this beta; None: no reward.
+        vote: smc answers with the weighted vote over its particles.
+    """
 
     name: str
     config: GenerationConfig
+    samples: int = 1
+    select: str | None = None
+    reward_beta: float | None = None
+    vote: bool = False
 
 
 def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) -> list[MethodSpec]:
@@ -62,11 +83,15 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
             specs += [
                 MethodSpec(f"sd-k{k}", replace(base, method="sd", draft_tokens=k)) for k in ks
             ]
-        elif m := re.fullmatch(r"smc-n(\d+)-k(\d+)(-keep)?", method):
-            n, k = int(m.group(1)), int(m.group(2))
-            rule = "keep" if m.group(3) else "bank"
-            smc = replace(base, method="smc", particles=n, draft_tokens=k, draft="model")
-            specs.append(MethodSpec(method, replace(smc, finished_particles=rule)))
+        elif method == "ar-greedy":
+            specs.append(MethodSpec(method, replace(base, method="ar", temperature=0.0)))
+        elif m := re.fullmatch(r"ar-(sc|bon)-n(\d+)", method):
+            n = int(m.group(2))
+            if not 1 <= n <= 64:
+                raise ConfigError(f"{method}: n must be in [1, 64]")
+            specs.append(MethodSpec(method, replace(base, method="ar"), n, m.group(1)))
+        elif m := _SMC_NAME.fullmatch(method):
+            specs.append(_smc_spec(method, m, base))
         elif m := re.fullmatch(r"sd-ngram-k(\d+)", method):
             cfg = replace(base, method="sd", draft="ngram", draft_tokens=int(m.group(1)))
             specs.append(MethodSpec(method, cfg))
@@ -84,12 +109,28 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
             ]
         else:
             raise ConfigError(
-                f"unknown method {method!r}; choose from ar, sd, smc, sd-kK, sd-ngram-kK, "
-                "smc-nN-kK, smc-nN-kK-keep"
+                f"unknown method {method!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
+                "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-vote]"
             )
     for s in specs:
         s.config.validate()
     return specs
+
+
+_SMC_NAME = re.compile(r"smc-n(\d+)-k(\d+)(-keep)?(?:-a([\d.]+))?(-reward([\d.]+)?)?(-vote)?")
+
+
+def _smc_spec(name: str, m: re.Match, base: GenerationConfig) -> MethodSpec:
+    """An smc setting from its name: N, K, ``-keep`` (the paper's rule for finished
+    particles), ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
+    :data:`REWARD_BETA` without a number) and ``-vote`` (the weighted vote answers)."""
+    n, k = int(m.group(1)), int(m.group(2))
+    cfg = replace(base, method="smc", particles=n, draft_tokens=k, draft="model")
+    cfg = replace(cfg, finished_particles="keep" if m.group(3) else "bank")
+    if m.group(4):
+        cfg = replace(cfg, alpha=float(m.group(4)))
+    beta = (float(m.group(6)) if m.group(6) else REWARD_BETA) if m.group(5) else None
+    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group(7)))
 
 
 def _score_gsm8k(item: gsm8k.Gsm8kItem, text: str) -> dict[str, Any]:
@@ -163,8 +204,12 @@ def run_task(
         else:
             messages = _humaneval_messages(item)
         cfg = replace(spec.config, seed=seed + i)  # same seed for every method: paired
-        r = engine.generate(messages, cfg)
-        scored = _score_gsm8k(item, r.text) if task == "gsm8k" else _score_humaneval(item, r.text)
+        ans = _answer(engine, task, item, spec, messages, cfg)
+        r = ans.result
+        score = _score_gsm8k if task == "gsm8k" else _score_humaneval
+        scored = score(item, ans.text)
+        if spec.vote:  # the drawn answer's score beside the vote's
+            scored["drawn_correct"] = score(item, r.text)["correct"]
         if score_nll:
             scored["target_nll"] = target_nll(
                 engine.target.model, engine.encode(messages), r.token_ids
@@ -175,15 +220,16 @@ def run_task(
                 "item": _item_id(item),
                 "method": spec.name,
                 "prompt_id": _item_id(item),
-                "output": r.text,
+                "output": ans.text,
                 **scored,
-                "new_tokens": r.new_tokens,
+                **ans.extra,
+                "new_tokens": ans.new_tokens,
                 "max_new_tokens": cfg.max_new_tokens,
                 "hit_cap": hit_token_cap(
                     r.token_ids, cfg.max_new_tokens, answer_stop_ids(engine, cfg)
                 ),
-                "seconds": round(r.seconds, 3),
-                "tokens_per_second": round(r.tokens_per_second, 3),
+                "seconds": round(ans.seconds, 3),
+                "tokens_per_second": round(ans.new_tokens / ans.seconds, 3) if ans.seconds else 0.0,
                 "stats": r.stats,
                 **({"machine": machine} if machine else {}),
             }
@@ -191,6 +237,75 @@ def run_task(
         bar.update(1)
     bar.close()
     return results.records()
+
+
+@dataclass
+class _Answer:
+    """One method's answer to one item: the text scored, the result whose stats and tokens
+    are recorded (the chosen sample; smc's drawn answer), new tokens and wall seconds over
+    every sample, and extra record fields."""
+
+    text: str
+    result: GenerationResult
+    new_tokens: int
+    seconds: float
+    extra: dict[str, Any]
+
+
+def _answer(
+    engine: Engine, task: str, item, spec: MethodSpec, messages, cfg: GenerationConfig
+) -> _Answer:
+    """Decode ``item`` as ``spec`` says: one request; n batched ``ar`` samples reranked by
+    the reward (``bon``) or voted (``sc``); smc with the task's reward and/or the vote."""
+    examples = None
+    if task == "humaneval" and (spec.reward_beta is not None or spec.vote or spec.select):
+        examples = _examples(item)
+    if task == "gsm8k" and (spec.select == "bon" or spec.reward_beta is not None):
+        raise ConfigError(f"{spec.name}: GSM8K has no reward (use ar-sc-nN or -vote)")
+    if task == "gsm8k":
+        answer_fn = gsm8k.extract_answer
+    elif examples is not None:
+        answer_fn = examples.behaviour  # what the code does on the prompt's examples
+    else:  # a prompt without examples: identical code only
+        answer_fn = _code_answer(item)
+    if spec.samples > 1 or spec.select:
+        got = baselines.sample_batch(engine, messages, cfg, spec.samples)
+        if spec.select == "bon":
+            scores = examples.score(got.texts) if examples else [0.0] * len(got.texts)
+            pick = baselines.best_of_n(scores)
+            extra = {"samples": spec.samples, "rewards": scores}
+        else:
+            pick = baselines.self_consistency([answer_fn(t) for t in got.texts]) or 0
+            extra = {"samples": spec.samples}
+        chosen = got.results[pick]
+        return _Answer(chosen.text, chosen, got.new_tokens, got.seconds, extra)
+    if examples is not None and spec.reward_beta is not None:
+        cfg = replace(cfg, reward=examples.reward(spec.reward_beta))
+    if spec.vote:
+        cfg = replace(cfg, vote=Vote(answer_fn, "task answer"))
+    r = engine.generate(messages, cfg)
+    extra: dict[str, Any] = {}
+    text = r.text
+    if spec.vote:
+        extra["vote"] = r.vote and {k: v for k, v in r.vote.items() if k != "text"}
+        text = r.vote["text"] if r.vote else r.text
+    if examples is not None and spec.reward_beta is not None:
+        extra["reward"] = examples.score([r.text])[0]
+    return _Answer(text, r, r.new_tokens, r.seconds, extra)
+
+
+def _code_answer(item: humaneval.HumanEvalProblem) -> Callable[[str], str | None]:
+    def code(text: str) -> str | None:
+        return humaneval.extract_code(text, item.prompt, item.entry_point).code.strip() or None
+
+    return code
+
+
+def _examples(item: humaneval.HumanEvalProblem) -> CodeExamples | None:
+    """The execution reward's examples of a HumanEval problem (from its prompt, never its
+    hidden tests); None when the prompt has none (then the reward is 0 for every answer)."""
+    found = examples_from_prompt(item.prompt, item.entry_point)
+    return CodeExamples(found, item.prompt, item.entry_point) if found else None
 
 
 def _item_id(item) -> str:
