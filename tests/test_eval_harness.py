@@ -169,6 +169,10 @@ def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
         "drawn_correct" in by[("smc-n4-k2-vote", "q0")] and "vote" in by[("smc-n4-k2-vote", "q0")]
     )
     assert by[("ar-greedy", "q0")]["stats"]["greedy"] is True
+    rows = {r["method"]: r for r in report.summarize(records)}
+    assert rows["smc-n4-k2-vote (drawn)"]["n"] == 2 and rows["ar-sc-n3"]["mean_seconds"] > 0
+    report.write_report(list(rows.values()), tmp_path / "rep", "t")
+    assert (tmp_path / "rep" / "accuracy-time.png").stat().st_size > 1000
     with pytest.raises(ConfigError, match="no reward"):
         harness.run_task(
             engine, "gsm8k", ITEMS[:1], harness.method_specs("ar-bon-n2", GenerationConfig()),

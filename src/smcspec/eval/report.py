@@ -98,10 +98,16 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
     discordant counts, the verdict on "within :data:`MARGIN` of the baseline"
     (:func:`~smcspec.eval.stats.margin_verdict`) and the pairs a +-MARGIN interval would need
     at the observed spread), the paired NLL difference (bootstrap 95% interval, Wilcoxon
-    signed-rank p) and capping by the budget, paired (:func:`_paired_budget`)."""
+    signed-rank p) and capping by the budget, paired (:func:`_paired_budget`). A setting
+    that answers by vote (records with ``drawn_correct``) also gets a row ``<method>
+    (drawn)``: the same runs scored on the single drawn answer."""
     by_method: dict[str, dict[str, dict]] = {}
     for rec in records:
         by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    for rec in records:
+        if "drawn_correct" in rec:
+            drawn = {**rec, "method": f"{rec['method']} (drawn)", "correct": rec["drawn_correct"]}
+            by_method.setdefault(drawn["method"], {})[rec["item"]] = drawn
     base = by_method.get(baseline, {})
     rows = []
     for method, recs in by_method.items():
@@ -116,6 +122,7 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
             "ci_low": low,
             "ci_high": high,
             "median_tokens_per_second": tps[len(tps) // 2],
+            "mean_seconds": float(np.mean([r["seconds"] for r in recs.values()])),
             **cap_counts(recs.values()),
         }
         nll = [r["target_nll"] for r in recs.values() if r.get("target_nll") is not None]
@@ -231,7 +238,9 @@ def write_report(
     speeds: dict[str, float] | None = None,
     baseline: str = "ar",
 ) -> Path:
-    """``summary.md`` (tables) and ``pareto.png`` (tokens/s vs accuracy, 95% error bars).
+    """``summary.md`` (tables), ``pareto.png`` (tokens/s vs accuracy, 95% error bars) and
+    ``accuracy-time.png`` (mean wall seconds per answer vs accuracy: what a setting buys for
+    the time it takes, e.g. best-of-n against SMC-SD at matched time).
 
     ``speeds`` (method name -> tokens/s, e.g. medians of a ``smcspec bench`` run on the
     same machine) replaces the run's own per-answer medians on the plot's x axis and adds a
@@ -247,6 +256,7 @@ def write_report(
     lines = [f"# {title}", "", note, "", *tables]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     _pareto_plot(rows, speeds, title, out_dir / "pareto.png")
+    _pareto_plot(rows, None, title, out_dir / "accuracy-time.png", per_second=True)
     return out_dir / "summary.md"
 
 
@@ -268,10 +278,10 @@ def _accuracy_table(
         f"planning figure). lost/gained: questions only {baseline} / only this method answered "
         "right.",
         "",
-        "| method | n | accuracy | 95% CI | capped | median tokens/s "
+        "| method | n | accuracy | 95% CI | capped | median tokens/s | mean s/answer "
         f"| diff vs {baseline} (95% CI) | McNemar p | lost/gained | within {m} pts "
         f"| pairs for +-{m} |" + (" bench tokens/s |" if speeds else ""),
-        "|---|---:|---:|---|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
+        "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|---:|" + ("---:|" if speeds else ""),
     ]
     for r in rows:
         if "diff_vs_baseline" in r:
@@ -289,9 +299,13 @@ def _accuracy_table(
         lines.append(
             f"| {r['method']} | {r['n']} | {100 * r['accuracy']:.1f}% | "
             f"{100 * r['ci_low']:.1f}-{100 * r['ci_high']:.1f}% | {format_capped(r)} | "
-            f"{r['median_tokens_per_second']:.2f} | {paired} |{bench}"
+            f"{r['median_tokens_per_second']:.2f} | {_seconds(r)} | {paired} |{bench}"
         )
     return lines
+
+
+def _seconds(row: dict[str, Any]) -> str:
+    return f"{row['mean_seconds']:.1f}" if "mean_seconds" in row else "-"
 
 
 def _verdict_interval(row: dict[str, Any]) -> tuple[float, float, bool]:
@@ -364,7 +378,11 @@ def _budget_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
 
 
 def _pareto_plot(
-    rows: list[dict[str, Any]], speeds: dict[str, float] | None, title: str, path: Path
+    rows: list[dict[str, Any]],
+    speeds: dict[str, float] | None,
+    title: str,
+    path: Path,
+    per_second: bool = False,
 ) -> None:
     import matplotlib
 
@@ -373,7 +391,10 @@ def _pareto_plot(
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
-        x = speeds.get(r["method"]) if speeds else r["median_tokens_per_second"]
+        if per_second:
+            x = r.get("mean_seconds")
+        else:
+            x = speeds.get(r["method"]) if speeds else r["median_tokens_per_second"]
         if x is None:
             continue
         err = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
@@ -381,7 +402,10 @@ def _pareto_plot(
         ax.annotate(
             r["method"], (x, r["accuracy"]), textcoords="offset points", xytext=(5, 5), fontsize=8
         )
-    ax.set_xlabel("median tokens/s per request" + (" (bench run)" if speeds else ""))
+    if per_second:
+        ax.set_xlabel("mean wall seconds per answer (all samples of best-of-n / votes)")
+    else:
+        ax.set_xlabel("median tokens/s per request" + (" (bench run)" if speeds else ""))
     ax.set_ylabel("accuracy (95% Wilson interval)")
     ax.set_title(title)
     fig.tight_layout()
