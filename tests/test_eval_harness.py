@@ -194,3 +194,19 @@ def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
     assert bon["rewards"] == [0.0, 0.0] and bon["samples"] == 2  # random text passes nothing
     assert smc["reward"] == 0.0 and "log_normalizer" in smc["stats"]
     assert report.summarize(records)  # the report reads the new records
+
+
+def test_a_run_waits_while_its_pause_file_exists(tmp_path):
+    import threading
+    import time
+
+    pause = tmp_path / harness.PAUSE_FILE
+    pause.touch()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (harness.wait_while_paused(pause, 0.01), done.set()))
+    t.start()
+    time.sleep(0.1)
+    assert not done.is_set()  # still paused
+    pause.unlink()
+    assert done.wait(5)
+    t.join()

@@ -11,8 +11,10 @@ file can be re-scored without generating again (:func:`rescore`). The records' s
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -26,6 +28,11 @@ from smcspec.eval import baselines, gsm8k, humaneval
 from smcspec.eval.fidelity import target_nll
 from smcspec.eval.results import ResultFile
 from smcspec.rewards import CodeExamples, examples_from_prompt
+
+PAUSE_FILE = "PAUSE"
+"""While a file of this name exists beside the results file, a run waits before its next
+answer (``touch OUT/PAUSE``; remove it to go on): the machine can then be timed or tested
+without the run beside it, and without an answer's wall time counting the pause."""
 
 REWARD_BETA = 5.0
 """beta of ``-reward`` settings without a number (``smc-n8-k2-reward``): exp(5 R) weighs an
@@ -199,6 +206,7 @@ def run_task(
         total=len(todo), desc=f"{task} ({len(specs)} methods)", unit="answer", disable=not progress
     )
     for i, item, spec in todo:
+        wait_while_paused(results.path.parent / PAUSE_FILE)
         if task == "gsm8k":
             messages = gsm8k.build_messages(item.question)
         else:
@@ -306,6 +314,12 @@ def _examples(item: humaneval.HumanEvalProblem) -> CodeExamples | None:
     hidden tests); None when the prompt has none (then the reward is 0 for every answer)."""
     found = examples_from_prompt(item.prompt, item.entry_point)
     return CodeExamples(found, item.prompt, item.entry_point) if found else None
+
+
+def wait_while_paused(pause: Path, poll_s: float = 2.0) -> None:
+    """Return once ``pause`` does not exist (at once if it never did)."""
+    while pause.exists():
+        time.sleep(poll_s)
 
 
 def _item_id(item) -> str:
