@@ -519,7 +519,10 @@ def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, ca
     assert code == 0 and not out.exists()
     text = capsys.readouterr().out
     assert "Predicted tokens/s from measured forward costs" in text
-    assert re.search(r"^\| ar \| - \| - \| 1\.00 \| [\d.]+ \| [\d.]+ \| 1\.00x \|", text, re.M)
+    row = r"^\| ar \| - \| - \| 1\.00 \| [\d.]+ \| ([\d.]+) \| ([\d.]+)-([\d.]+) \| 1\.00x \|"
+    m = re.search(row, text, re.M)
+    assert m and float(m[2]) <= float(m[1]) <= float(m[3])  # the range holds the prediction
+    assert "Range: the prediction with every forward at the slowest / fastest" in text
     assert re.search(r"^\| smc \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
     assert main(["bench", "--predict", "--remeasure", "--target", target, "--draft", draft,
                  "--threads", "1"]) == 0  # fmt: skip
@@ -636,3 +639,50 @@ def test_the_tuner_never_imports_the_engine():
             else:
                 continue
             assert not any(n == "smcspec.engine" or n == "smcspec.Engine" for n in names), path
+
+
+def test_alpha_interval_holds_alpha_and_narrows_with_more_rounds():
+    from smcspec.tuning.predict import alpha_from_counts, alpha_interval
+
+    a = alpha_from_counts(171, 306, 81)  # the default pair's pooled measurement
+    low, high = alpha_interval(a, 171, 306, 81)
+    assert low < a < high and high - low < 0.15
+    low10, high10 = alpha_interval(a, 1710, 3060, 810)
+    assert low < low10 < a < high10 < high
+    assert alpha_interval(1.0, 40, 40, 10)[1] == pytest.approx(1.0)
+    with pytest.raises(ConfigError):
+        alpha_interval(0.5, 5, 4, 1)
+
+
+def test_prediction_range_brackets_the_prediction():
+    from smcspec.tuning.predict import ForwardCosts, Setting, predict, prediction_range
+
+    target = {(1, 1): 0.06, (1, 5): 0.14}
+    draft = {(1, 1): 0.03, (1, 2): 0.035}
+    costs = ForwardCosts(target, draft, alpha=0.8)
+    sd = Setting("sd", 1, 4)
+    assert prediction_range(sd, costs) is None  # nothing known about the noise
+    ranged = ForwardCosts(
+        target, draft, alpha=0.8,
+        target_range={s: (v * 0.9, v * 1.2) for s, v in target.items()},
+        draft_range={s: (v * 0.9, v * 1.2) for s, v in draft.items()},
+        alpha_range=(0.75, 0.85),
+    )  # fmt: skip
+    low, high = prediction_range(sd, ranged)
+    mid = predict(sd, ranged).tokens_per_second
+    assert low < mid < high
+    ar_low, ar_high = prediction_range(Setting("ar", 1, 1), ranged)
+    assert ar_low == pytest.approx(1 / 0.072) and ar_high == pytest.approx(1 / 0.054)
+
+
+def test_cost_ranges_survive_the_cache(tmp_path):
+    from smcspec.tuning.cache import CostRecord, read_costs, write_costs
+
+    record = CostRecord()
+    record.add_timings("target", {(1, 1): [0.05, 0.07, 0.06]})
+    record.add_timings("draft", {(1, 1): [0.02, 0.03, 0.025]})
+    assert record.target == {(1, 1): 0.06} and record.target_range == {(1, 1): (0.05, 0.07)}
+    path, key = tmp_path / "c.json", {"k": 1}
+    write_costs(path, key, record)
+    again = read_costs(path, key)
+    assert again.target_range == record.target_range and again.draft_range == record.draft_range

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smcspec.models.loading import cache_root
-from smcspec.tuning.predict import ForwardCosts, Shape
+from smcspec.tuning.predict import ForwardCosts, Shape, alpha_interval
 
 if TYPE_CHECKING:
     from smcspec.tuning.pair import TunablePair
@@ -38,6 +39,8 @@ class CostRecord:
 
     Attributes:
         target, draft: median seconds per ``(rows, tokens)`` forward.
+        target_range, draft_range: the fastest and slowest of the timed forwards per shape
+            (absent in files written before they were kept).
         acceptance: per sampling key (:func:`sampling_key`), the sd run that measured alpha
             (``{"alpha", "draft_tokens", "new_tokens", "accepted", "drafted", "rounds"}``)
             and the log-weights and agreement profiles measured on its tokens
@@ -47,16 +50,34 @@ class CostRecord:
     target: dict[Shape, float] = field(default_factory=dict)
     draft: dict[Shape, float] = field(default_factory=dict)
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    target_range: dict[Shape, tuple[float, float]] = field(default_factory=dict)
+    draft_range: dict[Shape, tuple[float, float]] = field(default_factory=dict)
+
+    def add_timings(self, model: str, timings: dict[Shape, list[float]]) -> None:
+        """Keep the median and the range of each shape's timed forwards for ``model``
+        (``"target"`` or ``"draft"``)."""
+        medians, ranges = getattr(self, model), getattr(self, f"{model}_range")
+        for shape, times in timings.items():
+            medians[shape] = statistics.median(times)
+            ranges[shape] = (min(times), max(times))
 
     def forward_costs(self, acc_key: str | None) -> ForwardCosts:
         """The :class:`~smcspec.tuning.predict.ForwardCosts` of this record with the
         acceptance measurement ``acc_key`` (:func:`sampling_key`; None or missing: none)."""
         acc = self.acceptance.get(acc_key) if acc_key is not None else None
         acc = acc or {}
+        alpha_range = None
+        if acc.get("alpha") is not None and acc.get("rounds"):
+            alpha_range = alpha_interval(
+                acc["alpha"], acc["accepted"], acc["drafted"], acc["rounds"]
+            )
         return ForwardCosts(
             target=self.target,
             draft=self.draft,
             alpha=acc.get("alpha"),
+            target_range=self.target_range or None,
+            draft_range=self.draft_range or None,
+            alpha_range=alpha_range,
             log_weight_quantiles=acc.get("log_weight_quantiles"),
             draft_top_probs=acc.get("draft_top_probs"),
             target_top_probs=acc.get("target_top_probs"),
@@ -151,6 +172,17 @@ def _parse_shapes(d: dict[str, Any]) -> dict[Shape, float]:
     return out
 
 
+def _parse_ranges(d: dict[str, Any]) -> dict[Shape, tuple[float, float]]:
+    out = {}
+    for k, v in d.items():
+        rows, tokens = (int(x) for x in k.split("x"))
+        low, high = (float(x) for x in v)
+        if not 0 < low <= high:
+            raise ValueError(f"bad cost range {v!r}")
+        out[(rows, tokens)] = (low, high)
+    return out
+
+
 def read_costs(path: Path, key: dict[str, Any]) -> CostRecord:
     """The record in ``path`` if it is readable, well formed and has ``key``; else empty."""
     try:
@@ -164,6 +196,8 @@ def read_costs(path: Path, key: dict[str, Any]) -> CostRecord:
             target=_parse_shapes(data["target"]),
             draft=_parse_shapes(data["draft"]),
             acceptance=dict(acceptance),
+            target_range=_parse_ranges(data.get("target_range", {})),
+            draft_range=_parse_ranges(data.get("draft_range", {})),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return CostRecord()
@@ -177,6 +211,8 @@ def write_costs(path: Path, key: dict[str, Any], record: CostRecord) -> None:
         "target": {_shape_key(s): v for s, v in sorted(record.target.items())},
         "draft": {_shape_key(s): v for s, v in sorted(record.draft.items())},
         "acceptance": record.acceptance,
+        "target_range": {_shape_key(s): list(v) for s, v in sorted(record.target_range.items())},
+        "draft_range": {_shape_key(s): list(v) for s, v in sorted(record.draft_range.items())},
     }
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:

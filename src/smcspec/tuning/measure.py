@@ -142,9 +142,17 @@ def log_weight_quantiles(
 def forward_seconds_by_tokens(
     model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
 ) -> dict[int, float]:
-    """:func:`forward_seconds` of ``rows x t`` for every ``t`` in ``tokens``, after one
-    ``context``-token prefill shared by all of them (each ``t``: one untimed warm-up forward,
-    then the median of ``reps`` timed ones, each rolled back before the next)."""
+    """The median of :func:`forward_timings_by_tokens` for every ``t`` in ``tokens``."""
+    timed = forward_timings_by_tokens(model, rows, tokens, reps, context)
+    return {t: statistics.median(v) for t, v in timed.items()}
+
+
+def forward_timings_by_tokens(
+    model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
+) -> dict[int, list[float]]:
+    """Wall seconds of ``reps`` timed forwards of ``rows x t`` for every ``t`` in
+    ``tokens``, after one ``context``-token prefill shared by all of them (each ``t``: one
+    untimed warm-up forward, then the timed ones, each rolled back before the next)."""
     # every row computed: the forward of the full shape is what is timed (the rows here
     # all hold the same tokens, which distinct rows would compute once)
     cache = model.new_cache(rows, max(tokens), shared_rows=False)
@@ -154,7 +162,7 @@ def forward_seconds_by_tokens(
         cache.close()
 
 
-def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, float]:
+def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, list[float]]:
     vocab = model.vocab_size
     model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
     out = {}
@@ -172,7 +180,7 @@ def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, floa
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             cache.truncate(0)
-        out[t] = statistics.median(times)
+        out[t] = times
     return out
 
 
@@ -190,15 +198,16 @@ def measurement_context(model: LoadedModel, context: int, longest: int) -> int:
 
 def measure_forwards(
     model: LoadedModel, shapes: Iterable[Shape], reps: int, context: int
-) -> dict[Shape, float]:
-    """Median seconds of one decode forward of every ``(rows, tokens)`` shape of ``model``."""
+) -> dict[Shape, list[float]]:
+    """Seconds of ``reps`` timed decode forwards of every ``(rows, tokens)`` shape of
+    ``model`` (the tuner keeps their median and their range)."""
     by_rows: dict[int, set[int]] = {}
     for rows, tokens in shapes:
         by_rows.setdefault(rows, set()).add(tokens)
-    out: dict[Shape, float] = {}
+    out: dict[Shape, list[float]] = {}
     for rows, tokens in sorted(by_rows.items()):
         ctx = measurement_context(model, context, max(tokens))
-        timed = forward_seconds_by_tokens(model.model, rows, sorted(tokens), reps, ctx)
+        timed = forward_timings_by_tokens(model.model, rows, sorted(tokens), reps, ctx)
         out.update({(rows, t): s for t, s in timed.items()})
     return out
 

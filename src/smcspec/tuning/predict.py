@@ -46,6 +46,7 @@ K=4, whose ESS is 2.4 and 4.2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -117,6 +118,9 @@ class ForwardCosts:
         draft_top_probs, target_top_probs: per position of the calibration text, the most
             likely probabilities of ``q_T`` and ``p_T``, descending (the agreement profiles
             of the distinct-rows prediction); None when not measured (every row counted).
+        target_range, draft_range: the fastest and slowest timed forward per shape; None
+            when not kept (:func:`prediction_range` then uses the medians).
+        alpha_range: a 95% interval of ``alpha`` (:func:`alpha_interval`); None: not known.
     """
 
     target: Mapping[Shape, float]
@@ -125,6 +129,9 @@ class ForwardCosts:
     log_weight_quantiles: Sequence[float] | None = None
     draft_top_probs: Sequence[Sequence[float]] | None = None
     target_top_probs: Sequence[Sequence[float]] | None = None
+    target_range: Mapping[Shape, tuple[float, float]] | None = None
+    draft_range: Mapping[Shape, tuple[float, float]] | None = None
+    alpha_range: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,8 @@ class Prediction:
         distinct: smc only: the predicted fraction of rows its forwards compute
             (:func:`predicted_distinct`; 1.0 with sharing off or nothing to predict from).
         all_rows_seconds: smc only: the round's seconds if every row were computed.
+        tokens_per_second_range: the prediction at its slowest and fastest
+            (:func:`prediction_range`); None when not computed or not known.
     """
 
     setting: Setting
@@ -148,6 +157,7 @@ class Prediction:
     ess: float | None = None
     distinct: float = 1.0
     all_rows_seconds: float | None = None
+    tokens_per_second_range: tuple[float, float] | None = None
 
     @property
     def all_rows_tokens_per_second(self) -> float:
@@ -202,6 +212,34 @@ def alpha_from_counts(accepted: int, drafted: int, rounds: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sd_accepted_per_round(mid, k) < mean else (lo, mid)
     return (lo + hi) / 2
+
+
+def alpha_interval(
+    alpha: float, accepted: int, drafted: int, rounds: int, z: float = 1.96
+) -> tuple[float, float]:
+    """An approximate 95% interval of the per-token acceptance ``alpha`` measured from an sd
+    run's counts (:func:`alpha_from_counts`).
+
+    Each tried draft is a Bernoulli(alpha) trial: the accepted ones, plus one rejection in
+    each round that did not accept all its drafts (expected ``rounds (1 - alpha^k)``, ``k``
+    the mean drafts a round). The Wilson score interval (Wilson 1927) of ``accepted`` in
+    that many trials; rounds are treated as independent, which the pooled prompts' tokens
+    are not quite, so the interval is a lower bound on the uncertainty.
+
+    Raises:
+        ConfigError: counts that cannot come from a run (as :func:`alpha_from_counts`).
+    """
+    if rounds < 1 or not 0 <= accepted <= drafted:
+        raise ConfigError(f"bad sd counts: accepted {accepted}, drafted {drafted}, rounds {rounds}")
+    trials = accepted + rounds * (1.0 - alpha ** (drafted / rounds))
+    if trials <= 0:
+        return (0.0, 1.0)
+    p = min(1.0, accepted / trials)
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = (
+        z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    )
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def predicted_ess(
@@ -379,11 +417,46 @@ def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> 
     raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
 
 
+def prediction_range(
+    setting: Setting, costs: ForwardCosts, shared_rows: bool = True
+) -> tuple[float, float] | None:
+    """The predicted tokens/s of ``setting`` at its slowest and at its fastest: every
+    forward at the slowest of its timed repetitions and ``alpha`` at the low end of its
+    interval, then every forward at the fastest and ``alpha`` at the high end. It shows how
+    much one measurement's noise moves the prediction; the drift between measurements made
+    at different times can be larger (``docs/benchmarks/tuner-stability/``).
+
+    Returns None when neither timing ranges nor an alpha interval are known.
+    """
+    if costs.target_range is None and costs.alpha_range is None:
+        return None
+
+    def at(end: int) -> float:
+        target, draft = dict(costs.target), dict(costs.draft)
+        for ranges, out in ((costs.target_range, target), (costs.draft_range, draft)):
+            for shape, bounds in (ranges or {}).items():
+                out[shape] = bounds[end]
+        alpha = costs.alpha
+        if costs.alpha_range is not None and alpha is not None:
+            alpha = costs.alpha_range[1 - end]
+        varied = replace(costs, target=target, draft=draft, alpha=alpha)
+        return predict(setting, varied, shared_rows).tokens_per_second
+
+    return (at(1), at(0))
+
+
 def predict_all(
     settings: Iterable[Setting], costs: ForwardCosts, shared_rows: bool = True
 ) -> list[Prediction]:
-    """:func:`predict` of every setting, in order."""
-    return [predict(s, costs, shared_rows) for s in settings]
+    """:func:`predict` of every setting, in order, each with its
+    :func:`prediction_range`."""
+    return [
+        replace(
+            predict(s, costs, shared_rows),
+            tokens_per_second_range=prediction_range(s, costs, shared_rows),
+        )
+        for s in settings
+    ]
 
 
 DEFAULT_SMC = (8, 2)

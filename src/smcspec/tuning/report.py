@@ -29,14 +29,39 @@ def format_table(tuning: Tuning) -> str:
         f"{key['threads']} threads, backend {key['backend']} ({key['dtype']}); target "
         f"{_model_name(key['target'])}, draft {_model_name(key['draft'])}. "
         f"{_acceptance_note(tuning)}. Costs {measured}: {tuning.cache_path}. Forwards only "
-        "(sampling, Python and prefill time are not counted, so measured tokens/s are lower).",
+        "(sampling, Python and prefill time are not counted, so measured tokens/s are lower). "
+        f"{_range_note(tuning)}",
         "",
-        "| method | N | K | tokens/round | round ms | predicted tokens/s | vs ar "
+        "| method | N | K | tokens/round | round ms | predicted tokens/s | range | vs ar "
         "| distinct rows | tokens/s, every row | predicted ESS after a round | chosen |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines += [_setting_row(p, tuning, ar.tokens_per_second) for p in tuning.predictions]
     return "\n".join(lines) + "\n"
+
+
+def _range_note(tuning: Tuning) -> str:
+    """What the range column is, and what it does not cover."""
+    c = tuning.costs
+    parts = []
+    if c.target_range is not None:
+        parts.append("every forward at the slowest / fastest of its timed repetitions")
+    if c.alpha_range is not None:
+        low, high = c.alpha_range
+        parts.append(f"alpha at the ends of its 95% interval [{low:.3f}, {high:.3f}]")
+    if not parts:
+        return "Range: not known (costs cached before ranges were kept; tune again to measure)."
+    missing = (
+        ""
+        if c.target_range is not None
+        else (" (the cached costs predate timing ranges: measure again for them)")
+    )
+    return (
+        f"Range: the prediction with {' and '.join(parts)}{missing}; it shows one "
+        "measurement's noise, not the drift between measurements made at different times "
+        "(up to 31% between three fresh tunings on one idle machine, "
+        "docs/benchmarks/tuner-stability/)."
+    )
 
 
 def _acceptance_note(tuning: Tuning) -> str:
@@ -76,10 +101,12 @@ def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> 
     distinct = f"{p.distinct:.2f}" if s.method == "smc" else "-"
     every = f"{p.all_rows_tokens_per_second:.2f}" if s.method == "smc" else "-"
     n = str(s.particles) if s.method == "smc" else "-"
+    r = p.tokens_per_second_range
+    span = "-" if r is None else f"{r[0]:.2f}-{r[1]:.2f}"
     k = str(s.draft_tokens) if s.method != "ar" else "-"
     return (
         f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
-        f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | "
+        f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | {span} | "
         f"{p.tokens_per_second / ar_tokens_per_second:.2f}x | {distinct} | {every} | "
         f"{ess} | {', '.join(marks)} |"
     )

@@ -180,11 +180,11 @@ def _measure_missing(
         )
     t0 = time.perf_counter()
     if missing_target:
-        record.target.update(
-            measure_forwards(engine.target, missing_target, grid.reps, grid.context)
-        )
+        timed = measure_forwards(engine.target, missing_target, grid.reps, grid.context)
+        record.add_timings("target", timed)
     if missing_draft:
-        record.draft.update(measure_forwards(engine.draft, missing_draft, grid.reps, grid.context))
+        timed = measure_forwards(engine.draft, missing_draft, grid.reps, grid.context)
+        record.add_timings("draft", timed)
     if missing_acceptance:
         acc = measure_acceptance(engine, cfg, grid.acceptance_draft_tokens, grid.acceptance_tokens)
         record.acceptance[acc_key] = asdict(acc)
