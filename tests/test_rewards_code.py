@@ -96,3 +96,20 @@ def test_reward_and_bad_settings() -> None:
         CodeExamples([], "")
     with pytest.raises(ConfigError, match="beta"):
         ce.reward(beta=float("nan"))
+
+
+def test_a_chat_prompt_with_fences_and_a_docstring_before_the_closing_fence() -> None:
+    """A real prompt shape that once crashed: ``` in the instruction line, and a closing fence
+    right after the docstring (doctest alone refuses its indentation)."""
+    prompt = (
+        "Reply with the whole function in one ```python code block.\n\n```python\n"
+        "def running_max(xs):\n"
+        '    """Running maximum.\n    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n```\n'
+    )
+    ce = CodeExamples.from_prompt(prompt)
+    assert ce.examples == [Example("running_max([1, 3, 2])", "[1, 3, 3]")]
+    assert ce.prompt_code.startswith("def running_max(xs):")
+    right = fenced(
+        "def running_max(xs):\n    import itertools\n    return list(itertools.accumulate(xs, max))\n"
+    )
+    assert ce.score([right]) == [1.0]

@@ -127,6 +127,8 @@ def test_vote_over_particles_with_an_answer_regex(server):
         {"answer_regex": "[0-9]"},
         {"aggregate": "vote", "method": "ar"},
         {"aggregate": "majority"},
+        {"reward": "examples"},  # no code rewards on the server: it runs no client code
+        {"tests": "assert f() == 1"},
     ],
 )
 def test_invalid_votes_get_400(server, smc):

@@ -97,14 +97,38 @@ def _inline_examples(prompt: str, entry_point: str) -> list[Example]:
 
 
 def _doctest_examples(text: str) -> list[Example]:
+    """The doctest examples of ``text`` as written (escapes such as ``\\n`` kept); where
+    doctest cannot parse the whole text (inconsistent indentation, e.g. a closing code fence
+    after a docstring), those of each docstring when ``text`` parses as Python; else none."""
+    try:
+        found = doctest.DocTestParser().get_examples(text)
+    except ValueError:  # doctest's "inconsistent leading whitespace"
+        found = []
+        for chunk in _docstrings(text):
+            try:
+                found += doctest.DocTestParser().get_examples(chunk)
+            except ValueError:
+                continue
     out = []
-    for ex in doctest.DocTestParser().get_examples(text):
+    for ex in found:
         want = "\n".join(
             ln for ln in ex.want.splitlines() if ln.strip() not in ('"""', "'''", "")
         ).strip()
         if _is_expression(ex.source) and want and _is_expression(want):
             out.append(Example(ex.source.strip(), want))
     return out
+
+
+def _docstrings(code: str) -> list[str]:
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return []
+    nodes = [n for n in ast.walk(tree) if isinstance(n, _DOCUMENTED)]
+    return [d for d in (ast.get_docstring(n) for n in nodes) if d]
+
+
+_DOCUMENTED = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _entry_point(code: str) -> str | None:
@@ -115,7 +139,7 @@ def _entry_point(code: str) -> str | None:
 def code_of_prompt(prompt: str) -> str:
     """The code a prompt gives the answer to build on: its first fenced block, else the
     prompt itself if it has a top-level ``def``, else nothing."""
-    blocks = re.findall(r"```[^\n]*\n(.*?)```", prompt, flags=re.DOTALL)
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", prompt, flags=re.DOTALL | re.MULTILINE)
     if blocks:
         return blocks[0]
     return prompt if _entry_point(prompt) else ""
