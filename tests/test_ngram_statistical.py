@@ -80,6 +80,13 @@ def test_the_index_proposes_the_longest_recent_match():
     empty.extend([1, 2, 3])
     assert empty.propose(4) == []  # nothing recurs
     assert NgramIndex().propose(2) == []
+    bigrams = NgramIndex(n_min=2)
+    bigrams.extend([4, 9, 4])
+    assert bigrams.propose(2) == []  # only the 1-gram "4" recurs
+    bigrams.extend([9])
+    assert bigrams.propose(2) == [4, 9]  # "4 9" recurs: what followed it
+    with pytest.raises(ValueError):
+        NgramIndex(n_max=2, n_min=3)
 
 
 @pytest.mark.parametrize(

@@ -109,7 +109,6 @@ def test_a_chat_prompt_with_fences_and_a_docstring_before_the_closing_fence() ->
     ce = CodeExamples.from_prompt(prompt)
     assert ce.examples == [Example("running_max([1, 3, 2])", "[1, 3, 3]")]
     assert ce.prompt_code.startswith("def running_max(xs):")
-    right = fenced(
-        "def running_max(xs):\n    import itertools\n    return list(itertools.accumulate(xs, max))\n"
-    )
+    body = "    import itertools\n    return list(itertools.accumulate(xs, max))\n"
+    right = fenced("def running_max(xs):\n" + body)
     assert ce.score([right]) == [1.0]

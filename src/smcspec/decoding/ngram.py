@@ -39,6 +39,7 @@ from smcspec.decoding.program import Prefill, Program, run_program
 from smcspec.decoding.sd import acceptance_stats, first_token, verify_block
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
+NGRAM_MIN = 1  # the shortest n-gram matched
 
 
 class NgramIndex:
@@ -50,10 +51,10 @@ class NgramIndex:
     continuation is unknown) never matches itself. O(n_max) dict operations per token.
     """
 
-    def __init__(self, n_max: int = NGRAM_MAX) -> None:
-        if n_max < 1:
-            raise ValueError(f"n_max must be >= 1, got {n_max}")
-        self.n_max = n_max
+    def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_max, self.n_min = n_max, n_min
         self.tokens: list[int] = []
         self._next: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
 
@@ -68,7 +69,7 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` drafted tokens (``[]``: no n-gram that ends the history recurs)."""
         size = len(self.tokens)
-        for n in range(min(self.n_max, size), 0, -1):
+        for n in range(min(self.n_max, size), self.n_min - 1, -1):
             j = self._next[n].get(tuple(self.tokens[size - n :]))
             if j is not None:
                 return self.tokens[j : j + k]
