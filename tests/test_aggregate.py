@@ -57,6 +57,20 @@ def test_regex_answers() -> None:
         Vote.regex("(")
 
 
+def test_a_slow_answer_regex_gives_no_answer_instead_of_stalling() -> None:
+    """A pattern whose match runs past its time limit gives no answer (the server runs
+    clients' patterns on its decoding worker)."""
+    import time
+
+    pattern = r"(?:x+x+)+y|(\d)"  # backtracks catastrophically on runs of x
+    vote = Vote.regex(pattern)  # the default limit, 0.25 s a text
+    assert vote.answer_fn("x" * 12 + "7") == "7"
+    t0 = time.perf_counter()
+    assert vote.answer_fn("x" * 200_000 + "7") is None  # measured: over 30 s uncut
+    assert time.perf_counter() - t0 < 5
+    assert Vote.regex(r"(\d+)x").answer_fn("12x 34x") == "34"
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     dirs = make_tiny_chat_pair(tmp_path_factory.mktemp("vote"))

@@ -21,6 +21,8 @@ from smcspec.errors import ConfigError
 __all__ = ["NUMBER_PATTERN", "Vote", "VoteResult", "weighted_vote"]
 
 AGGREGATES = ("none", "vote")
+MATCH_TIMEOUT_S = 0.25
+"""The longest one answer regex may run on one particle's text (seconds)."""
 NUMBER_PATTERN = r"-?\d[\d,]*(?:\.\d+)?"
 """The default answer of ``Vote.regex()``: the last number in the text (commas dropped)."""
 
@@ -91,20 +93,30 @@ class Vote:
     description: str = "custom"
 
     @classmethod
-    def regex(cls, pattern: str = NUMBER_PATTERN) -> Vote:
+    def regex(cls, pattern: str = NUMBER_PATTERN, timeout_s: float = MATCH_TIMEOUT_S) -> Vote:
         """The answer is the last match of ``pattern`` (its first group if it has one),
         stripped, with thousands separators dropped when it is a number.
 
+        The pattern may come from a remote client (the server's ``smc.answer_regex``), so it
+        runs in the ``regex`` package, which guards against catastrophic backtracking, under
+        a time limit per text: a text whose match runs past ``timeout_s`` has no answer,
+        instead of stalling the worker that decodes every request.
+
         Raises:
-            ConfigError: ``pattern`` is not a valid Python regular expression.
+            ConfigError: ``pattern`` is not a valid regular expression (Python's syntax).
         """
+        import regex
+
         try:
-            compiled = re.compile(pattern)
-        except (re.error, TypeError) as e:
+            compiled = regex.compile(pattern)
+        except (regex.error, TypeError) as e:
             raise ConfigError(f"invalid answer_regex: {e}") from e
 
         def last_match(text: str) -> str | None:
-            found = list(compiled.finditer(text))
+            try:
+                found = list(compiled.finditer(text, timeout=timeout_s))
+            except TimeoutError:
+                return None
             if not found:
                 return None
             m = found[-1]
