@@ -143,14 +143,30 @@ def bwrap_works() -> bool:
 
 def _bwrap_argv(exe: str, workdir: str) -> list[str]:
     """bubblewrap's arguments: read-only root, private /tmp, /dev and /proc, ``workdir``
-    writable, new network/PID/IPC/UTS namespaces (and a user namespace unless root)."""
+    writable, new network/PID/IPC/UTS namespaces (and a user namespace unless root). The
+    interpreter's own folders stay visible, read-only, where they lie under /tmp (a virtual
+    environment in a checkout there), since the private /tmp would hide them."""
     argv = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for path in _interpreter_paths_under("/tmp"):
+        argv += ["--ro-bind", path, path]
     if workdir != "/":
         argv += ["--bind", workdir, workdir, "--chdir", workdir]
     argv += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     if os.geteuid() != 0:
         argv.append("--unshare-user")
     return [*argv, "--die-with-parent", "--new-session"]
+
+
+def _interpreter_paths_under(root: str) -> list[str]:
+    """The folders the interpreter runs from (its prefixes and its executable's folder,
+    links resolved) that lie under ``root``, outermost only."""
+    found = set()
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)):
+        real = os.path.realpath(p)
+        for q in {p, real}:
+            if os.path.commonpath([q, root]) == root and q != root and os.path.isdir(q):
+                found.add(q)
+    return sorted(q for q in found if not any(q != o and q.startswith(o + os.sep) for o in found))
 
 
 def _resolve(sandbox: str) -> str:
