@@ -387,49 +387,69 @@ def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> 
 
     Raises:
         KeyError: a forward shape the setting needs is not in ``costs``.
-        ConfigError: an sd setting without a measured ``alpha``.
+        ConfigError: an sd setting without a measured ``alpha``, or an unknown method.
     """
+    if setting.method != "smc":
+        tokens, seconds = _round(setting, costs)
+        return Prediction(setting, tokens, seconds)
+    n, k = setting.particles, setting.draft_tokens
+    q = costs.log_weight_quantiles
+    ess = None if q is None else predicted_ess(n, k, q)
+    profiles = costs.draft_top_probs, costs.target_top_probs
+    f = 1.0
+    if shared_rows and n > 1 and None not in profiles:
+        f = predicted_distinct(n, k, *profiles, q)
+    tokens, seconds = _round(setting, costs, f)
+    return Prediction(setting, tokens, seconds, ess, f, _round(setting, costs)[1])
+
+
+def _round(setting: Setting, costs: ForwardCosts, distinct: float = 1.0) -> tuple[float, float]:
+    """Expected tokens and seconds of one round of ``setting`` at ``costs``; an smc round
+    computes the fraction ``distinct`` of its rows (at most what every row costs). The
+    simulations (ESS, distinct rows) are the caller's: they do not depend on the costs."""
     t, d = costs.target, costs.draft
     n, k = setting.particles, setting.draft_tokens
     if setting.method == "ar":
-        return Prediction(setting, 1.0, t[(1, 1)])
+        return 1.0, t[(1, 1)]
     if setting.method == "sd":
         if costs.alpha is None:
             raise ConfigError("an sd prediction needs the measured acceptance alpha")
         all_accepted = costs.alpha**k  # the next round's first draft forward has 2 tokens
         first = all_accepted * d[(1, 2)] + (1 - all_accepted) * d[(1, 1)]
         seconds = (k - 1) * d[(1, 1)] + first + t[(1, k + 1)]
-        return Prediction(setting, sd_tokens_per_round(costs.alpha, k), seconds)
+        return sd_tokens_per_round(costs.alpha, k), seconds
     if setting.method == "smc":
         every = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
-        q = costs.log_weight_quantiles
-        ess = None if q is None else predicted_ess(n, k, q)
-        profiles = costs.draft_top_probs, costs.target_top_probs
-        if not shared_rows or n == 1 or None in profiles:
-            return Prediction(setting, float(k + 1), every, ess, 1.0, every)
-        f = predicted_distinct(n, k, *profiles, q)
+        if distinct == 1.0:
+            return float(k + 1), every
         seconds = (
-            (k - 1) * seconds_for_rows(d, f * n)
-            + seconds_for_rows(d, 2 * f * n)
-            + seconds_for_rows(t, f * n * (k + 1))
+            (k - 1) * seconds_for_rows(d, distinct * n)
+            + seconds_for_rows(d, 2 * distinct * n)
+            + seconds_for_rows(t, distinct * n * (k + 1))
         )
-        return Prediction(setting, float(k + 1), min(seconds, every), ess, f, every)
+        return float(k + 1), min(seconds, every)
     raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
 
 
 def prediction_range(
-    setting: Setting, costs: ForwardCosts, shared_rows: bool = True
+    setting: Setting,
+    costs: ForwardCosts,
+    shared_rows: bool = True,
+    base: Prediction | None = None,
 ) -> tuple[float, float] | None:
     """The predicted tokens/s of ``setting`` at its slowest and at its fastest: every
     forward at the slowest of its timed repetitions and ``alpha`` at the low end of its
     interval, then every forward at the fastest and ``alpha`` at the high end. It shows how
     much one measurement's noise moves the prediction; the drift between measurements made
-    at different times can be larger (``docs/benchmarks/tuner-stability/``).
+    at different times can be larger (``docs/benchmarks/tuner-stability/``). ``base``:
+    ``predict(setting, costs, shared_rows)`` if already made (its distinct-row fraction is
+    reused: the simulation does not depend on the timings or alpha).
 
     Returns None when neither timing ranges nor an alpha interval are known.
     """
     if costs.target_range is None and costs.alpha_range is None:
         return None
+    distinct = (base or predict(setting, costs, shared_rows)).distinct
 
     def at(end: int) -> float:
         target, draft = dict(costs.target), dict(costs.draft)
@@ -440,7 +460,8 @@ def prediction_range(
         if costs.alpha_range is not None and alpha is not None:
             alpha = costs.alpha_range[1 - end]
         varied = replace(costs, target=target, draft=draft, alpha=alpha)
-        return predict(setting, varied, shared_rows).tokens_per_second
+        tokens, seconds = _round(setting, varied, distinct)
+        return tokens / seconds
 
     return (at(1), at(0))
 
@@ -450,13 +471,12 @@ def predict_all(
 ) -> list[Prediction]:
     """:func:`predict` of every setting, in order, each with its
     :func:`prediction_range`."""
-    return [
-        replace(
-            predict(s, costs, shared_rows),
-            tokens_per_second_range=prediction_range(s, costs, shared_rows),
-        )
-        for s in settings
-    ]
+    out = []
+    for s in settings:
+        p = predict(s, costs, shared_rows)
+        span = prediction_range(s, costs, shared_rows, base=p)
+        out.append(replace(p, tokens_per_second_range=span))
+    return out
 
 
 DEFAULT_SMC = (8, 2)
