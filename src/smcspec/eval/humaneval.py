@@ -126,7 +126,8 @@ _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.
 _PY_LANGS = {"python", "py", "python3"}
 
 
-def _entry_point_of(prompt: str) -> str | None:
+def entry_point_of(prompt: str) -> str | None:
+    """The last top-level ``def``'s name in ``prompt`` (HumanEval's entry point), or None."""
     names = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", prompt, flags=re.MULTILINE)
     return names[-1] if names else None
 
@@ -151,7 +152,7 @@ def extract_code(text: str, prompt: str, entry_point: str | None = None) -> Code
     if blocks:
         python_blocks = [body for lang, body in blocks if lang.lower() in _PY_LANGS]
         code = python_blocks[0] if python_blocks else blocks[0][1]
-    name = entry_point or _entry_point_of(prompt)
+    name = entry_point or entry_point_of(prompt)
     full = bool(name) and re.search(rf"^def\s+{re.escape(name)}\s*\(", code, re.MULTILINE)
     return CodeCompletion(code=code, full_program=bool(full))
 

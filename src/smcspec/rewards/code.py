@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from smcspec.errors import ConfigError
-from smcspec.eval.humaneval import extract_code
+from smcspec.eval.humaneval import CodeCompletion, entry_point_of, extract_code
 from smcspec.potentials import Reward
 from smcspec.sandbox import Limits, run_python
 
@@ -131,18 +131,13 @@ def _docstrings(code: str) -> list[str]:
 _DOCUMENTED = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
-def _entry_point(code: str) -> str | None:
-    names = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", code, flags=re.MULTILINE)
-    return names[-1] if names else None
-
-
 def code_of_prompt(prompt: str) -> str:
     """The code a prompt gives the answer to build on: its first fenced block, else the
     prompt itself if it has a top-level ``def``, else nothing."""
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", prompt, flags=re.DOTALL | re.MULTILINE)
     if blocks:
         return blocks[0]
-    return prompt if _entry_point(prompt) else ""
+    return prompt if entry_point_of(prompt) else ""
 
 
 def examples_from_prompt(prompt: str, entry_point: str | None = None) -> list[Example]:
@@ -151,7 +146,7 @@ def examples_from_prompt(prompt: str, entry_point: str | None = None) -> list[Ex
     ``f(1) == 2``, ``f(1) ==> 2``, ``f(1) ➞ 2``, ``f(1) returns 2``. Lines whose call or
     value is not a Python expression are skipped. May be empty."""
     found = _doctest_examples(prompt)
-    name = entry_point or _entry_point(prompt)
+    name = entry_point or entry_point_of(prompt)
     if not found and name:
         found = _inline_examples(prompt, name)
     return found
@@ -248,7 +243,7 @@ class CodeExamples:
             raise ConfigError("the execution reward needs at least one example")
         if not 0 <= self.viable <= 1:
             raise ConfigError(f"viable must be in [0, 1], got {self.viable}")
-        self.entry_point = self.entry_point or _entry_point(self.prompt_code)
+        self.entry_point = self.entry_point or entry_point_of(self.prompt_code)
 
     @classmethod
     def from_prompt(cls, prompt: str, **kwargs) -> CodeExamples:
@@ -264,10 +259,13 @@ class CodeExamples:
             )
         return cls(examples, prompt_code=code, **kwargs)
 
-    def program(self, text: str, nonce: str) -> tuple[str, bool]:
+    def program(
+        self, text: str, nonce: str, code: CodeCompletion | None = None
+    ) -> tuple[str, bool]:
         """The program that runs ``text``'s code against the examples, and whether ``text``
-        has code (a fenced block, or text that compiles)."""
-        code = extract_code(text, self.prompt_code, self.entry_point)
+        has code (a fenced block, or text that compiles). ``code``: ``text``'s extracted
+        code, if the caller has it already."""
+        code = code or extract_code(text, self.prompt_code, self.entry_point)
         has_code = "```" in text or _compiles(code.code)
         sep = "\n" if code.full_program else ""
         pairs = [(e.call, e.want) for e in self.examples]
@@ -276,10 +274,11 @@ class CodeExamples:
 
     def outcome(self, text: str) -> Outcome:
         """Run ``text``'s code on the examples (once per distinct code text)."""
-        key = extract_code(text, self.prompt_code, self.entry_point).code
+        code = extract_code(text, self.prompt_code, self.entry_point)
+        key = code.code
         if key not in self._outcomes:
             nonce = f"SMCSPEC-EXAMPLE-{secrets.token_hex(8)}"
-            program, has_code = self.program(text, nonce)
+            program, has_code = self.program(text, nonce, code)
             results = ["not run"] * len(self.examples)
             passed = 0
             if has_code:
