@@ -17,7 +17,9 @@ output is drawn from the banked particles by mass. The paper's rule (``"keep"``)
 among the running ones with its weight frozen, which at small N lets early endings win
 against running weights whose logarithm drifts down round after round
 (``docs/benchmarks/finished-particles/``). Banking needs normalised prefix targets, so it
-runs at alpha = 1 without constraint or reward; elsewhere ``"keep"`` runs.
+runs at alpha = 1 without constraint or reward; elsewhere ``"keep"`` runs, and a kept
+particle that ended follows a running one's tokens and KV rows (``_host_ended``), so that
+with distinct rows it costs no row in the forwards that remain.
 
 With top-k / top-p / min-p set (``docs/sampling.md``) the target is truncated and
 renormalised (``p~``) at every step and the sampler targets ``prod_t p~(x_t | x_<t)^alpha``:
@@ -169,6 +171,9 @@ class _Particles:
     # banking: ended particles (tokens, log probability mass) and the running particles' mass
     banked: list[tuple[list[int], float]] = field(default_factory=list)
     log_running: float = 0.0
+    # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
+    # (itself while running; see _host_ended), or None before any particle ended
+    host: torch.Tensor | None = None
 
 
 @dataclass
@@ -317,6 +322,7 @@ def _smc_rounds(
             _bank_finished(st, ps, newly_finished, tcache, dcache)
         else:
             _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
+            _host_ended(ps, tcache, dcache)
         emitted = _emit(ps, emitted, on_tokens)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
     out = _output(st, ps, keep, emitted, on_tokens, clock)
@@ -396,6 +402,8 @@ def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCa
             open_ = open_ & ~empty
             lq = hooks.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
         d = sample_categorical(lq.exp(), st.generator)
+        if ps.host is not None:  # ended rows draft what their host drafts (_host_ended)
+            d = d[ps.host]
         drafted[:, j] = d
         draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
         if st.constraint is not None:
@@ -428,6 +436,8 @@ def _score_block(
     else:
         probs, b.bonus_norm = _power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc)
     b.bonus = sample_categorical(probs, st.generator)
+    if ps.host is not None:
+        b.bonus = b.bonus[ps.host]
     if st.constraint is not None:
         alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, st.stop_t)
         bad = hooks.consume(ps.states, alive, b.bonus)
@@ -503,6 +513,46 @@ def _bank_finished(
         return
     logw = torch.where(running, ps.logw, torch.full_like(ps.logw, -math.inf))
     _take_ancestors(ps, RESAMPLERS[st.resampler](logw, st.generator), tcache, dcache)
+
+
+def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
+    """Under the keep rule, make the particles that ended cost no rows.
+
+    An ended particle takes no more tokens and its weight is frozen; at a resampling its
+    copies are ended too, so its KV rows are never read again, yet every forward is fed all
+    N rows. Each ended row is therefore pointed at a running particle (its *host*): both of
+    its KV rows become copies of the host's (:meth:`KVCache.reorder`, only where they are not
+    already on the host's history), it is fed the host's pending tokens, and every later
+    round it drafts the host's tokens and takes its bonus (``ps.host``, applied after the
+    draws, so the running particles' draws and the random stream are unchanged). With
+    distinct rows (:mod:`smcspec.backends.shared_rows`) the forwards then compute each host
+    once for all the rows that follow it. The ended particles' tokens, lengths and weights
+    are untouched: the output is the same sequence of draws as without hosts.
+    """
+    if not (tcache.histories.shared and dcache.histories.shared):
+        return  # every row is computed anyway: nothing to save
+    ended = ps.finished.tolist()
+    running = [i for i, e in enumerate(ended) if not e]
+    if not running or len(running) == len(ended):
+        ps.host = None
+        return
+    t_node, d_node = tcache.histories.node, dcache.histories.node
+    on_node = {(t_node[i], d_node[i]): i for i in reversed(running)}
+    host = list(range(len(ended)))
+    moved = False
+    for i, e in enumerate(ended):
+        if e:
+            h = on_node.get((t_node[i], d_node[i]))
+            if h is None:  # not on a running particle's history: move it onto the first's
+                h, moved = running[0], True
+            host[i] = h
+    if moved:
+        anc = torch.tensor(host, dtype=torch.long)
+        tcache.reorder(anc)
+        dcache.reorder(anc)
+    ps.host = torch.tensor(host, dtype=torch.long, device=ps.finished.device)
+    ps.pending_t = ps.pending_t[ps.host]
+    ps.pending_d = ps.pending_d[ps.host]
 
 
 def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
