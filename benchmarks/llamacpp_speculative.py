@@ -3,7 +3,8 @@
 Systems, alternated prompt by prompt in one run (the order rotates):
 
 * smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 (llamacpp
-  backend, in this process);
+  backend, in this process), each also as ``-chain``: with llama.cpp's default sampler
+  filters (top-k 40, top-p 0.95, min-p 0.05), which the llama.cpp tools apply;
 * ``llama-speculative`` (draft model, ``--spec-draft-n-max 4``) and ``llama-lookup``
   (n-gram lookup decoding, ``--spec-draft-n-max 4``), built from the llama.cpp that
   llama-cpp-python vendors by ``benchmarks/build_llamacpp_tools.sh``, one process per
@@ -46,6 +47,11 @@ OURS = {
     "sd-k4": GenerationConfig(method="sd", draft_tokens=4),
     "sd-ngram-k4": GenerationConfig(method="sd", draft="ngram", draft_tokens=4),
 }
+# llama.cpp's tools sample through their default chain (common/common.h: top-k 40, top-p 0.95,
+# min-p 0.05, then the temperature); ``-chain`` runs ours with the same filters (applied after
+# the temperature here, so top-p and min-p cut a little differently)
+CHAIN = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
+OURS |= {f"{n}-chain": GenerationConfig(**{**cfg.__dict__, **CHAIN}) for n, cfg in OURS.items()}
 THEIRS = ("llama-speculative-k4", "llama-lookup-k4")
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
