@@ -166,3 +166,32 @@ def test_budget_is_paired_with_the_baseline(tmp_path):
     text = report.write_report(report.summarize(recs), tmp_path, "t").read_text()
     assert "| smc | 12 | 4 / 1 / 1 | 0.375 | 6 | 2/1 | 1.000 | 0 of 5 / 1 of 2 | +8.5 |" in text
     assert "capped: only ar / only method / both" in text
+
+
+def test_reward_settings_are_paired_with_best_of_n_at_their_times(tmp_path):
+    """Steered SMC-SD against the run's best-of-n settings, on the items both answered:
+    accuracies, the paired difference with its discordant counts, and the time ratio."""
+    records = []
+    for i in range(6):
+        item = f"q{i}"
+        steered = {**_record("smc-n8-k2-reward-vote", item, False), "correct": i != 0}
+        bon = {**_record("ar-bon-n3", item, False), "correct": i not in (1, 2)}
+        steered["seconds"], bon["seconds"] = 30.0, 40.0
+        records += [steered, bon, _record("ar", item, False)]
+    records.append(_record("ar-bon-n4", "q0", False))  # one shared item: no pair
+    (row,) = report.against_best_of_n(records)
+    assert (row["method"], row["best_of_n"], row["paired_n"]) == (
+        "smc-n8-k2-reward-vote",
+        "ar-bon-n3",
+        6,
+    )
+    assert row["accuracy"] == pytest.approx(5 / 6)
+    assert row["bon_accuracy"] == pytest.approx(4 / 6)
+    assert (row["lost"], row["gained"]) == (1, 2)
+    assert row["diff_vs_baseline"] == pytest.approx(1 / 6)
+    assert row["seconds"] / row["bon_seconds"] == pytest.approx(0.75)
+    rows = report.summarize(records)
+    text = report.write_report(rows, tmp_path, "t", records=records).read_text()
+    assert "| smc-n8-k2-reward-vote | ar-bon-n3 | 6 | 83.3% | 66.7% | +16.7 pts" in text
+    assert "| 0.75 |" in text
+    assert "best-of-n" not in report.write_report(rows, tmp_path, "t").read_text()

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         speeds = load_bench_speeds(args.speed_from)
     note = _report_note(args, base, records, len(items))
     rows = report.summarize(records)
-    summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds)
+    summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds, records=records)
     print(summary.read_text())
     return 0
 

@@ -230,6 +230,64 @@ def _paired_nll(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
     }
 
 
+def against_best_of_n(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SMC-SD steered by a reward (methods with ``-reward`` in their name) paired with every
+    best-of-n setting of the same run (``ar-bon-nN``, reranked by the same reward), on the
+    items both answered: the accuracy of each, the paired difference (steered minus
+    best-of-n; bootstrap 95% interval, exact McNemar p, discordant counts) and the mean wall
+    seconds per answer of each, whose ratio says whether the pair ran at matched time. A
+    voting setting is scored on its vote, as in :func:`summarize`. Empty when the run has
+    no such pair."""
+    by_method: dict[str, dict[str, dict]] = {}
+    for rec in records:
+        by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    steered = [m for m in by_method if "-reward" in m]
+    best_of = [m for m in by_method if m.startswith("ar-bon-n")]
+    rows = []
+    for s in steered:
+        for b in best_of:
+            shared = sorted(set(by_method[s]) & set(by_method[b]))
+            if len(shared) < 2:
+                continue
+            sr = {i: by_method[s][i] for i in shared}
+            br = {i: by_method[b][i] for i in shared}
+            row = {
+                "method": s,
+                "best_of_n": b,
+                "accuracy": float(np.mean([bool(r["correct"]) for r in sr.values()])),
+                "bon_accuracy": float(np.mean([bool(r["correct"]) for r in br.values()])),
+                "seconds": float(np.mean([r["seconds"] for r in sr.values()])),
+                "bon_seconds": float(np.mean([r["seconds"] for r in br.values()])),
+            }
+            rows.append({**row, **_paired_accuracy(br, sr)})
+    return rows
+
+
+def _best_of_n_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "SMC-SD steered by the reward against best-of-n reranked by the same reward, on the "
+        "items both answered (diff: steered minus best-of-n, paired bootstrap 95% interval; "
+        "lost/gained: items only best-of-n / only the steered setting answered right; time "
+        "ratio: mean seconds per answer, steered over best-of-n, 1.0 = matched time):",
+        "",
+        "| steered | best-of-n | n | accuracy | best-of-n accuracy | diff (95% CI) "
+        "| McNemar p | lost/gained | s/answer | best-of-n s/answer | time ratio |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['best_of_n']} | {r['paired_n']} | {100 * r['accuracy']:.1f}% "
+            f"| {100 * r['bon_accuracy']:.1f}% | {100 * r['diff_vs_baseline']:+.1f} pts "
+            f"({100 * r['diff_low']:+.1f}, {100 * r['diff_high']:+.1f}) | {r['mcnemar_p']:.3f} "
+            f"| {r['lost']}/{r['gained']} | {r['seconds']:.1f} | {r['bon_seconds']:.1f} "
+            f"| {r['seconds'] / r['bon_seconds']:.2f} |"
+        )
+    return lines
+
+
 def write_report(
     rows: list[dict[str, Any]],
     out_dir: Path,
@@ -237,6 +295,7 @@ def write_report(
     note: str = "",
     speeds: dict[str, float] | None = None,
     baseline: str = "ar",
+    records: list[dict[str, Any]] | None = None,
 ) -> Path:
     """``summary.md`` (tables), ``pareto.png`` (tokens/s vs accuracy, 95% error bars) and
     ``accuracy-time.png`` (mean wall seconds per answer vs accuracy: what a setting buys for
@@ -246,10 +305,13 @@ def write_report(
     same machine) replaces the run's own per-answer medians on the plot's x axis and adds a
     column; methods missing from it are left off the plot. ``baseline`` names the method
     the rows were paired against (:func:`summarize`'s ``baseline``) in the tables' text.
+    With ``records`` (the run's), reward-steered SMC-SD is also paired with the run's
+    best-of-n settings (:func:`against_best_of_n`).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     tables = [
         *_accuracy_table(rows, speeds, baseline),
+        *_best_of_n_table(against_best_of_n(records) if records else []),
         *_nll_table(rows, baseline),
         *_budget_table(rows, baseline),
     ]
