@@ -2,8 +2,9 @@
 
 Systems, alternated prompt by prompt in one run (the order rotates):
 
-* smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 (llamacpp
-  backend, in this process), each also as ``-chain``: with llama.cpp's default sampler
+* smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 (also gated:
+  ``-p0.5``, ``-p0.8`` set ``--draft-p-min``; llamacpp backend, in this process), each also
+  as ``-chain``: with llama.cpp's default sampler
   filters (top-k 40, top-p 0.95, min-p 0.05), which the llama.cpp tools apply;
 * ``llama-speculative`` (draft model, ``--spec-draft-n-max 4``) and ``llama-lookup``
   (n-gram lookup decoding, ``--spec-draft-n-max 4``), built from the llama.cpp that
@@ -46,6 +47,13 @@ OURS = {
     "ar": GenerationConfig(method="ar"),
     "sd-k4": GenerationConfig(method="sd", draft_tokens=4),
     "sd-ngram-k4": GenerationConfig(method="sd", draft="ngram", draft_tokens=4),
+    # gated n-gram drafts: only while the target backs the proposals (draft_p_min)
+    "sd-ngram-k4-p0.5": GenerationConfig(
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.5
+    ),
+    "sd-ngram-k4-p0.8": GenerationConfig(
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.8
+    ),
 }
 # llama.cpp's tools sample through their default chain (common/common.h: top-k 40, top-p 0.95,
 # min-p 0.05, then the temperature); ``-chain`` runs ours with the same filters (applied after

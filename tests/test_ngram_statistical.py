@@ -4,8 +4,10 @@ The n-gram proposal is a point mass; the exact rule accepts a drafted token with
 ``p(x)`` and resamples from ``p`` without it on a rejection, so the output must follow the
 target exactly, whatever is drafted. Checked on a tiny enumerable target (4 tokens, a prompt
 whose n-grams recur, so that most rounds draft): chi-square over the 256 sequences of 4
-tokens at T = 1, at T = 0.5 with top-k, and a broken rule that accepts every drafted token
-must fail the same test. At T = 0 the output equals greedy ``ar``'s. Fixed seeds throughout.
+tokens at T = 1, at T = 0.5 with top-k, with the adaptive draft length and with the gate of
+``draft_p_min`` (drafting only while the target backs the proposals); a broken rule that
+accepts every drafted token must fail the same test. At T = 0 the output equals greedy
+``ar``'s. Fixed seeds throughout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from enumerable import (
 import smcspec.decoding.sd as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_ngram_sd
-from smcspec.decoding.ngram import NgramIndex, next_draft_length
+from smcspec.decoding.ngram import NgramGate, NgramIndex, next_draft_length
 from smcspec.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
@@ -58,15 +60,17 @@ def pooled_chisquare_p(exact: dict, counts: Counter, runs: int) -> float:
     return float(chisquare(observed, expected).pvalue)
 
 
-def _sample(target, cfg: GenerationConfig, runs: int = RUNS) -> tuple[Counter, int]:
+def _sample(target, cfg: GenerationConfig, runs: int = RUNS) -> tuple[Counter, int, int]:
+    """Output counts, drafted tokens and gated rounds over ``runs`` seeded requests."""
     counts: Counter = Counter()
-    drafted = 0
+    drafted = gated = 0
     for i in range(runs):
         g = torch.Generator().manual_seed(i)
         out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, g)
         counts[tuple(out.tokens)] += 1
         drafted += out.stats["drafted"]
-    return counts, drafted
+        gated += out.stats.get("gated_rounds", 0)
+    return counts, drafted, gated
 
 
 def test_the_index_proposes_the_longest_recent_match():
@@ -92,8 +96,13 @@ def test_the_index_proposes_the_longest_recent_match():
 @pytest.mark.parametrize(
     "kw",
     # adaptive: 5 tokens, so that a round after a rejection drafts 1 where fixed drafts 2
-    [{}, {"temperature": 0.5, "top_k": 3}, {"draft_schedule": "adaptive", "max_new_tokens": 5}],
-    ids=["T=1", "T=0.5,top_k=3", "adaptive"],
+    [
+        {},
+        {"temperature": 0.5, "top_k": 3},
+        {"draft_schedule": "adaptive", "max_new_tokens": 5},
+        {"draft_p_min": 0.3, "max_new_tokens": 5, "draft_tokens": 1},
+    ],
+    ids=["T=1", "T=0.5,top_k=3", "adaptive", "gated"],
 )
 def test_ngram_sd_samples_the_target_exactly(target, kw):
     cfg = _cfg(**kw)
@@ -103,14 +112,18 @@ def test_ngram_sd_samples_the_target_exactly(target, kw):
                                              top_k=cfg.top_k)  # fmt: skip
     else:
         exact = sequence_log_probs(target, PROMPT, length, 1.0)
-    counts, drafted = _sample(target, cfg)
-    assert drafted >= 1.5 * RUNS  # most runs drafted 2 tokens in their one round
+    counts, drafted, gated = _sample(target, cfg)
+    if "draft_p_min" in kw:  # 1 token a round: the gate closes in some runs, not in others
+        assert drafted >= RUNS and gated >= 0.2 * RUNS
+    else:
+        assert drafted >= 1.5 * RUNS  # most runs drafted 2 tokens in their one round
     exact = {seq: lp for seq, lp in exact.items() if lp > -math.inf}  # top-k's kept sets
     assert set(counts) <= set(exact)  # nothing outside them is ever drawn
     # chi-square over the sequences (those expected fewer than 5 times pooled), p > 1e-3;
     # measured p 0.13 (T=1), 0.79 (T=0.5, top-k 3), 0.145 (adaptive, which drafted 10,620
-    # tokens against fixed K's 11,151 on the same seeds); TV at sampling noise (0.033,
-    # 0.015, 0.049 over 1,024 sequences)
+    # tokens against fixed K's 11,151 on the same seeds), 0.28 (gated: 4,239 tokens
+    # drafted, 4,699 proposals kept from drafting); TV at sampling noise (0.033, 0.015,
+    # 0.049 over 1,024 sequences, 0.046)
     assert pooled_chisquare_p(exact, counts, RUNS) > 1e-3
     assert total_variation(exact, counts, RUNS) < 0.06
 
@@ -122,7 +135,7 @@ def test_a_rule_that_accepts_every_drafted_token_fails(target, monkeypatch):
 
     monkeypatch.setattr(sd_module, "speculative_verify", accept_all)
     exact = sequence_log_probs(target, PROMPT, LENGTH, 1.0)
-    counts, _ = _sample(target, _cfg(), runs=1000)
+    counts, _, _ = _sample(target, _cfg(), runs=1000)
     assert pooled_chisquare_p(exact, counts, 1000) < 1e-6
 
 
@@ -136,17 +149,43 @@ def test_the_adaptive_draft_length_follows_acceptance():
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive", "gated"])
 def test_greedy_ngram_sd_equals_greedy_ar(target, seed, schedule):
     prompt = [int(t) for t in torch.randint(0, V, (12,), generator=torch.Generator()
                                             .manual_seed(seed))]  # fmt: skip
-    cfg = _cfg(temperature=0.0, max_new_tokens=24, draft_schedule=schedule)
+    gate = {"draft_p_min": 0.5} if schedule == "gated" else {"draft_schedule": schedule}
+    cfg = _cfg(temperature=0.0, max_new_tokens=24, **gate)
     g = torch.Generator().manual_seed(seed)
     ngram = decode_ngram_sd(target, prompt, cfg, frozenset(), V, g)
     ar_cfg = GenerationConfig(method="ar", temperature=0.0, max_new_tokens=24)
     ar = decode_ar(target, prompt, ar_cfg, frozenset(), V, g)
     assert ngram.tokens == ar.tokens
     assert ngram.stats["drafted"] > 0
+
+
+def test_the_gate_drafts_while_the_target_backs_the_proposals():
+    gate = NgramGate(0.5, steps=2)
+    assert gate.open  # nothing seen yet: draft
+    gate.observe(0.9)
+    gate.observe(0.2)
+    assert gate.open  # mean 0.55
+    gate.observe(0.3)
+    assert not gate.open  # the last two: mean 0.25
+    gate.observe(0.9)
+    assert gate.open  # back to 0.6: drafting resumes
+    assert NgramGate(0.0).open and NgramGate(0.0, steps=1).open
+
+
+def test_a_gate_that_never_opens_after_the_first_round_drafts_once(target):
+    """p_min 1: no proposal has probability 1 here, so only the first round (nothing seen
+    yet) drafts; every later proposal is probed, counted as gated, never verified."""
+    cfg = _cfg(max_new_tokens=12, draft_p_min=1.0)
+    out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, torch.Generator().manual_seed(0))
+    assert 0 < out.stats["drafted"] <= cfg.draft_tokens
+    assert out.stats["gated_rounds"] >= 3
+    open_ = decode_ngram_sd(target, PROMPT, _cfg(max_new_tokens=12), frozenset(), V,
+                            torch.Generator().manual_seed(0))  # fmt: skip
+    assert "gated_rounds" not in open_.stats and open_.stats["drafted"] > out.stats["drafted"]
 
 
 def test_smc_and_constraints_refuse_the_ngram_draft():

@@ -111,7 +111,9 @@ class GenerationConfig:
             over the particles' extracted answers (smc only; the drawn answer is unchanged).
         draft_p_min: sd with the draft model: stop a round's drafting when the draft's most
             likely token has less than this probability (llama.cpp's ``--draft-p-min``;
-            0: off, the default). The output stays exact.
+            0: off, the default). With n-gram drafts: draft only while the target's
+            probability of the n-gram's proposals, over the last 4 rounds that had one, is
+            at least this (:class:`smcspec.decoding.ngram.NgramGate`). The output stays exact.
         draft: where drafted tokens come from: ``"model"`` (the draft model) or
             ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
             :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
@@ -175,7 +177,9 @@ class GenerationConfig:
         server=True,
         metavar="P",
         help="sd: stop a round's drafting when the draft's most likely token has less than "
-        "probability P (llama.cpp's --draft-p-min; default 0: off; the output stays exact)",
+        "probability P (llama.cpp's --draft-p-min); with --draft ngram, draft only while the "
+        "target's probability of the n-gram's proposals (mean of the last 4) is at least P "
+        "(default 0: off; the output stays exact)",
     )
     draft_schedule: str = option(
         "fixed",

@@ -14,12 +14,23 @@ with ``x`` removed. The output is therefore distributed exactly as the target's 
 distribution, whatever is drafted; at temperature 0 a drafted token is accepted iff it is the
 target's most likely one, so the output equals ``ar``'s. ``docs/ngram.md`` states the rule.
 
+With ``cfg.draft_p_min`` > 0 the drafting is gated (:class:`NgramGate`): a round drafts
+only while the target's probability of the n-gram's proposals, averaged over the last
+``CONFIDENCE_STEPS`` rounds that had one, is at least ``draft_p_min``. That probability is
+the exact acceptance probability of a point-mass draft's first token, and it is read from
+the target's distribution each round computes anyway, also in rounds that drafted nothing
+(the proposal is then only compared, never verified), so a gated request goes back to
+drafting when the text starts to copy again. Whether to draft depends on past rounds only,
+so the output stays exact.
+
 SMC-SD cannot use this proposal: its importance weights ``p / q`` need a proposal that gives
 every token the target can produce positive probability, and a point mass does not
 (:meth:`~smcspec.config.GenerationConfig.validate` refuses the combination).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch.nn.functional import one_hot
@@ -40,6 +51,7 @@ from smcspec.decoding.sd import acceptance_stats, first_token, verify_block
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
 NGRAM_MIN = 1  # the shortest n-gram matched
+CONFIDENCE_STEPS = 4  # the n-gram gate averages the target's probability of this many proposals
 
 
 class NgramIndex:
@@ -74,6 +86,28 @@ class NgramIndex:
             if j is not None:
                 return self.tokens[j : j + k]
         return []
+
+
+class NgramGate:
+    """Whether an n-gram round drafts (``cfg.draft_p_min``; see the module notes).
+
+    ``observe(p)`` records the target's probability of a proposal's first token; ``open``
+    is True until the first proposal is seen, then while the mean of the last
+    ``steps`` observed probabilities is at least ``p_min`` (always with ``p_min`` 0).
+    """
+
+    def __init__(self, p_min: float, steps: int = CONFIDENCE_STEPS) -> None:
+        self.p_min = p_min
+        self.recent: deque[float] = deque(maxlen=steps)
+
+    def observe(self, p: float) -> None:
+        self.recent.append(p)
+
+    @property
+    def open(self) -> bool:
+        if self.p_min <= 0 or not self.recent:
+            return True
+        return sum(self.recent) / len(self.recent) >= self.p_min
 
 
 def next_draft_length(k: int, k_max: int, drafted: int, accepted: int) -> int:
@@ -116,7 +150,8 @@ def ngram_sd_program(
     Returns:
         :class:`DecodeOutput`; stats as :func:`~smcspec.decoding.sd.sd_program`'s
         (``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``,
-        ``mean_accepted_length``) plus ``draft: "ngram"``.
+        ``mean_accepted_length``) plus ``draft: "ngram"``, and with ``cfg.draft_p_min`` > 0
+        ``gated_rounds``: rounds whose proposal the gate kept from drafting.
     """
 
     def rounds(tcache: KVCache) -> Program:
@@ -144,17 +179,23 @@ def _ngram_rounds(
         on_tokens([tok])
     index = NgramIndex()
     index.extend([*prompt, tok])
-    rounds = drafted = accepted = 0
+    gate = NgramGate(cfg.draft_p_min)
+    rounds = drafted = accepted = gated = 0
     k_round = cfg.draft_tokens  # the round's draft length (adaptive: follows acceptance)
     finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
     while not finished:
         k = min(k_round, cfg.max_new_tokens - len(out) - 1)
-        d_tokens = index.propose(k) if k > 0 else []
+        proposal = index.propose(k) if k > 0 else []
+        d_tokens = proposal if gate.open else []  # a closed gate: the proposal is only probed
+        gated += len(proposal) > len(d_tokens)
         dev = target.device  # each drafted token's draft distribution: a point mass
         d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
         t_len0 = tcache.length
+        t_probs: list[torch.Tensor] = []
         n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
-                                         vocab, generator)  # fmt: skip
+                                         vocab, generator, t_probs)  # fmt: skip
+        if proposal and gate.p_min > 0:  # p(first proposed token): its acceptance probability
+            gate.observe(float(t_probs[0][0, proposal[0]]))
         rounds += 1
         drafted += len(d_tokens)
         accepted += n
@@ -169,6 +210,8 @@ def _ngram_rounds(
         finished = stopped or len(out) >= cfg.max_new_tokens
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
     stats = {**acceptance_stats(rounds, drafted, accepted), "draft": "ngram"}
+    if gate.p_min > 0:
+        stats["gated_rounds"] = gated  # rounds whose proposal the gate kept from drafting
     return DecodeOutput(tokens=out, stats=stats)
 
 

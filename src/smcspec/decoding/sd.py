@@ -240,10 +240,13 @@ def verify_block(
     masks: list[torch.Tensor],
     vocab: int,
     generator: torch.Generator,
+    probs_out: list[torch.Tensor] | None = None,
 ) -> Generator[Forward, torch.Tensor, tuple[int, int]]:
     """Score ``[pending, *d_tokens]`` (1 + k rows) with the target in one forward and run
     the speculative-sampling test (Leviathan et al. 2023, Alg. 1) on the k drafted tokens
     with their draft distributions ``d_probs`` (k tensors of shape ``(vocab,)``).
+    ``probs_out``, if given, receives the target's distributions at the 1 + k positions
+    (float ``[1 + k, vocab]``, after temperature, truncation and masks).
 
     Returns:
         ``(n, nxt)``: how many drafted tokens were accepted and the target's token after
@@ -257,6 +260,8 @@ def verify_block(
     block = torch.tensor([[pending, *d_tokens]], device=dev)
     t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
     t_probs, dead = _target_probs(t_logits, cfg, masks)
+    if probs_out is not None:
+        probs_out.append(t_probs)
     k = len(d_tokens)
     if k > 0:
         n, nxt = speculative_verify(
