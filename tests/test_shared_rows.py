@@ -276,17 +276,23 @@ def test_smc_is_unchanged_by_sharing_on_torch():
     assert frac < 0.8  # 4 tokens, 8 particles: rows coincide often
 
 
-def test_smc_is_unchanged_by_sharing_on_llamacpp(tmp_path):
+def _llamacpp_pair(tmp_path, vocab: int, kv_cells: int):
+    """A tiny one-layer qwen2 GGUF target (seed 1) and draft (seed 2) on llama.cpp, F32 KV
+    (skips the test without llama-cpp-python)."""
     pytest.importorskip("llama_cpp")
     from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings
 
-    settings = LlamaCppSettings(threads=1, kv_cells=1024, kv_type="f32", max_sequences=64)
-    target, draft = (
+    settings = LlamaCppSettings(threads=1, kv_cells=kv_cells, kv_type="f32", max_sequences=64)
+    return tuple(
         LlamaCppModel(
-            make_tiny_gguf(tmp_path, "qwen2", 4, seed=s, num_hidden_layers=1)[0], settings
+            make_tiny_gguf(tmp_path, "qwen2", vocab, seed=s, num_hidden_layers=1)[0], settings
         )
         for s in (1, 2)
     )
+
+
+def test_smc_is_unchanged_by_sharing_on_llamacpp(tmp_path):
+    target, draft = _llamacpp_pair(tmp_path, vocab=4, kv_cells=1024)
     frac = _same_runs(target, draft, 4, SMC_CFG, range(8))
     assert frac < 0.8
 
@@ -345,16 +351,7 @@ def test_ended_particles_cost_no_rows_under_the_keep_rule_on_torch(monkeypatch):
 def test_ended_particles_cost_no_rows_under_the_keep_rule_on_llamacpp(tmp_path, monkeypatch):
     """The same on llama.cpp (sequence copies instead of gathers): measured 0.16 of the
     target rows computed with hosts, 0.31 without."""
-    pytest.importorskip("llama_cpp")
-    from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings
-
-    settings = LlamaCppSettings(threads=1, kv_cells=2048, kv_type="f32", max_sequences=64)
-    target, draft = (
-        LlamaCppModel(
-            make_tiny_gguf(tmp_path, "qwen2", 16, seed=s, num_hidden_layers=1)[0], settings
-        )
-        for s in (1, 2)
-    )
+    target, draft = _llamacpp_pair(tmp_path, vocab=16, kv_cells=2048)
     # llama.cpp's logits move by ~1e-3 relative with the batch's rows (module notes): the
     # ESS statistics differ by 1e-4 relative (measured), the draws not at all
     hosted, plain = _keep_runs(target, draft, 16, 7, monkeypatch, range(8), rel=1e-3)
