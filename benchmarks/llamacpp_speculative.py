@@ -2,7 +2,7 @@
 
 Systems, alternated prompt by prompt in one run (the order rotates):
 
-* smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 (also gated:
+* smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 ungated (also gated:
   ``-p0.5``, ``-p0.8`` set ``--draft-p-min``; llamacpp backend, in this process), each also
   as ``-chain``: with llama.cpp's default sampler
   filters (top-k 40, top-p 0.95, min-p 0.05), which the llama.cpp tools apply;
@@ -46,7 +46,7 @@ from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
 OURS = {
     "ar": GenerationConfig(method="ar"),
     "sd-k4": GenerationConfig(method="sd", draft_tokens=4),
-    "sd-ngram-k4": GenerationConfig(method="sd", draft="ngram", draft_tokens=4),
+    "sd-ngram-k4": GenerationConfig(method="sd", draft="ngram", draft_tokens=4, draft_p_min=0),
     # gated n-gram drafts: only while the target backs the proposals (draft_p_min)
     "sd-ngram-k4-p0.5": GenerationConfig(
         method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.5

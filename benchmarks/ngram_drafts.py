@@ -7,7 +7,7 @@ names: the answer repeats most of the code it is given. ``complete``: the signat
 docstring only, and a request to implement the function: the answer quotes less of its
 input (names and the docstring's examples), the case where drafts are rejected more often.
 Systems, alternated prompt by prompt in one process (the order rotates): ``ar`` and
-``sd --draft ngram`` at K in ``--ks`` (and at K in ``--adaptive-ks`` with
+``sd --draft ngram --draft-p-min 0`` (ungated) at K in ``--ks`` (and at K in ``--adaptive-ks`` with
 ``draft_schedule="adaptive"``, named ``sd-ngram-kK-adaptive``), same seed and temperature,
 the default pair's target on the llamacpp backend. Reported: median tokens/s per system
 (new tokens / wall time including prefill), the decode rate after the first token (the
@@ -94,10 +94,15 @@ def main() -> int:
         systems[name] = GenerationConfig(method="sd", draft_tokens=int(k),
                                          draft_p_min=float(p_min or 0))  # fmt: skip
     for k in ks:
-        systems[f"sd-ngram-k{k}"] = GenerationConfig(method="sd", draft="ngram", draft_tokens=k)
+        systems[f"sd-ngram-k{k}"] = GenerationConfig(
+            method="sd",
+            draft="ngram",
+            draft_tokens=k,
+            draft_p_min=0,  # ungated
+        )
     for k in (int(k) for k in args.adaptive_ks.split(",") if k):
         systems[f"sd-ngram-k{k}-adaptive"] = GenerationConfig(
-            method="sd", draft="ngram", draft_tokens=k, draft_schedule="adaptive"
+            method="sd", draft="ngram", draft_tokens=k, draft_schedule="adaptive", draft_p_min=0
         )
     names = list(systems)
     engine.generate("Hello", GenerationConfig(method="ar", max_new_tokens=4, seed=0))  # warm-up

@@ -148,6 +148,8 @@ def _other_value(f):
         return opt.choices[-1], [flag, opt.choices[-1]]
     if f.type in ("int", "int | None"):
         return 5, [flag, "5"]
+    if f.default is None:  # "float | None": unset means the setting's own default
+        return 0.35, [flag, "0.35"]
     value = 0.9 if f.default == 1.0 else round(f.default + 0.05, 2)
     return value, [flag, str(value)]
 

@@ -42,8 +42,9 @@ def target():
 
 
 def _cfg(**kw) -> GenerationConfig:
+    # ungated unless a test gates it (the n-gram default gate is NGRAM_DRAFT_P_MIN)
     base = dict(method="sd", draft="ngram", max_new_tokens=LENGTH, draft_tokens=2,
-                temperature=1.0)  # fmt: skip
+                temperature=1.0, draft_p_min=0.0)  # fmt: skip
     return GenerationConfig(**{**base, **kw}).validate()
 
 

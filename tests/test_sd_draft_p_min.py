@@ -90,3 +90,17 @@ def test_draft_p_min_is_a_probability():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="draft_p_min"):
             GenerationConfig(draft_p_min=bad).validate()
+
+
+def test_draft_p_min_defaults_per_draft():
+    """Unset (None), the gate is the draft's own default: off with the draft model, the
+    measured NGRAM_DRAFT_P_MIN with n-gram drafts; a given value, 0 included, wins."""
+    from smcspec.config import NGRAM_DRAFT_P_MIN
+
+    assert GenerationConfig(method="sd").validate().p_min == 0.0
+    ngram = GenerationConfig(method="sd", draft="ngram").validate()
+    assert ngram.draft_p_min is None and ngram.p_min == NGRAM_DRAFT_P_MIN == 0.8
+    assert GenerationConfig(method="sd", draft="ngram", draft_p_min=0).validate().p_min == 0.0
+    assert GenerationConfig(method="sd", draft_p_min=0.3).validate().p_min == 0.3
+    with pytest.raises(ConfigError, match="draft_p_min must be a number"):
+        GenerationConfig(draft_p_min="high").validate()

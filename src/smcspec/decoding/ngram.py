@@ -14,14 +14,15 @@ with ``x`` removed. The output is therefore distributed exactly as the target's 
 distribution, whatever is drafted; at temperature 0 a drafted token is accepted iff it is the
 target's most likely one, so the output equals ``ar``'s. ``docs/ngram.md`` states the rule.
 
-With ``cfg.draft_p_min`` > 0 the drafting is gated (:class:`NgramGate`): a round drafts
+With ``cfg.p_min`` > 0 (by default :data:`~smcspec.config.NGRAM_DRAFT_P_MIN`;
+``draft_p_min=0`` turns it off) the drafting is gated (:class:`NgramGate`): a round drafts
 only while the target's probability of the n-gram's proposals, averaged over the last
-``CONFIDENCE_STEPS`` rounds that had one, is at least ``draft_p_min``. That probability is
-the exact acceptance probability of a point-mass draft's first token, and it is read from
-the target's distribution each round computes anyway, also in rounds that drafted nothing
-(the proposal is then only compared, never verified), so a gated request goes back to
-drafting when the text starts to copy again. Whether to draft depends on past rounds only,
-so the output stays exact.
+``CONFIDENCE_STEPS`` rounds that had one, is at least ``p_min``. That probability is the
+exact acceptance probability of a point-mass draft's first token, and it is read from the
+target's distribution each round computes anyway, also in rounds that drafted nothing (the
+proposal is then only compared, never verified), so a gated request goes back to drafting
+when the text starts to copy again. Whether to draft depends on past rounds only, so the
+output stays exact.
 
 SMC-SD cannot use this proposal: its importance weights ``p / q`` need a proposal that gives
 every token the target can produce positive probability, and a point mass does not
@@ -89,7 +90,7 @@ class NgramIndex:
 
 
 class NgramGate:
-    """Whether an n-gram round drafts (``cfg.draft_p_min``; see the module notes).
+    """Whether an n-gram round drafts (``cfg.p_min``; see the module notes).
 
     ``observe(p)`` records the target's probability of a proposal's first token; ``open``
     is True until the first proposal is seen, then while the mean of the last
@@ -150,7 +151,7 @@ def ngram_sd_program(
     Returns:
         :class:`DecodeOutput`; stats as :func:`~smcspec.decoding.sd.sd_program`'s
         (``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``,
-        ``mean_accepted_length``) plus ``draft: "ngram"``, and with ``cfg.draft_p_min`` > 0
+        ``mean_accepted_length``) plus ``draft: "ngram"``, and with ``cfg.p_min`` > 0
         ``gated_rounds``: rounds whose proposal the gate kept from drafting.
     """
 
@@ -179,7 +180,7 @@ def _ngram_rounds(
         on_tokens([tok])
     index = NgramIndex()
     index.extend([*prompt, tok])
-    gate = NgramGate(cfg.draft_p_min)
+    gate = NgramGate(cfg.p_min)
     rounds = drafted = accepted = gated = 0
     k_round = cfg.draft_tokens  # the round's draft length (adaptive: follows acceptance)
     finished = tok in stop_ids or len(out) >= cfg.max_new_tokens

@@ -289,7 +289,7 @@ def _draft_block(
     """Draft up to ``k`` tokens after feeding ``pending`` (tokens the draft has not seen):
     returns the tokens and their draft distributions (``[V]`` float probabilities each).
     With a constraint, ``state`` consumes each token and ``masks`` gains the mask after it;
-    a stop token or a dead end ends the block early. With ``cfg.draft_p_min`` > 0, a draft
+    a stop token or a dead end ends the block early. With ``cfg.p_min`` > 0, a draft
     distribution whose most likely token has less than that probability ends it too, before
     that token is drawn (llama.cpp's ``--draft-p-min``): the forward that gave it is rolled
     back, so the draft stays one step behind. The rule stays exact: whether to draft on is
@@ -306,7 +306,7 @@ def _draft_block(
         if state is not None:
             q = _masked_draft(q, masks[-1])
         q = (point_mass_log_probs(q) if greedy else q).exp()
-        if cfg.draft_p_min > 0 and float(q.max()) < cfg.draft_p_min:
+        if cfg.p_min > 0 and float(q.max()) < cfg.p_min:
             dcache.truncate(fed)  # unsure: stop drafting, as if this forward never ran
             break
         d = int(sample_categorical(q, generator))
