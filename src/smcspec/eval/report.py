@@ -91,6 +91,14 @@ def machines_note(records: list[dict[str, Any]]) -> str:
     )
 
 
+def _by_method(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{method: {item: record}}`` (a later record of the same method and item wins)."""
+    by_method: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    return by_method
+
+
 def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
     """Accuracy with a 95% Wilson interval per method, the answers cut by the token budget
     (:func:`cap_counts`), the target NLL's quantiles, and, on the items shared with
@@ -101,9 +109,7 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
     signed-rank p) and capping by the budget, paired (:func:`_paired_budget`). A setting
     that answers by vote (records with ``drawn_correct``) also gets a row ``<method>
     (drawn)``: the same runs scored on the single drawn answer."""
-    by_method: dict[str, dict[str, dict]] = {}
-    for rec in records:
-        by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    by_method = _by_method(records)
     for rec in records:
         if "drawn_correct" in rec:
             drawn = {**rec, "method": f"{rec['method']} (drawn)", "correct": rec["drawn_correct"]}
@@ -238,9 +244,7 @@ def against_best_of_n(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seconds per answer of each, whose ratio says whether the pair ran at matched time. A
     voting setting is scored on its vote, as in :func:`summarize`. Empty when the run has
     no such pair."""
-    by_method: dict[str, dict[str, dict]] = {}
-    for rec in records:
-        by_method.setdefault(rec["method"], {})[rec["item"]] = rec
+    by_method = _by_method(records)
     steered = [m for m in by_method if "-reward" in m]
     best_of = [m for m in by_method if m.startswith("ar-bon-n")]
     rows = []
