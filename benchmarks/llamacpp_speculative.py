@@ -3,7 +3,8 @@
 Systems, alternated prompt by prompt in one run (the order rotates):
 
 * smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 ungated (also gated:
-  ``-p0.5``, ``-p0.8`` set ``--draft-p-min``; llamacpp backend, in this process), each also
+  ``-p0.5``, ``-p0.8`` set ``--draft-p-min``, ``-conf`` adds ``--draft-schedule
+  confidence``; llamacpp backend, in this process), each also
   as ``-chain``: with llama.cpp's default sampler
   filters (top-k 40, top-p 0.95, min-p 0.05), which the llama.cpp tools apply;
 * ``llama-speculative`` (draft model, ``--spec-draft-n-max 4``) and ``llama-lookup``
@@ -49,10 +50,17 @@ OURS = {
     "sd-ngram-k4": GenerationConfig(method="sd", draft="ngram", draft_tokens=4, draft_p_min=0),
     # gated n-gram drafts: only while the target backs the proposals (draft_p_min)
     "sd-ngram-k4-p0.5": GenerationConfig(
-        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.5
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.5, draft_schedule="fixed"
     ),
     "sd-ngram-k4-p0.8": GenerationConfig(
-        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.8
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.8, draft_schedule="fixed"
+    ),
+    # the gate also sets the round's length (draft_schedule="confidence")
+    "sd-ngram-k4-p0.8-conf": GenerationConfig(
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.8, draft_schedule="confidence"
+    ),
+    "sd-ngram-k4-p0.7-conf": GenerationConfig(
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.7, draft_schedule="confidence"
     ),
 }
 # llama.cpp's tools sample through their default chain (common/common.h: top-k 40, top-p 0.95,

@@ -42,9 +42,10 @@ def target():
 
 
 def _cfg(**kw) -> GenerationConfig:
-    # ungated unless a test gates it (the n-gram default gate is NGRAM_DRAFT_P_MIN)
+    # ungated, fixed length, unless a test says otherwise (the defaults: NGRAM_DRAFT_P_MIN,
+    # draft_schedule "confidence")
     base = dict(method="sd", draft="ngram", max_new_tokens=LENGTH, draft_tokens=2,
-                temperature=1.0, draft_p_min=0.0)  # fmt: skip
+                temperature=1.0, draft_p_min=0.0, draft_schedule="fixed")  # fmt: skip
     return GenerationConfig(**{**base, **kw}).validate()
 
 
@@ -102,8 +103,9 @@ def test_the_index_proposes_the_longest_recent_match():
         {"temperature": 0.5, "top_k": 3},
         {"draft_schedule": "adaptive", "max_new_tokens": 5},
         {"draft_p_min": 0.3, "max_new_tokens": 5, "draft_tokens": 1},
+        {"draft_p_min": 0.3, "max_new_tokens": 5, "draft_schedule": "confidence"},
     ],
-    ids=["T=1", "T=0.5,top_k=3", "adaptive", "gated"],
+    ids=["T=1", "T=0.5,top_k=3", "adaptive", "gated", "confidence"],
 )
 def test_ngram_sd_samples_the_target_exactly(target, kw):
     cfg = _cfg(**kw)
@@ -124,7 +126,32 @@ def test_ngram_sd_samples_the_target_exactly(target, kw):
     # measured p 0.13 (T=1), 0.79 (T=0.5, top-k 3), 0.145 (adaptive, which drafted 10,620
     # tokens against fixed K's 11,151 on the same seeds), 0.28 (gated: 4,239 tokens
     # drafted, 4,699 proposals kept from drafting); TV at sampling noise (0.033, 0.015,
-    # 0.049 over 1,024 sequences, 0.046)
+    # 0.049 over 1,024 sequences, 0.046); confidence: p 0.35, TV 0.046 (its cut is rare
+    # here: the next test forces it)
+    assert pooled_chisquare_p(exact, counts, RUNS) > 1e-3
+    assert total_variation(exact, counts, RUNS) < 0.06
+
+
+def test_rounds_the_gate_cuts_short_stay_exact(target, monkeypatch):
+    """``draft_schedule="confidence"`` drafts a prefix of the proposal. On this tiny target
+    the real gate's cut is rare in 5-token runs, so the gate's length is replaced by a rule
+    that cuts most rounds, from the past only (the number of first-position observations):
+    the decoder's partial drafts, verified by the exact rule, must still sample the target."""
+    from smcspec.decoding import ngram
+
+    cuts = Counter()
+
+    def cut(gate: NgramGate, k: int) -> int:
+        n = min(k, len(gate.positions[0]) % (k + 1)) if gate.positions else k
+        cuts["partial"] += 0 < n < k
+        return n
+
+    monkeypatch.setattr(ngram.NgramGate, "length", cut)
+    cfg = _cfg(draft_p_min=0.3, max_new_tokens=5, draft_tokens=3, draft_schedule="confidence")
+    exact = sequence_log_probs(target, PROMPT, cfg.max_new_tokens, 1.0)
+    counts, drafted, _ = _sample(target, cfg)
+    assert cuts["partial"] >= 0.1 * RUNS and drafted >= RUNS
+    # measured: p 0.52 (TV 0.049 over 1,024 sequences), 541 rounds cut short, 10,518 drafted
     assert pooled_chisquare_p(exact, counts, RUNS) > 1e-3
     assert total_variation(exact, counts, RUNS) < 0.06
 
@@ -150,11 +177,13 @@ def test_the_adaptive_draft_length_follows_acceptance():
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("schedule", ["fixed", "adaptive", "gated"])
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive", "gated", "confidence"])
 def test_greedy_ngram_sd_equals_greedy_ar(target, seed, schedule):
     prompt = [int(t) for t in torch.randint(0, V, (12,), generator=torch.Generator()
                                             .manual_seed(seed))]  # fmt: skip
     gate = {"draft_p_min": 0.5} if schedule == "gated" else {"draft_schedule": schedule}
+    if schedule == "confidence":
+        gate["draft_p_min"] = 0.5
     cfg = _cfg(temperature=0.0, max_new_tokens=24, **gate)
     g = torch.Generator().manual_seed(seed)
     ngram = decode_ngram_sd(target, prompt, cfg, frozenset(), V, g)
@@ -175,6 +204,22 @@ def test_the_gate_drafts_while_the_target_backs_the_proposals():
     gate.observe(0.9)
     assert gate.open  # back to 0.6: drafting resumes
     assert NgramGate(0.0).open and NgramGate(0.0, steps=1).open
+
+
+def test_the_confidence_gate_drafts_the_prefix_the_target_backs():
+    """``length(k)``: the longest prefix whose product of per-position recent means is at
+    least p_min; a position never seen counts as 1 (drafted, so that it gets measured)."""
+    gate = NgramGate(0.6, steps=2)
+    assert gate.length(4) == 4  # nothing seen: draft all
+    gate.observe([0.9, 0.8, 0.5])  # products 0.9, 0.72, 0.36
+    assert gate.length(4) == 2 and gate.length(1) == 1 and gate.length(0) == 0
+    gate.observe(0.1)  # a probed round: the first position only, mean (0.9 + 0.1) / 2
+    assert gate.length(4) == 0 and not gate.open
+    gate.observe([0.95, 0.9])  # first position: (0.1 + 0.95) / 2 = 0.525 < 0.6
+    assert gate.length(4) == 0
+    gate.observe([1.0, 1.0, 1.0])  # first 0.975, second 0.95, third 0.75: 0.975, 0.93, 0.69
+    assert gate.length(4) == 4  # the fourth position has never been seen
+    assert NgramGate(0.0).length(3) == 3
 
 
 def test_a_gate_that_never_opens_after_the_first_round_drafts_once(target):

@@ -18,7 +18,7 @@ from smcspec.sampling.resampling import RESAMPLERS
 METHODS = ("smc", "sd", "ar")
 DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
-DRAFT_SCHEDULES = ("fixed", "adaptive")  # GenerationConfig.draft_schedule
+DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 MAX_PARTICLES = 256
 MAX_DRAFT_TOKENS = 64
 NGRAM_DRAFT_P_MIN = 0.8
@@ -125,9 +125,14 @@ class GenerationConfig:
             ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
             :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
             proposal does not cover the target, so its weights are undefined.
-        draft_schedule: ``sd`` with n-gram drafts: ``"fixed"`` drafts up to ``draft_tokens``
-            tokens every round; ``"adaptive"`` lets each round's length follow the last
-            round's acceptance (:func:`smcspec.decoding.ngram.next_draft_length`: at most
+        draft_schedule: ``sd`` with n-gram drafts: ``"confidence"`` (the default) drafts the
+            longest prefix of the proposal whose estimated acceptance probability, the
+            product of the recent per-position means of the target's probability of the
+            proposed tokens, is at least :attr:`p_min`
+            (:meth:`smcspec.decoding.ngram.NgramGate.length`; with ``p_min`` 0 the whole
+            proposal); ``"fixed"`` drafts up to ``draft_tokens`` tokens every round the gate
+            is open; ``"adaptive"`` lets each round's length follow the last round's
+            acceptance (:func:`smcspec.decoding.ngram.next_draft_length`: at most
             ``draft_tokens``, at least 1). The output stays exact either way.
         shared_rows: each forward computes the distinct particle rows only (particles
             with the same history and token share one row; the output does not change,
@@ -190,13 +195,15 @@ class GenerationConfig:
         "ngram; the output stays exact)",
     )
     draft_schedule: str = option(
-        "fixed",
+        "confidence",
         13,
         server=True,
         choices=DRAFT_SCHEDULES,
-        help="sd with n-gram drafts: 'adaptive' lets each round's draft length follow the last "
-        "round's acceptance (at most --draft-tokens); 'fixed' (default) drafts up to "
-        "--draft-tokens every round",
+        help="sd with n-gram drafts: 'confidence' (default) drafts the longest prefix of the "
+        "proposal whose estimated acceptance (product of the recent per-position target "
+        "probabilities of proposed tokens) is at least --draft-p-min; 'fixed' drafts up to "
+        "--draft-tokens every round the gate is open; 'adaptive' lets each round's draft "
+        "length follow the last round's acceptance (at most --draft-tokens)",
     )
 
     @property

@@ -21,8 +21,10 @@ only while the target's probability of the n-gram's proposals, averaged over the
 exact acceptance probability of a point-mass draft's first token, and it is read from the
 target's distribution each round computes anyway, also in rounds that drafted nothing (the
 proposal is then only compared, never verified), so a gated request goes back to drafting
-when the text starts to copy again. Whether to draft depends on past rounds only, so the
-output stays exact.
+when the text starts to copy again. With ``draft_schedule="confidence"`` the gate also sets
+the round's length: the longest prefix of the proposal whose estimated acceptance, the product
+of the recent per-position probabilities, is at least ``p_min`` (:meth:`NgramGate.length`).
+Whether and how much to draft depends on past rounds only, so the output stays exact.
 
 SMC-SD cannot use this proposal: its importance weights ``p / q`` need a proposal that gives
 every token the target can produce positive probability, and a point mass does not
@@ -90,25 +92,53 @@ class NgramIndex:
 
 
 class NgramGate:
-    """Whether an n-gram round drafts (``cfg.p_min``; see the module notes).
+    """Whether, and how much of its proposal, an n-gram round drafts (``cfg.p_min``; see the
+    module notes).
 
-    ``observe(p)`` records the target's probability of a proposal's first token; ``open``
-    is True until the first proposal is seen, then while the mean of the last
-    ``steps`` observed probabilities is at least ``p_min`` (always with ``p_min`` 0).
+    ``observe(probs)`` records the target's probability of the proposed tokens a round
+    verified, position by position (only the first when nothing was drafted: the round's one
+    row gives it). ``open`` is True until the first proposal is seen, then while the mean of
+    the last ``steps`` probabilities observed at the first position is at least ``p_min``
+    (always with ``p_min`` 0). ``length(k)`` (``draft_schedule="confidence"``) is the
+    longest prefix of a ``k``-token proposal whose estimated acceptance probability, the
+    product of the positions' recent means, is at least ``p_min``; a position not yet seen
+    counts as 1, so it is drafted and measured. For a point-mass draft the target's
+    probability of a drafted token is exactly its acceptance probability given the tokens
+    before it (Leviathan et al. 2023, Alg. 1), so the product estimates the chance that the
+    whole prefix is accepted.
     """
 
     def __init__(self, p_min: float, steps: int = CONFIDENCE_STEPS) -> None:
         self.p_min = p_min
-        self.recent: deque[float] = deque(maxlen=steps)
+        self.steps = steps
+        self.positions: list[deque[float]] = []  # [i]: recent p of the (i+1)-th proposed token
 
-    def observe(self, p: float) -> None:
-        self.recent.append(p)
+    def observe(self, probs: float | list[float]) -> None:
+        """Record the target's probability of the proposed tokens, first position first."""
+        for i, p in enumerate([probs] if isinstance(probs, float | int) else probs):
+            if i == len(self.positions):
+                self.positions.append(deque(maxlen=self.steps))
+            self.positions[i].append(float(p))
+
+    def _mean(self, i: int) -> float:
+        seen = self.positions[i] if i < len(self.positions) else ()
+        return sum(seen) / len(seen) if seen else 1.0
 
     @property
     def open(self) -> bool:
-        if self.p_min <= 0 or not self.recent:
-            return True
-        return sum(self.recent) / len(self.recent) >= self.p_min
+        return self.p_min <= 0 or self._mean(0) >= self.p_min
+
+    def length(self, k: int) -> int:
+        """How many of a ``k``-token proposal to draft under ``"confidence"`` (0 to ``k``)."""
+        if self.p_min <= 0:
+            return k
+        accept, n = 1.0, 0
+        while n < k:
+            accept *= self._mean(n)
+            if accept < self.p_min:
+                break
+            n += 1
+        return n
 
 
 def next_draft_length(k: int, k_max: int, drafted: int, accepted: int) -> int:
@@ -152,7 +182,8 @@ def ngram_sd_program(
         :class:`DecodeOutput`; stats as :func:`~smcspec.decoding.sd.sd_program`'s
         (``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``,
         ``mean_accepted_length``) plus ``draft: "ngram"``, and with ``cfg.p_min`` > 0
-        ``gated_rounds``: rounds whose proposal the gate kept from drafting.
+        ``gated_rounds``: rounds whose proposal the gate kept from drafting, or cut short
+        (``draft_schedule="confidence"``).
     """
 
     def rounds(tcache: KVCache) -> Program:
@@ -187,7 +218,10 @@ def _ngram_rounds(
     while not finished:
         k = min(k_round, cfg.max_new_tokens - len(out) - 1)
         proposal = index.propose(k) if k > 0 else []
-        d_tokens = proposal if gate.open else []  # a closed gate: the proposal is only probed
+        if cfg.draft_schedule == "confidence":
+            d_tokens = proposal[: gate.length(len(proposal))]
+        else:  # a closed gate: the proposal is only probed
+            d_tokens = proposal if gate.open else []
         gated += len(proposal) > len(d_tokens)
         dev = target.device  # each drafted token's draft distribution: a point mass
         d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
@@ -195,8 +229,9 @@ def _ngram_rounds(
         t_probs: list[torch.Tensor] = []
         n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
                                          vocab, generator, t_probs)  # fmt: skip
-        if proposal and gate.p_min > 0:  # p(first proposed token): its acceptance probability
-            gate.observe(float(t_probs[0][0, proposal[0]]))
+        if proposal and gate.p_min > 0:  # p(proposed token): its acceptance probability
+            seen = d_tokens or proposal[:1]  # a probed proposal: its first token's row only
+            gate.observe([float(t_probs[0][i, t]) for i, t in enumerate(seen)])
         rounds += 1
         drafted += len(d_tokens)
         accepted += n
@@ -212,7 +247,7 @@ def _ngram_rounds(
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
     stats = {**acceptance_stats(rounds, drafted, accepted), "draft": "ngram"}
     if gate.p_min > 0:
-        stats["gated_rounds"] = gated  # rounds whose proposal the gate kept from drafting
+        stats["gated_rounds"] = gated  # rounds whose proposal the gate cut or kept from drafting
     return DecodeOutput(tokens=out, stats=stats)
 
 
