@@ -4,7 +4,9 @@ Systems, alternated prompt by prompt in one run (the order rotates):
 
 * smcspec ``ar``, ``sd`` K=4 with the draft model, ``sd --draft ngram`` K=4 ungated (also gated:
   ``-p0.5``, ``-p0.8`` set ``--draft-p-min``, ``-conf`` adds ``--draft-schedule
-  confidence``; llamacpp backend, in this process), each also
+  confidence``; ``-default`` is every n-gram default, what ``--method auto`` runs where it
+  takes n-gram sd; ``-probe`` drafts nothing, the n-gram loop's own cost; llamacpp backend,
+  in this process), each also
   as ``-chain``: with llama.cpp's default sampler
   filters (top-k 40, top-p 0.95, min-p 0.05), which the llama.cpp tools apply;
 * ``llama-speculative`` (draft model, ``--spec-draft-n-max 4``) and ``llama-lookup``
@@ -18,8 +20,10 @@ to both as raw text (special tokens parsed); same threads, temperature, seed, to
 model loading (llama.cpp's ``decoded N tokens in X seconds``; ours: the tokens after the
 first over the time after the first token).
 
-Workloads: ``rewrite`` (input-grounded: HumanEval canonical solutions to rewrite, as
-``benchmarks/ngram_drafts.py``) and ``chat`` (ShareGPT first turns).
+Workloads (``--workloads``, both by default): ``rewrite`` (input-grounded: HumanEval canonical
+solutions to rewrite, as ``benchmarks/ngram_drafts.py``) and ``chat`` (ShareGPT first turns).
+The report gives each system's median tokens/s and, paired per prompt, its ratios to ``ar``.
+The llama.cpp tools are built only when one of them is among ``--systems``.
 
 Usage:
   python benchmarks/llamacpp_speculative.py --prompts 4 --max-new-tokens 96 \
@@ -61,6 +65,13 @@ OURS = {
     ),
     "sd-ngram-k4-p0.7-conf": GenerationConfig(
         method="sd", draft="ngram", draft_tokens=4, draft_p_min=0.7, draft_schedule="confidence"
+    ),
+    # what ``--method auto`` runs where it takes n-gram sd (smcspec.tuning.predict.choose)
+    "sd-ngram-k4-default": GenerationConfig(method="sd", draft="ngram", draft_tokens=4),
+    # p_min 1: the proposals are probed but (after the first sight of each position) never
+    # drafted, so the rounds are one-row steps: what the n-gram loop costs over ``ar``'s
+    "sd-ngram-k4-probe": GenerationConfig(
+        method="sd", draft="ngram", draft_tokens=4, draft_p_min=1.0, draft_schedule="confidence"
     ),
 }
 # llama.cpp's tools sample through their default chain (common/common.h: top-k 40, top-p 0.95,
@@ -121,18 +132,20 @@ def main() -> int:
     ap.add_argument(
         "--ngram-min", type=int, default=None, help="shortest n-gram our sd-ngram matches"
     )
+    ap.add_argument("--workloads", default="rewrite,chat", help="comma list")
     args = ap.parse_args()
-    bin_dir = build_tools()
-    engine = Engine.load(backend="llamacpp", threads=args.threads)
-    from smcspec.eval.sharegpt import load_sharegpt_prompts
-
-    work = {
-        "rewrite": rewrite_prompts(args.prompts, "rewrite"),
-        "chat": load_sharegpt_prompts(args.prompts, engine.tokenizer, seed=args.seed),
-    }
     names = [*OURS, *THEIRS]
     if args.systems:
         names = [n for n in names if n in args.systems.split(",")]
+    bin_dir = build_tools() if set(names) & set(THEIRS) else None
+    engine = Engine.load(backend="llamacpp", threads=args.threads)
+    from smcspec.eval.sharegpt import load_sharegpt_prompts
+
+    loaders = {
+        "rewrite": lambda: rewrite_prompts(args.prompts, "rewrite"),
+        "chat": lambda: load_sharegpt_prompts(args.prompts, engine.tokenizer, seed=args.seed),
+    }
+    work = {w: loaders[w]() for w in args.workloads.split(",")}
     if args.ngram_min is not None:  # an experiment: the decoder builds its index from here
         import functools
 
@@ -195,8 +208,29 @@ def _report(args, rows) -> str:
             lines.append(
                 f"| {n} | {d:.2f} | {d / ar:.2f} | {d / spec:.2f} | {d / lookup:.2f} | {acc} |"
             )
-        lines.append("")
+        lines += ["", *_paired(by), ""]
     return "\n".join(lines) + "\n"
+
+
+def _paired(by: dict) -> list[str]:
+    """Per-prompt ratios to ``ar`` (same prompt, same seed, same run)."""
+    if "ar" not in by or len(by) < 2:
+        return []
+    lines = [
+        "Paired per prompt, tokens/s over `ar`'s on the same prompt:",
+        "",
+        "| system | median ratio | lowest | highest | prompts at or above `ar` |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for n, rs in by.items():
+        if n == "ar":
+            continue
+        ratios = [r["decode"] / a["decode"] for r, a in zip(rs, by["ar"], strict=True)]
+        lines.append(
+            f"| {n} | {statistics.median(ratios):.3f} | {min(ratios):.2f} | {max(ratios):.2f} "
+            f"| {sum(x >= 1 for x in ratios)} of {len(ratios)} |"
+        )
+    return lines
 
 
 def _median(by: dict, name: str) -> float:
