@@ -31,10 +31,14 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("server-constraints")
     dirs = make_tiny_chat_pair(root, extra_tokens='{}":,[]0123456789', max_position_embeddings=4096)
-    engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     srv = Server(create_app(engine, GenerationConfig(max_new_tokens=48), model_name=MODEL))
     yield srv
     srv.stop()
@@ -61,6 +65,31 @@ def test_json_schema_response_format(server, method):
         _check(json.loads(r.choices[0].message.content))
     if method == "smc":
         assert "log_normalizer" in r.choices[0].model_extra["smcspec"]
+
+
+def test_constrained_requests_run_without_a_default_ngram_draft(engine):
+    """A server whose default is n-gram sd (``--draft ngram``, or what ``--method auto``
+    chose): a constrained request runs ar, or the method it names with the draft model,
+    instead of failing; one that asks for n-gram drafts itself gets the 400 with the reason;
+    an unconstrained one keeps the n-gram drafts."""
+    defaults = GenerationConfig(method="sd", draft="ngram", max_new_tokens=48)
+    srv = Server(create_app(engine, defaults, model_name=MODEL))
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "ab"}], seed=0)
+        for smc, method in ((None, "ar"), ({"method": "sd"}, "sd")):
+            extra = {"smc": smc} if smc else {}
+            r = srv.client().chat.completions.create(response_format=fmt, extra_body=extra, **kw)
+            _check(json.loads(r.choices[0].message.content))
+            info = r.choices[0].model_extra["smcspec"]
+            assert info["method"] == method and info.get("draft") != "ngram", info
+        r = srv.client().chat.completions.create(max_tokens=8, **kw)
+        assert r.choices[0].model_extra["smcspec"]["draft"] == "ngram"
+        body = {**kw, "response_format": fmt, "smc": {"draft": "ngram"}}
+        bad = httpx.post(srv.url("/v1/chat/completions"), json=body, timeout=30)
+        assert bad.status_code == 400 and "constraints" in bad.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 def test_json_object_and_regex_and_grammar(server):

@@ -12,8 +12,9 @@ import torch
 from conftest import SMALL_GRID
 from tiny_models import CHAT_TEMPLATE, make_tiny_gguf, make_tiny_hf_model
 
-from smcspec import ConfigError, Engine, GenerationConfig
+from smcspec import ConfigError, Engine, GenerationConfig, Regex
 from smcspec.cli import main
+from smcspec.config import NGRAM_DRAFT_P_MIN
 from smcspec.tuning import (
     ForwardCosts,
     Setting,
@@ -171,6 +172,37 @@ def test_the_documented_default_is_kept_unless_another_is_faster_by_the_margin()
     assert choose(preds(near), "auto", **kw).setting == Setting("ar")  # ar is the fastest
 
 
+def test_ngram_sd_is_priced_at_its_gates_threshold():
+    """One drafted token accepted with probability NGRAM_DRAFT_P_MIN, for a 2-row forward;
+    it needs no draft forward and applies as sd with the n-gram draft."""
+    costs = hand_costs(0.03, c=0.5, per_row=0.6)
+    ngram = Setting("sd", 1, 4, draft="ngram")
+    p = predict(ngram, costs)
+    assert p.tokens_per_round == pytest.approx(1 + NGRAM_DRAFT_P_MIN)
+    assert p.round_seconds == pytest.approx(costs.target[(1, 2)])
+    assert ngram.draft_shapes() == () and (1, 2) in ngram.target_shapes()
+    cfg = ngram.apply(GenerationConfig(method="smc"))
+    assert (cfg.method, cfg.draft, cfg.draft_tokens) == ("sd", "ngram", 4)
+    assert ngram.name == "sd-ngram-k4" and not Setting("sd", 1, 4).ngram
+
+
+@pytest.mark.parametrize(
+    ("per_row", "chosen"),
+    [(0.6, "sd-ngram-k4"), (0.75, "ar"), (1.0, "ar")],
+)
+def test_auto_takes_ngram_sd_for_ar_where_its_gate_pays(per_row, chosen):
+    """A CPU whose 2-row forward costs 1 + per_row one-row forwards: drafting one token at
+    the gate's threshold (0.8) yields 1.8 tokens, so n-gram sd replaces ar only where
+    1.8 / (1 + per_row) beats ar by more than NGRAM_MARGIN (1.6: 1.125x; 1.75: 1.03x, inside
+    the margin). smc is never n-gram, and a faster sd or smc is not displaced."""
+    preds = predict_all(all_settings(), hand_costs(0.03, c=0.65, per_row=per_row))
+    assert choose(preds, "auto").setting.name == chosen
+    assert not choose(preds, "smc").setting.ngram
+    assert choose(preds, "auto", draft_tokens=2).setting.name == "ar"  # no n-gram at K=2
+    gpu = predict_all(all_settings(), hand_costs(0.02, c=0.1, per_row=0.0, alpha=0.6))
+    assert choose(gpu, "auto").setting.method == "smc"  # the faster setting stays
+
+
 def test_choose_errors_are_clear():
     preds = predict_all([Setting("ar")], hand_costs(0.03, 0.5, 1.0))
     with pytest.raises(ConfigError, match="no predicted smc setting with N >= 4"):
@@ -291,10 +323,12 @@ def test_grid_caps_large_forwards_but_keeps_the_floor():
     assert {"smc-n32-k2", "smc-n32-k4", "smc-n32-k8"} <= big  # the floor is always measured
     assert [s.name for s in grid.settings(4, particles=3, draft_tokens=5)] == [
         "ar",
+        "sd-ngram-k5",
         "sd-k5",
         "smc-n3-k5",
     ]
-    assert [s.name for s in grid.settings(4, with_draft=False)] == ["ar"]
+    assert [s.name for s in grid.settings(4, with_draft=False)] == ["ar", "sd-ngram-k4"]
+    assert [s.name for s in grid.settings(4, with_draft=False, ngram=False)] == ["ar"]
     gpu, cpu = default_grid("cuda:0"), default_grid("cpu")
     assert gpu.max_forward_tokens >= 16 * 9 > cpu.max_forward_tokens
 
@@ -406,12 +440,21 @@ def test_the_key_names_machine_backend_and_model_files(engine, own_cache):
     assert cache_file(key) != cache_file({**key, "threads": 2})
 
 
-def test_a_draftless_engine_predicts_ar_only(engine, own_cache):
+def test_a_draftless_engine_predicts_ar_and_ngram_sd_only(engine, own_cache):
     tuning = tune(Engine(engine.target))
-    assert [p.setting.name for p in tuning.predictions] == ["ar"] and tuning.smc is None
-    assert tuning.config(GenerationConfig(), "auto").method == "ar"
+    names = [p.setting.name for p in tuning.predictions]
+    assert names == ["ar", "sd-ngram-k4"] and tuning.smc is None
+    assert tuning.config(GenerationConfig(), "auto").method in ("ar", "sd")
     with pytest.raises(ConfigError, match="draft"):
         tuning.pick("smc")
+
+
+def test_a_constraint_keeps_ngram_sd_out_of_the_choice(engine, own_cache):
+    """The n-gram draft takes no constraint, so a constrained config is never tuned to it."""
+    cfg = GenerationConfig(constraint=Regex("[ab]+"))
+    tuning = tune(Engine(engine.target), cfg)
+    assert [p.setting.name for p in tuning.predictions] == ["ar"]
+    tuning.config(cfg, "auto").validate()
 
 
 def test_table_marks_the_choices(engine, own_cache):

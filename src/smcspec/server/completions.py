@@ -84,9 +84,21 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
     try:
         updates["constraint"] = constraint_spec(body)
         updates["vote"] = vote_spec(body)
-        return replace(state.defaults, **updates).validate()
+        return without_default_ngram(replace(state.defaults, **updates), updates).validate()
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from exc
+
+
+def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
+    """A constrained request on a server whose default drafts n-grams (``--draft ngram``, or
+    what ``--method auto`` chose) runs without them: n-gram drafts take no constraint. It
+    runs ``ar``, or, when it names its method, that method with the draft model. A request
+    that asks for n-gram drafts itself keeps them (and is refused with the reason)."""
+    if cfg.constraint is None or cfg.draft != "ngram" or "draft" in updates:
+        return cfg
+    if "method" in updates:
+        return replace(cfg, draft="model")
+    return replace(cfg, method="ar", draft="model")
 
 
 def vote_spec(body: CommonBody) -> Vote | None:

@@ -14,6 +14,10 @@ them, so N=16 K=4 can be a candidate)."""
 
 GPU_MAX_FORWARD_TOKENS = 1024
 
+NGRAM_DRAFT_TOKENS = 4
+"""K of the n-gram sd setting the tuner predicts (the default ``draft_tokens``; the n-gram
+benchmarks' K, ``docs/benchmarks/ngram-cpu/``)."""
+
 
 @dataclass(frozen=True)
 class TuningGrid:
@@ -45,10 +49,16 @@ class TuningGrid:
         particles: int | None = None,
         draft_tokens: int | None = None,
         with_draft: bool = True,
+        ngram: bool = True,
     ) -> list[Setting]:
-        """``ar``, then ``sd`` per K, then ``smc`` per (N, K); an explicit ``particles`` or
-        ``draft_tokens`` replaces the grid's values. Without a draft: ``ar`` only."""
+        """``ar``, n-gram ``sd`` (K :data:`NGRAM_DRAFT_TOKENS` or ``draft_tokens``; unless
+        ``ngram`` is False), then ``sd`` per K, then ``smc`` per (N, K); an explicit
+        ``particles`` or ``draft_tokens`` replaces the grid's values. Without a draft: ``ar``
+        and n-gram ``sd`` only."""
         out = [Setting("ar")]
+        if ngram:
+            k = draft_tokens if draft_tokens is not None else NGRAM_DRAFT_TOKENS
+            out.append(Setting("sd", 1, k, draft="ngram"))
         if not with_draft:
             return out
         ks = (draft_tokens,) if draft_tokens is not None else self.draft_tokens

@@ -16,6 +16,16 @@ A *round* of each method, in the forwards the decoders issue (``smcspec.decoding
   round yields K+1 tokens (Emara et al. 2026, "Faster LLM Inference via Sequential Monte
   Carlo", arXiv:2604.15672, and ``docs/smc-sd.md``, "Cost, and how N and K are chosen":
   the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
+* ``sd`` with n-gram drafts (K; no draft model, :mod:`smcspec.decoding.ngram`): its speed
+  depends on how much the answer copies the text before it, which no prompt-independent
+  measurement knows, and its gate drafts only where the target's recent probability of the
+  proposals (the acceptance probability of a point-mass draft) is at least ``p_min``
+  (:data:`~smcspec.config.NGRAM_DRAFT_P_MIN`). It is priced *at the gate's threshold*: one
+  drafted token accepted with probability ``p_min``, ``1 + p_min`` tokens for a 2-token
+  target forward. Above that speed every round the gate lets draft is predicted to pay, and
+  a round that drafts nothing is an ``ar`` step; so where this beats ``ar``, n-gram sd can
+  lose to ``ar`` only its loop's own overhead and wins where the text copies
+  (:func:`choose`, :data:`NGRAM_MARGIN`).
 
 **Distinct rows** (:mod:`smcspec.backends.shared_rows`): a forward computes only the
 distinct particle prefixes of its N x (K+1) rows, so an smc round costs what forwards of the
@@ -52,7 +62,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from smcspec.config import GenerationConfig
+from smcspec.config import NGRAM_DRAFT_P_MIN, GenerationConfig
 from smcspec.errors import ConfigError
 
 Shape = tuple[int, int]
@@ -67,39 +77,51 @@ class Setting:
         method: ``"ar"``, ``"sd"`` or ``"smc"``.
         particles: N (smc; 1 otherwise).
         draft_tokens: K (sd and smc; 0 for ar).
+        draft: ``"model"`` (the draft model) or ``"ngram"`` (sd only: n-gram drafts from the
+            text, gated by the target's confidence; :mod:`smcspec.decoding.ngram`).
     """
 
     method: str
     particles: int = 1
     draft_tokens: int = 0
+    draft: str = "model"
 
     @property
     def name(self) -> str:
-        """``ar``, ``sd-k4``, ``smc-n4-k4`` (the names of ``smcspec.eval.harness``)."""
+        """``ar``, ``sd-k4``, ``sd-ngram-k4``, ``smc-n4-k4`` (the names of
+        ``smcspec.eval.harness``)."""
         if self.method == "ar":
             return "ar"
         if self.method == "sd":
-            return f"sd-k{self.draft_tokens}"
+            return f"sd-{'ngram-' if self.ngram else ''}k{self.draft_tokens}"
         return f"smc-n{self.particles}-k{self.draft_tokens}"
 
+    @property
+    def ngram(self) -> bool:
+        """Whether this is sd with n-gram drafts."""
+        return self.draft == "ngram"
+
     def target_shapes(self) -> tuple[Shape, ...]:
-        """Target forwards of one round."""
+        """Target forwards of one round (n-gram sd: the one- and two-row forwards that
+        price its gate, :func:`predict`)."""
         if self.method == "ar":
             return ((1, 1),)
+        if self.ngram:
+            return ((1, 1), (1, 2))
         return ((self.particles, self.draft_tokens + 1),)
 
     def draft_shapes(self) -> tuple[Shape, ...]:
-        """Draft forwards a round may issue (ar: none)."""
-        if self.method == "ar":
+        """Draft forwards a round may issue (ar and n-gram sd: none)."""
+        if self.method == "ar" or self.ngram:
             return ()
         return ((self.particles, 1), (self.particles, 2))
 
     def apply(self, config: GenerationConfig) -> GenerationConfig:
-        """``config`` with this setting's method (and N, K where the method has them)."""
+        """``config`` with this setting's method (and N, K, draft where the method has them)."""
         if self.method == "ar":
             return replace(config, method="ar")
         if self.method == "sd":
-            return replace(config, method="sd", draft_tokens=self.draft_tokens)
+            return replace(config, method="sd", draft=self.draft, draft_tokens=self.draft_tokens)
         return replace(
             config, method="smc", particles=self.particles, draft_tokens=self.draft_tokens
         )
@@ -411,6 +433,8 @@ def _round(setting: Setting, costs: ForwardCosts, distinct: float = 1.0) -> tupl
     n, k = setting.particles, setting.draft_tokens
     if setting.method == "ar":
         return 1.0, t[(1, 1)]
+    if setting.ngram:  # at the gate's threshold: one drafted token, accepted w.p. p_min
+        return 1.0 + NGRAM_DRAFT_P_MIN, t[(1, 2)]
     if setting.method == "sd":
         if costs.alpha is None:
             raise ConfigError("an sd prediction needs the measured acceptance alpha")
@@ -492,6 +516,14 @@ three fresh measurements on one idle 2-core machine reached 31% for N >= 4 (medi
 log-weights come from seeded runs and repeat exactly)."""
 
 
+NGRAM_MARGIN = 0.10
+"""How much faster than ``ar`` (a fraction) n-gram sd must be predicted at its gate's
+threshold for ``auto`` to take it in ``ar``'s place: it covers the n-gram loop's overhead
+on text that never copies (a median 0.99 of ``ar``'s speed paired on 4 chat prompts x 5
+seeds, 0.98 on 20 chat prompts; ``docs/benchmarks/ngram-cpu/auto.md``) and the spread of
+the measured 2-row cost."""
+
+
 def choose(
     predictions: Sequence[Prediction],
     method: str = "auto",
@@ -525,6 +557,12 @@ def choose(
             and predicted within ``margin`` (a fraction) of the fastest, so that noise in
             the measurements does not move the choice (None: no default; the tuner passes
             :data:`DEFAULT_SMC` on a CPU only).
+
+    n-gram sd (:attr:`Setting.ngram`) is never compared with the others as a speed: its
+    prediction is the one at its gate's threshold (see the module notes). ``auto`` takes it
+    instead of ``ar`` when ``ar`` is the choice and that prediction beats ``ar``'s by more
+    than :data:`NGRAM_MARGIN`; ``method="smc"`` never takes it.
+
     Raises:
         ConfigError: an unknown method, or no prediction meets the restrictions.
     """
@@ -535,6 +573,8 @@ def choose(
         s = p.setting
         if method == "smc" and s.method != "smc":
             return False
+        if s.ngram:
+            return draft_tokens is None or s.draft_tokens == draft_tokens
         if s.method == "smc":
             if particles is not None and s.particles != particles:
                 return False
@@ -544,7 +584,8 @@ def choose(
                 return False
         return draft_tokens is None or s.method == "ar" or s.draft_tokens == draft_tokens
 
-    candidates = [p for p in predictions if eligible(p)]
+    candidates = [p for p in predictions if eligible(p) and not p.setting.ngram]
+    ngram = [p for p in predictions if eligible(p) and p.setting.ngram]
     if not candidates and method == "smc":  # none meets the floor: the most faithful one
         below = [p for p in predictions if eligible(p, floor=False)]
         if below:
@@ -556,6 +597,10 @@ def choose(
             + (f", K = {draft_tokens}" if draft_tokens is not None else "")
         )
     best = max(candidates, key=lambda p: p.tokens_per_second)
+    if best.setting.method == "ar":
+        bar = (1 + NGRAM_MARGIN) * best.tokens_per_second
+        faster = [p for p in ngram if p.tokens_per_second > bar]
+        return max(faster, key=lambda p: p.tokens_per_second) if faster else best
     if best.setting.method == "smc" and particles is None and draft_tokens is None:
         kept = [p for p in candidates if p.setting.method == "smc"
                 and (p.setting.particles, p.setting.draft_tokens) == default]  # fmt: skip

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from smcspec.tuning.predict import Prediction
+from smcspec.config import NGRAM_DRAFT_P_MIN
+from smcspec.tuning.predict import NGRAM_MARGIN, Prediction
 from smcspec.tuning.tuner import Tuning
 
 
@@ -37,7 +38,17 @@ def format_table(tuning: Tuning) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines += [_setting_row(p, tuning, ar.tokens_per_second) for p in tuning.predictions]
+    if any(p.setting.ngram for p in tuning.predictions):
+        lines += ["", NGRAM_NOTE]
     return "\n".join(lines) + "\n"
+
+
+NGRAM_NOTE = (
+    f"sd (ngram): n-gram drafts, priced at the gate's threshold (one drafted token accepted "
+    f"with probability {NGRAM_DRAFT_P_MIN:g}): where that beats ar by more than "
+    f"{NGRAM_MARGIN:.0%}, auto takes it in ar's place (a round the gate does not let draft "
+    "is an ar step; text that copies its prompt runs faster)."
+)
 
 
 def _range_note(tuning: Tuning) -> str:
@@ -68,7 +79,7 @@ def _acceptance_note(tuning: Tuning) -> str:
     """Where the predictions' acceptance alpha and log-weight quantiles come from."""
     acc = tuning.acceptance
     if not acc:
-        return "no draft: ar only"
+        return "no draft model: ar and n-gram sd only"
     note = (
         f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
         f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
@@ -104,8 +115,9 @@ def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> 
     r = p.tokens_per_second_range
     span = "-" if r is None else f"{r[0]:.2f}-{r[1]:.2f}"
     k = str(s.draft_tokens) if s.method != "ar" else "-"
+    method = f"{s.method} (ngram)" if s.ngram else s.method
     return (
-        f"| {s.method} | {n} | {k} | {p.tokens_per_round:.2f} | "
+        f"| {method} | {n} | {k} | {p.tokens_per_round:.2f} | "
         f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | {span} | "
         f"{p.tokens_per_second / ar_tokens_per_second:.2f}x | {distinct} | {every} | "
         f"{ess} | {', '.join(marks)} |"

@@ -38,7 +38,9 @@ class Tuning:
 
     Attributes:
         predictions: every predicted setting (ar, sd per K, smc per N and K).
-        auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``.
+        auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``;
+            where that is ar, n-gram sd if it is predicted faster at its gate's threshold
+            (:func:`~smcspec.tuning.predict.choose`; not with a constraint).
         smc: the fastest smc setting with N >= ``min_particles`` whose predicted ESS
             meets ``min_ess`` (``smc`` without N/K), or, when none does, the one with the
             highest predicted ESS; None without a draft model.
@@ -123,7 +125,9 @@ def tune(
     device = str(engine.target.model.device)
     grid = grid or default_grid(device)
     with_draft = engine.draft is not None
-    settings = grid.settings(min_particles, particles, draft_tokens, with_draft)
+    # n-gram drafts take no constraint (GenerationConfig.validate refuses the pair)
+    ngram = cfg.constraint is None
+    settings = grid.settings(min_particles, particles, draft_tokens, with_draft, ngram)
     key = cost_key(engine, grid.context)
     path = cache_file(key)
     record = CostRecord() if remeasure else read_costs(path, key)
