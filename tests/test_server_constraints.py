@@ -71,7 +71,8 @@ def test_constrained_requests_run_without_a_default_ngram_draft(engine):
     """A server whose default is n-gram sd (``--draft ngram``, or what ``--method auto``
     chose): a constrained request runs ar, or the method it names with the draft model,
     instead of failing; one that asks for n-gram drafts itself gets the 400 with the reason;
-    an unconstrained one keeps the n-gram drafts."""
+    an unconstrained one keeps the n-gram drafts, and one that names smc drafts with the
+    model."""
     defaults = GenerationConfig(method="sd", draft="ngram", max_new_tokens=48)
     srv = Server(create_app(engine, defaults, model_name=MODEL))
     try:
@@ -85,6 +86,9 @@ def test_constrained_requests_run_without_a_default_ngram_draft(engine):
             assert info["method"] == method and info.get("draft") != "ngram", info
         r = srv.client().chat.completions.create(max_tokens=8, **kw)
         assert r.choices[0].model_extra["smcspec"]["draft"] == "ngram"
+        smc = {"smc": {"method": "smc", "particles": 2}}  # SMC-SD drafts with the model
+        r = srv.client().chat.completions.create(max_tokens=8, extra_body=smc, **kw)
+        assert r.choices[0].model_extra["smcspec"]["method"] == "smc"
         body = {**kw, "response_format": fmt, "smc": {"draft": "ngram"}}
         bad = httpx.post(srv.url("/v1/chat/completions"), json=body, timeout=30)
         assert bad.status_code == 400 and "constraints" in bad.json()["error"]["message"]

@@ -90,15 +90,19 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
 
 
 def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
-    """A constrained request on a server whose default drafts n-grams (``--draft ngram``, or
-    what ``--method auto`` chose) runs without them: n-gram drafts take no constraint. It
-    runs ``ar``, or, when it names its method, that method with the draft model. A request
-    that asks for n-gram drafts itself keeps them (and is refused with the reason)."""
-    if cfg.constraint is None or cfg.draft != "ngram" or "draft" in updates:
+    """The server's default n-gram draft (``--draft ngram``, or what ``--method auto`` chose)
+    where a request cannot use it. A request that names ``smc`` drafts with the draft model
+    (SMC-SD needs a proposal that covers the target). A constrained request runs ``ar``, or
+    the method it names with the draft model (n-gram drafts take no constraint). A request
+    that asks for n-gram drafts itself keeps them, and is refused with the reason where they
+    do not apply."""
+    if cfg.draft != "ngram" or "draft" in updates:
         return cfg
-    if "method" in updates:
+    if cfg.constraint is not None and "method" not in updates:
+        return replace(cfg, method="ar", draft="model")
+    if cfg.constraint is not None or cfg.method == "smc":
         return replace(cfg, draft="model")
-    return replace(cfg, method="ar", draft="model")
+    return cfg
 
 
 def vote_spec(body: CommonBody) -> Vote | None:
