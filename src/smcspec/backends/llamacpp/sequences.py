@@ -113,6 +113,8 @@ class SequenceCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length} (filled {self.length})")
         self._check_open()
+        if length == self.length:  # nothing was rejected: no sequence operation
+            return
         with self.model._lock:
             mem = self.model._memory
             for s in self.ids:
