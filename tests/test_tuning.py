@@ -203,6 +203,15 @@ def test_auto_takes_ngram_sd_for_ar_where_its_gate_pays(per_row, chosen):
     assert choose(gpu, "auto").setting.method == "smc"  # the faster setting stays
 
 
+def test_the_note_on_a_chosen_ngram_sd_says_where_its_prediction_holds():
+    from smcspec.cli.common import tuned_note
+
+    pick = Prediction(Setting("sd", 1, 4, draft="ngram"), tokens_per_round=1.8, round_seconds=0.04)
+    line = tuned_note(pick, "auto")
+    assert line.startswith("sd-ngram-k4 chosen by --method auto") and "45.00 tokens/s" in line
+    assert "gate's threshold" in line
+
+
 def test_choose_errors_are_clear():
     preds = predict_all([Setting("ar")], hand_costs(0.03, 0.5, 1.0))
     with pytest.raises(ConfigError, match="no predicted smc setting with N >= 4"):

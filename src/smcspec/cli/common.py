@@ -101,6 +101,8 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
         f"{pick.setting.name} chosen by {how} from measured costs, predicted "
         f"{pick.tokens_per_second:.2f} tokens/s"
     )
+    if pick.setting.ngram:
+        note_ += " at its gate's threshold (where the text copies; ar's speed where it does not)"
     if pick.ess is not None:
         n = pick.setting.particles
         note_ += f", predicted ESS {pick.ess:.2f} of {n} after a round"
