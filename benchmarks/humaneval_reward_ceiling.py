@@ -1,0 +1,83 @@
+"""How much the execution reward can tell: the prompt's examples against the hidden tests.
+
+Reads a HumanEval run's records (``smcspec eval humaneval --out DIR``) and, for every problem
+that every method answered, scores each recorded answer with the execution reward of
+``smcspec.rewards.CodeExamples`` (the share of the prompt's own examples passed, run in the
+sandbox) beside its hidden-test verdict. Per method: answers that pass every example and the
+hidden tests, every example but not the hidden tests, and so on. A reward can only help
+where it separates answers: an answer that fails an example never passes the hidden tests
+here, but one that passes them all may still fail, and a method whose answers already pass
+every example leaves the reward nothing to choose.
+
+  python benchmarks/humaneval_reward_ceiling.py docs/benchmarks/humaneval-reward \
+      --out docs/benchmarks/humaneval-reward/ceiling.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+from smcspec.eval.humaneval import load_humaneval
+from smcspec.rewards import CodeExamples, examples_from_prompt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path, help="the eval's --out folder (results.jsonl)")
+    ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+    args = ap.parse_args()
+    problems = {p.task_id: p for p in load_humaneval()}
+    records: dict[str, dict] = {}
+    for line in (args.run / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        records[r["id"]] = r  # a record written again replaces the earlier one
+    by_item: dict[str, dict[str, dict]] = collections.defaultdict(dict)
+    for r in records.values():
+        by_item[r["item"]][r["method"]] = r
+    methods = sorted({m for answers in by_item.values() for m in answers})
+    complete = [i for i, answers in by_item.items() if set(answers) == set(methods)]
+    counts: dict[str, collections.Counter] = {m: collections.Counter() for m in methods}
+    without = 0
+    for item in complete:
+        problem = problems[item]
+        found = examples_from_prompt(problem.prompt, problem.entry_point)
+        if not found:
+            without += 1
+            continue
+        examples = CodeExamples(found, problem.prompt, problem.entry_point)  # as eval's reward
+        for m in methods:
+            r = by_item[item][m]
+            all_passed = examples.score([r["output"]])[0] == 1.0
+            counts[m][(all_passed, bool(r["correct"]))] += 1
+    lines = [
+        f"# The execution reward against the hidden tests ({len(complete)} problems)",
+        "",
+        f"Command: `python benchmarks/humaneval_reward_ceiling.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"Problems every method answered: {len(complete)}; without examples in the prompt "
+        f"(no reward): {without}. Each recorded answer (for a `-vote` setting, the vote's) is "
+        "scored on the prompt's own examples and on the hidden tests.",
+        "",
+        "| method | examples all passed, hidden passed | examples all passed, hidden failed "
+        "| an example failed, hidden passed | an example failed, hidden failed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for m in methods:
+        c = counts[m]
+        lines.append(
+            f"| {m} | {c[(True, True)]} | {c[(True, False)]} | {c[(False, True)]} "
+            f"| {c[(False, False)]} |"
+        )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
