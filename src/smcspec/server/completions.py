@@ -100,7 +100,7 @@ def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> Gen
         return cfg
     if cfg.constraint is not None and "method" not in updates:
         return replace(cfg, method="ar", draft="model")
-    if cfg.constraint is not None or cfg.method == "smc":
+    if cfg.constraint is not None or updates.get("method") == "smc":
         return replace(cfg, draft="model")
     return cfg
 
