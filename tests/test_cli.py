@@ -378,6 +378,10 @@ def test_generate_with_ngram_drafts_needs_no_draft_model(pair, capsys):
     assert ngram["method"] == "sd" and ngram["draft"] == "ngram" and "acceptance_rate" in ngram
     assert main([*base, "--method", "ar"]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == ngram["text"]
+    assert main(base[:-1] + ["--method", "sd", "--draft", "ngram"]) == 0  # the stats line
+    line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    assert line.startswith("[sd] ") and "K=4, n-gram drafts, rounds " in line, line
+    assert "rounds the gate cut or kept from drafting " in line, line
 
 
 def test_smc_refuses_the_ngram_draft(pair, capsys):

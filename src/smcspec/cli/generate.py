@@ -83,10 +83,14 @@ def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str
         if "log_normalizer" in s:  # a constraint or reward was set
             line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
     elif ran_as == "sd":
+        ngram = s.get("draft") == "ngram"
         line += (
-            f", K={s['draft_tokens']}, rounds {s['rounds']}, acceptance rate "
-            f"{s['acceptance_rate']:.3f}, mean accepted length {s['mean_accepted_length']:.2f}"
+            f", K={s['draft_tokens']}{', n-gram drafts' if ngram else ''}, rounds {s['rounds']}"
+            f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
+            f"{s['mean_accepted_length']:.2f}"
         )
+        if "gated_rounds" in s:
+            line += f", rounds the gate cut or kept from drafting {s['gated_rounds']}"
     if result.vote is not None:
         v = result.vote
         line += (
