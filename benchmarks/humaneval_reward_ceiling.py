@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
 from smcspec.eval.humaneval import load_humaneval
+from smcspec.eval.results import ResultFile
 from smcspec.rewards import CodeExamples, examples_from_prompt
 
 
@@ -31,12 +31,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     args = ap.parse_args()
     problems = {p.task_id: p for p in load_humaneval()}
-    records: dict[str, dict] = {}
-    for line in (args.run / "results.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        records[r["id"]] = r  # a record written again replaces the earlier one
+    # the last record of each id; a line the running eval is still writing is skipped
+    records = ResultFile(args.run / "results.jsonl").records()
     by_item: dict[str, dict[str, dict]] = collections.defaultdict(dict)
-    for r in records.values():
+    for r in records:
         by_item[r["item"]][r["method"]] = r
     methods = sorted({m for answers in by_item.values() for m in answers})
     complete = [i for i, answers in by_item.items() if set(answers) == set(methods)]

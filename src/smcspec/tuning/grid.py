@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from smcspec.config import GenerationConfig
 from smcspec.tuning.predict import Setting, Shape
 
 CPU_MAX_FORWARD_TOKENS = 80
@@ -14,8 +15,8 @@ them, so N=16 K=4 can be a candidate)."""
 
 GPU_MAX_FORWARD_TOKENS = 1024
 
-NGRAM_DRAFT_TOKENS = 4
-"""K of the n-gram sd setting the tuner predicts (the default ``draft_tokens``; the n-gram
+NGRAM_DRAFT_TOKENS = GenerationConfig().draft_tokens
+"""K of the n-gram sd setting the tuner predicts: the default ``draft_tokens`` (4, the n-gram
 benchmarks' K, ``docs/benchmarks/ngram-cpu/``)."""
 
 

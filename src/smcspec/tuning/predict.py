@@ -584,8 +584,9 @@ def choose(
                 return False
         return draft_tokens is None or s.method == "ar" or s.draft_tokens == draft_tokens
 
-    candidates = [p for p in predictions if eligible(p) and not p.setting.ngram]
-    ngram = [p for p in predictions if eligible(p) and p.setting.ngram]
+    allowed = [p for p in predictions if eligible(p)]
+    candidates = [p for p in allowed if not p.setting.ngram]
+    ngram = [p for p in allowed if p.setting.ngram]
     if not candidates and method == "smc":  # none meets the floor: the most faithful one
         below = [p for p in predictions if eligible(p, floor=False)]
         if below:
