@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="the eval's --out folder (results.jsonl)")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+    ap.add_argument("--first", type=int, default=None, help="only HumanEval/0 .. /FIRST-1")
     args = ap.parse_args()
     problems = {p.task_id: p for p in load_humaneval()}
     # the last record of each id; a line the running eval is still writing is skipped
@@ -38,6 +40,8 @@ def main() -> int:
         by_item[r["item"]][r["method"]] = r
     methods = sorted({m for answers in by_item.values() for m in answers})
     complete = [i for i, answers in by_item.items() if set(answers) == set(methods)]
+    if args.first is not None:
+        complete = [i for i in complete if int(i.split("/")[1]) < args.first]
     counts: dict[str, collections.Counter] = {m: collections.Counter() for m in methods}
     without = 0
     for item in complete:
@@ -60,15 +64,23 @@ def main() -> int:
         f"(no reward): {without}. Each recorded answer (for a `-vote` setting, the vote's) is "
         "scored on the prompt's own examples and on the hidden tests.",
         "",
-        "| method | examples all passed, hidden passed | examples all passed, hidden failed "
-        "| an example failed, hidden passed | an example failed, hidden failed |",
-        "|---|---:|---:|---:|---:|",
+        "| method | passed (hidden tests) | examples all passed, hidden passed "
+        "| examples all passed, hidden failed | an example failed, hidden passed "
+        "| an example failed, hidden failed | one behaviour at the end (votes) "
+        "| median resamplings |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in methods:
         c = counts[m]
+        answers = [by_item[i][m] for i in complete]
+        votes = [r["vote"]["answers"] for r in answers if r.get("vote")]
+        one = f"{sum(v == 1 for v in votes)} of {len(votes)}" if votes else "-"
+        resamples = [r["stats"]["resamples"] for r in answers if "resamples" in r["stats"]]
+        median = f"{statistics.median(resamples):g}" if resamples else "-"
         lines.append(
-            f"| {m} | {c[(True, True)]} | {c[(True, False)]} | {c[(False, True)]} "
-            f"| {c[(False, False)]} |"
+            f"| {m} | {sum(bool(r['correct']) for r in answers)} | {c[(True, True)]} "
+            f"| {c[(True, False)]} | {c[(False, True)]} | {c[(False, False)]} | {one} "
+            f"| {median} |"
         )
     report = "\n".join(lines) + "\n"
     print(report)
