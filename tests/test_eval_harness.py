@@ -165,6 +165,7 @@ def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
     by = {(r["method"], r["item"]): r for r in records}
     assert len(by) == 6
     assert by[("ar-sc-n3", "q0")]["samples"] == 3
+    assert 0 <= by[("ar-sc-n3", "q0")]["distinct_answers"] <= 3
     assert (
         "drawn_correct" in by[("smc-n4-k2-vote", "q0")] and "vote" in by[("smc-n4-k2-vote", "q0")]
     )
@@ -192,6 +193,7 @@ def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
     records = harness.run_task(engine, "humaneval", [toy], specs, rf, progress=False)
     bon, smc = records
     assert bon["rewards"] == [0.0, 0.0] and bon["samples"] == 2  # random text passes nothing
+    assert 0 <= bon["distinct_answers"] <= 2
     assert smc["reward"] == 0.0 and "log_normalizer" in smc["stats"]
     assert report.summarize(records)  # the report reads the new records
 

@@ -278,13 +278,16 @@ def _answer(
         answer_fn = _code_answer(item)
     if spec.samples > 1 or spec.select:
         got = baselines.sample_batch(engine, messages, cfg, spec.samples)
+        answers = [answer_fn(t) for t in got.texts]
+        # distinct answers among the n independent samples: beside a vote's ``answers``
+        # (distinct answers among the particles), it tells path degeneracy from low entropy
+        extra = {"samples": spec.samples, "distinct_answers": len(set(answers) - {None})}
         if spec.select == "bon":
             scores = examples.score(got.texts) if examples else [0.0] * len(got.texts)
             pick = baselines.best_of_n(scores)
-            extra = {"samples": spec.samples, "rewards": scores}
+            extra["rewards"] = scores
         else:
-            pick = baselines.self_consistency([answer_fn(t) for t in got.texts]) or 0
-            extra = {"samples": spec.samples}
+            pick = baselines.self_consistency(answers) or 0
         chosen = got.results[pick]
         return _Answer(chosen.text, chosen, got.new_tokens, got.seconds, extra)
     if examples is not None and spec.reward_beta is not None:
