@@ -1,5 +1,5 @@
-"""``generate``'s steering options on a tiny pair: --tests / --reward examples, --aggregate
-vote, --answer-regex, and their one-line errors."""
+"""``generate``'s steering options on a tiny pair: --tests / --reward examples / arithmetic,
+--aggregate vote, --answer-regex, and their one-line errors."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def test_tests_file_reward_and_vote(pair, tmp_path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert "log_normalizer" in out  # the reward was applied
     assert "vote" not in out or set(out["vote"]) == {"answer", "share", "text", "answers"}
+
+
+def test_arithmetic_reward_and_vote(pair, capsys) -> None:
+    argv = [*_base(pair, "2 + 2 = 5\n"), "--reward", "arithmetic", "--aggregate", "vote"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "log_normalizer" in out  # the reward was applied
 
 
 def test_vote_over_a_regex(pair, capsys) -> None:

@@ -15,6 +15,7 @@ from smcspec.eval.exact import tiny_transformer
 from smcspec.eval.fidelity import fidelity_grid, write_fidelity_report
 from smcspec.eval.gsm8k import Gsm8kItem
 from smcspec.eval.results import ResultFile
+from smcspec.rewards import false_equations
 
 
 def test_method_specs_and_grid():
@@ -174,11 +175,12 @@ def test_baselines_votes_and_rewards_end_to_end(engine, tmp_path):
     assert rows["smc-n4-k2-vote (drawn)"]["n"] == 2 and rows["ar-sc-n3"]["mean_seconds"] > 0
     report.write_report(list(rows.values()), tmp_path / "rep", "t")
     assert (tmp_path / "rep" / "accuracy-time.png").stat().st_size > 1000
-    with pytest.raises(ConfigError, match="no reward"):
-        harness.run_task(
-            engine, "gsm8k", ITEMS[:1], harness.method_specs("ar-bon-n2", GenerationConfig()),
-            ResultFile(tmp_path / "bad.jsonl"), progress=False,
-        )  # fmt: skip
+    # GSM8K's reward is the arithmetic check: minus the false equations of the text
+    specs = harness.method_specs("ar-bon-n2,smc-n4-k2-reward", GenerationConfig(max_new_tokens=6))
+    rf = ResultFile(tmp_path / "r.jsonl")
+    bon, smc = harness.run_task(engine, "gsm8k", ITEMS[:1], specs, rf, progress=False)
+    assert len(bon["rewards"]) == 2 and all(r <= 0 for r in bon["rewards"])
+    assert smc["reward"] == -false_equations(smc["output"])
     toy = HumanEvalProblem(
         task_id="Toy/0",
         prompt='def add(a, b):\n    """\n    >>> add(2, 3)\n    5\n    """\n',

@@ -266,7 +266,8 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
 
 def steering_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """``reward`` and ``vote`` of ``generate``'s steering options: an execution reward on the
-    prompt's examples (``--reward examples``) or a tests file (``--tests``), and the weighted
+    prompt's examples (``--reward examples``) or a tests file (``--tests``), or the arithmetic
+    check of a worked answer (``--reward arithmetic``), and the weighted
     vote (``--aggregate vote``) over ``--answer-regex`` or, with a reward, over what the code
     does on the examples.
 
@@ -274,7 +275,12 @@ def steering_from_args(args: argparse.Namespace) -> dict[str, Any]:
     non-finite ``--reward-beta``.
     """
     from smcspec.aggregate import Vote
-    from smcspec.rewards import CodeExamples, code_of_prompt, examples_from_tests
+    from smcspec.rewards import (
+        CodeExamples,
+        arithmetic_reward,
+        code_of_prompt,
+        examples_from_tests,
+    )
 
     out: dict[str, Any] = {}
     examples = None
@@ -289,6 +295,8 @@ def steering_from_args(args: argparse.Namespace) -> dict[str, Any]:
         examples = CodeExamples(found, code_of_prompt(args.prompt), sandbox=args.sandbox)
     if examples is not None:
         out["reward"] = examples.reward(args.reward_beta)
+    elif args.reward == "arithmetic":
+        out["reward"] = arithmetic_reward(args.reward_beta)
     if args.aggregate == "vote":
         if args.answer_regex is None and examples is not None:
             out["vote"] = Vote(examples.behaviour, "behaviour on the examples")

@@ -46,9 +46,11 @@ def _generate(sub, common: list[argparse.ArgumentParser]) -> None:
     t = r.add_mutually_exclusive_group()
     t.add_argument(
         "--reward",
-        choices=["examples"],
+        choices=["examples", "arithmetic"],
         help="examples: reward code by the share of the prompt's own examples it passes "
-        "(doctest lines or 'f(1) == 2'), run in a sandbox",
+        "(doctest lines or 'f(1) == 2'), run in a sandbox; arithmetic: weigh a worked answer "
+        "down by exp(-beta) for each false equation (165 \\times 12 = 2040), checked as each "
+        "line ends",
     )
     t.add_argument(
         "--tests",
@@ -76,7 +78,8 @@ def _generate(sub, common: list[argparse.ArgumentParser]) -> None:
         "--answer-regex",
         metavar="PATTERN",
         help="a particle's answer for the vote: the last match (its first group if any); "
-        "default the last number, or with --reward/--tests the code's behaviour on the examples",
+        "default the last number, or with --reward examples / --tests the code's behaviour on "
+        "the examples",
     )
 
 

@@ -27,7 +27,12 @@ from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
 from smcspec.eval.fidelity import target_nll
 from smcspec.eval.results import ResultFile
-from smcspec.rewards import CodeExamples, examples_from_prompt
+from smcspec.rewards import (
+    CodeExamples,
+    arithmetic_reward,
+    examples_from_prompt,
+    false_equations,
+)
 
 PAUSE_FILE = "PAUSE"
 """While a file of this name exists beside the results file, a run waits before its next
@@ -35,8 +40,9 @@ answer (``touch OUT/PAUSE``; remove it to go on): the machine can then be timed 
 without the run beside it, and without an answer's wall time counting the pause."""
 
 REWARD_BETA = 5.0
-"""beta of ``-reward`` settings without a number (``smc-n8-k2-reward``): exp(5 R) weighs an
-answer that passes every example e^5 (about 150) times one that passes none."""
+"""beta of ``-reward`` settings without a number (``smc-n8-k2-reward``): on HumanEval exp(5 R)
+weighs an answer that passes every example e^5 (about 150) times one that passes none; on
+GSM8K each false equation divides a particle's weight by e^5."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,9 @@ class MethodSpec:
         config: the decoding setting.
         samples: ``ar`` samples per item (best-of-n and self-consistency; 1 otherwise).
         select: ``"bon"`` (rerank by the reward), ``"sc"`` (majority answer) or None.
-        reward_beta: smc steered by the task's reward (HumanEval: the prompt's examples) with
-            this beta; None: no reward.
+        reward_beta: smc steered by the task's reward with this beta (HumanEval: the share
+            of the prompt's examples passed; GSM8K: minus the false equations,
+            :mod:`smcspec.rewards.arithmetic`); None: no reward.
         vote: smc answers with the weighted vote over its particles.
     """
 
@@ -268,8 +275,6 @@ def _answer(
     examples = None
     if task == "humaneval" and (spec.reward_beta is not None or spec.vote or spec.select):
         examples = _examples(item)
-    if task == "gsm8k" and (spec.select == "bon" or spec.reward_beta is not None):
-        raise ConfigError(f"{spec.name}: GSM8K has no reward (use ar-sc-nN or -vote)")
     if task == "gsm8k":
         answer_fn = gsm8k.extract_answer
     elif examples is not None:
@@ -283,14 +288,16 @@ def _answer(
         # (distinct answers among the particles), it tells path degeneracy from low entropy
         extra = {"samples": spec.samples, "distinct_answers": len(set(answers) - {None})}
         if spec.select == "bon":
-            scores = examples.score(got.texts) if examples else [0.0] * len(got.texts)
+            scores = _scores(task, examples, got.texts)
             pick = baselines.best_of_n(scores)
             extra["rewards"] = scores
         else:
             pick = baselines.self_consistency(answers) or 0
         chosen = got.results[pick]
         return _Answer(chosen.text, chosen, got.new_tokens, got.seconds, extra)
-    if examples is not None and spec.reward_beta is not None:
+    if task == "gsm8k" and spec.reward_beta is not None:
+        cfg = replace(cfg, reward=arithmetic_reward(spec.reward_beta))
+    elif examples is not None and spec.reward_beta is not None:
         cfg = replace(cfg, reward=examples.reward(spec.reward_beta))
     if spec.vote:
         cfg = replace(cfg, vote=Vote(answer_fn, "task answer"))
@@ -300,9 +307,18 @@ def _answer(
     if spec.vote:
         extra["vote"] = r.vote and {k: v for k, v in r.vote.items() if k != "text"}
         text = r.vote["text"] if r.vote else r.text
-    if examples is not None and spec.reward_beta is not None:
-        extra["reward"] = examples.score([r.text])[0]
+    if spec.reward_beta is not None and (task == "gsm8k" or examples is not None):
+        extra["reward"] = _scores(task, examples, [r.text])[0]
     return _Answer(text, r, r.new_tokens, r.seconds, extra)
+
+
+def _scores(task: str, examples: CodeExamples | None, texts: list[str]) -> list[float]:
+    """The task's reward ``R`` of each text: GSM8K, minus its false equations
+    (:mod:`smcspec.rewards.arithmetic`); HumanEval, the share of the prompt's examples passed
+    (0 for every text when the prompt has none)."""
+    if task == "gsm8k":
+        return [-float(false_equations(t)) for t in texts]
+    return examples.score(texts) if examples else [0.0] * len(texts)
 
 
 def _code_answer(item: humaneval.HumanEvalProblem) -> Callable[[str], str | None]:
