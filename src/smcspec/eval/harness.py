@@ -317,7 +317,7 @@ def _scores(task: str, examples: CodeExamples | None, texts: list[str]) -> list[
     (:mod:`smcspec.rewards.arithmetic`); HumanEval, the share of the prompt's examples passed
     (0 for every text when the prompt has none)."""
     if task == "gsm8k":
-        return [-float(false_equations(t)) for t in texts]
+        return [float(-false_equations(t)) for t in texts]
     return examples.score(texts) if examples else [0.0] * len(texts)
 
 

@@ -174,9 +174,9 @@ def arithmetic_reward(beta: float = 3.0) -> Reward:
     """
 
     def final(texts: list[str]) -> Sequence[float]:
-        return [-float(false_equations(t)) for t in texts]
+        return [float(-false_equations(t)) for t in texts]
 
     def prefix(texts: list[str]) -> Sequence[float]:
-        return [-float(false_equations(t, complete_lines_only=True)) for t in texts]
+        return [float(-false_equations(t, complete_lines_only=True)) for t in texts]
 
     return Reward(final, beta, prefix_fn=prefix)
