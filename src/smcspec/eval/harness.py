@@ -27,12 +27,7 @@ from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
 from smcspec.eval.fidelity import target_nll
 from smcspec.eval.results import ResultFile
-from smcspec.rewards import (
-    CodeExamples,
-    arithmetic_reward,
-    examples_from_prompt,
-    false_equations,
-)
+from smcspec.rewards import CodeExamples, arithmetic_reward, examples_from_prompt
 
 PAUSE_FILE = "PAUSE"
 """While a file of this name exists beside the results file, a run waits before its next
@@ -317,7 +312,7 @@ def _scores(task: str, examples: CodeExamples | None, texts: list[str]) -> list[
     (:mod:`smcspec.rewards.arithmetic`); HumanEval, the share of the prompt's examples passed
     (0 for every text when the prompt has none)."""
     if task == "gsm8k":
-        return [float(-false_equations(t)) for t in texts]
+        return list(arithmetic_reward().fn(texts))  # R itself: beta does not enter it
     return examples.score(texts) if examples else [0.0] * len(texts)
 
 
