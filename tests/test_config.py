@@ -146,6 +146,8 @@ def _other_value(f):
         return False, ["--no-" + f.name.replace("_", "-")]
     if opt.choices is not None:
         return opt.choices[-1], [flag, opt.choices[-1]]
+    if f.name == "groups":  # it must divide N, and needs -N where N would be chosen
+        return 2, [flag, "2", "-N", "4"]
     if f.type in ("int", "int | None"):
         return 5, [flag, "5"]
     if f.default is None:  # "float | None": unset means the setting's own default
@@ -170,6 +172,18 @@ def test_every_cli_setting_has_a_flag_that_reaches_the_config():
         for command in (["generate", "x"], ["serve"], ["bench"], ["eval", "gsm8k"]):
             cfg = config_from_args(parse_args([*command, *argv]))
             assert getattr(cfg, f.name) == value, (command, f.name)
+
+
+def test_groups_need_the_particles_they_divide():
+    from smcspec.cli import parse_args
+    from smcspec.cli.options import config_from_args
+
+    with pytest.raises(ConfigError, match="--groups needs -N"):
+        config_from_args(parse_args(["generate", "x", "--groups", "2"]))
+    with pytest.raises(ConfigError, match="must divide"):
+        config_from_args(parse_args(["generate", "x", "--groups", "3", "-N", "8"]))
+    cfg = config_from_args(parse_args(["generate", "x", "--groups", "4", "-N", "8"]))
+    assert (cfg.groups, cfg.particles) == (4, 8)
 
 
 def test_every_server_setting_is_a_field_of_the_smc_object():

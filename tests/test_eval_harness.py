@@ -30,13 +30,16 @@ def test_method_specs_and_grid():
     assert named[1].config.finished_particles == "bank"
     (keep,) = harness.method_specs("smc-n8-k2-keep", base)
     assert keep.name == "smc-n8-k2-keep" and keep.config.finished_particles == "keep"
+    (grouped,) = harness.method_specs("smc-n8-k2-g4-vote", base)
+    assert (grouped.config.groups, grouped.vote, grouped.config.particles) == (4, True, 8)
+    assert harness.method_specs("smc-n8-k2", base)[0].config.groups == 1
     ngram = harness.method_specs("sd-ngram-k5,sd-k2", base)
     assert [(s.name, s.config.draft, s.config.draft_tokens) for s in ngram] == [
         ("sd-ngram-k5", "ngram", 5), ("sd-k2", "model", 2)]  # fmt: skip
     # with --draft ngram (base.draft), sd settings draft n-grams and smc keeps its draft model
     both = harness.method_specs("sd-k3,smc-n4-k2", replace(base, draft="ngram"))
     assert [s.config.draft for s in both] == ["ngram", "model"]
-    for bad in ("ar,beam", "smc-n0-k2", "smc-n4", "sd-ngram-k0"):
+    for bad in ("ar,beam", "smc-n0-k2", "smc-n4", "sd-ngram-k0", "smc-n8-k2-g3"):
         with pytest.raises(ConfigError):
             harness.method_specs(bad, base)
     with pytest.raises(ConfigError):

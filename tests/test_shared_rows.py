@@ -387,10 +387,10 @@ def test_particles_with_the_same_tokens_have_the_same_matcher_state(monkeypatch)
     from smcspec.eval.fidelity import CONSTRAINT_TABLE
 
     target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
-    real_resample, pairs = smc_module._resample_if_degenerate, []
+    real_resample, pairs = smc_module._end_round, []
 
-    def checked(st, ps, tcache, dcache):
-        real_resample(st, ps, tcache, dcache)
+    def checked(st, ps, ended, running, tcache, dcache):
+        real_resample(st, ps, ended, running, tcache, dcache)
         live = [i for i in range(st.n) if not bool(ps.finished[i])]
         for a in live:
             for b in live:
@@ -404,7 +404,7 @@ def test_particles_with_the_same_tokens_have_the_same_matcher_state(monkeypatch)
                     assert torch.equal(ps.states[a].allowed(), ps.states[b].allowed())
                     assert ps.states[a].is_accepting() == ps.states[b].is_accepting()
 
-    monkeypatch.setattr(smc_module, "_resample_if_degenerate", checked)
+    monkeypatch.setattr(smc_module, "_end_round", checked)
     cfg = GenerationConfig(
         max_new_tokens=9,
         particles=8,

@@ -87,23 +87,23 @@ class _NoReorder:
 
 
 def _skip_target_reorder(real):
-    def broken(st, ps, tcache, dcache):
-        real(st, ps, _NoReorder(tcache), dcache)
+    def broken(st, ps, ended, running, tcache, dcache):
+        real(st, ps, ended, running, _NoReorder(tcache), dcache)
 
     return broken
 
 
 def _skip_draft_reorder(real):
-    def broken(st, ps, tcache, dcache):
-        real(st, ps, tcache, _NoReorder(dcache))
+    def broken(st, ps, ended, running, tcache, dcache):
+        real(st, ps, ended, running, tcache, _NoReorder(dcache))
 
     return broken
 
 
 def _skip_pending_reorder(real):
-    def broken(st, ps, tcache, dcache):
+    def broken(st, ps, ended, running, tcache, dcache):
         pending = ps.pending_t, ps.pending_d
-        real(st, ps, tcache, dcache)
+        real(st, ps, ended, running, tcache, dcache)
         ps.pending_t, ps.pending_d = pending
 
     return broken
@@ -112,8 +112,8 @@ def _skip_pending_reorder(real):
 def test_skipping_the_pending_tokens_reorder_is_caught(pair, monkeypatch):
     """Measured TV 0.285 at N=16 (against 0.096 for the real code above)."""
     target, draft = pair
-    real = smc_module._resample_if_degenerate
-    monkeypatch.setattr(smc_module, "_resample_if_degenerate", _skip_pending_reorder(real))
+    real = smc_module._end_round
+    monkeypatch.setattr(smc_module, "_end_round", _skip_pending_reorder(real))
     tv, resamples = _tv(target, draft, _cfg(16))
     assert resamples >= 0.9
     assert tv > 0.2
@@ -135,17 +135,17 @@ def _rows_hold_their_tokens(model, cache, tokens: torch.Tensor) -> bool:
 def _checked_runs(target, draft, monkeypatch, variant=None) -> list[bool]:
     """After every resampling of 6 seeded runs (N=8, K=2, 12 tokens, no stop tokens), do the
     target's and the draft's KV rows hold their particles' tokens?"""
-    real = smc_module._resample_if_degenerate
+    real = smc_module._end_round
     step = variant(real) if variant else real
     checks: list[bool] = []
 
-    def spy(st, ps, tcache, dcache):
-        step(st, ps, tcache, dcache)
+    def spy(st, ps, ended, running, tcache, dcache):
+        step(st, ps, ended, running, tcache, dcache)
         if ps.resamples and not bool(ps.finished.any()):
             checks.append(_rows_hold_their_tokens(target, tcache, ps.tokens))
             checks.append(_rows_hold_their_tokens(draft, dcache, ps.tokens))
 
-    monkeypatch.setattr(smc_module, "_resample_if_degenerate", spy)
+    monkeypatch.setattr(smc_module, "_end_round", spy)
     cfg = GenerationConfig(
         method="smc", max_new_tokens=12, particles=8, draft_tokens=2, ess_threshold=1.0
     )
@@ -222,15 +222,15 @@ def _constrained_checks(monkeypatch, skip_state_reorder: bool) -> list[bool]:
     draft = tiny_transformer(seed=2, scale=0.1, base=target)
     if skip_state_reorder:
         monkeypatch.setattr(smc_module, "reorder", lambda states, ancestors: states)
-    real = smc_module._resample_if_degenerate
+    real = smc_module._end_round
     checks: list[bool] = []
 
-    def spy(st, ps, tcache, dcache):
-        real(st, ps, tcache, dcache)
+    def spy(st, ps, ended, running, tcache, dcache):
+        real(st, ps, ended, running, tcache, dcache)
         if ps.resamples and ps.states:
             checks.append(_states_match_tokens(dfa, ps))
 
-    monkeypatch.setattr(smc_module, "_resample_if_degenerate", spy)
+    monkeypatch.setattr(smc_module, "_end_round", spy)
     cfg = GenerationConfig(
         method="smc", max_new_tokens=9, particles=8, draft_tokens=1, ess_threshold=1.0,
         constraint=dfa,

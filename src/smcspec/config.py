@@ -88,6 +88,16 @@ class GenerationConfig:
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
         ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
         resampler: ``systematic`` | ``stratified`` | ``multinomial`` | ``residual``.
+        groups: G, a divisor of N (smc). The particles form G groups of N/G that are weighted,
+            resampled and banked apart, like G independent SMC-SD runs batched in one
+            forward (the island particle model of Vergé, Dubarry, Del Moral & Moulines 2015,
+            "On parallel implementation of Sequential Monte Carlo methods: the island
+            particle model"); the groups then count equally: a particle's final weight is its
+            normalised weight within its group divided by the number of groups that kept any
+            weight. One group (the default) is plain SMC-SD. A vote over G groups is a vote
+            over G nearly independent answers (self-consistency), where one group's particles,
+            after resampling, mostly hold copies of one answer
+            (``docs/benchmarks/gsm8k-steering/diversity.md``).
         finished_particles: what SMC-SD does with a particle that ends (EOS, a stop token
             or the budget): ``"bank"`` (default) sets it aside with its share of the round's
             weight and refills the N slots from the running particles, so particles that end
@@ -156,6 +166,15 @@ class GenerationConfig:
         0.5, 8, server=True, help="kappa: resample when ESS < kappa*N (0 disables)"
     )
     resampler: str = option("systematic", 9, server=True, choices=tuple(RESAMPLERS))
+    groups: int = option(
+        1,
+        14,
+        server=True,
+        metavar="G",
+        help="smc: split the N particles into G groups (G divides N) weighted, resampled and "
+        "banked apart, counted equally at the end (default 1: plain SMC-SD); a vote then "
+        "compares G nearly independent answers",
+    )
     finished_particles: str = option(
         "bank",
         10,
@@ -230,7 +249,7 @@ class GenerationConfig:
         return self
 
     def _check_types(self) -> None:
-        for name in ("max_new_tokens", "particles", "draft_tokens", "top_k"):
+        for name in ("max_new_tokens", "particles", "draft_tokens", "top_k", "groups"):
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
         numbers = ("temperature", "draft_temperature", "alpha", "ess_threshold", "top_p", "min_p",
@@ -258,6 +277,11 @@ class GenerationConfig:
         if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(
                 f"draft_tokens K must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}"
+            )
+        if not 1 <= self.groups <= self.particles or self.particles % self.groups:
+            raise ConfigError(
+                f"groups G must divide the particles N={self.particles} (1 <= G <= N), "
+                f"got {self.groups}"
             )
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")

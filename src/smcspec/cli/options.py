@@ -228,6 +228,9 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
         check_min_particles(args.min_particles)
     if getattr(args, "min_ess", None) is not None:
         check_min_ess(args.min_ess)
+    if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
+        if args.method in ("smc", "auto"):  # N would be chosen, and G must divide it
+            raise ConfigError("--groups needs -N: the number of particles the groups divide")
     ngram = args.draft == "ngram"
     if ngram and hasattr(args, "methods"):  # eval, bench: it applies to their sd settings
         return replace(_config(args, **extra), draft="ngram")

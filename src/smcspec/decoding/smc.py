@@ -10,6 +10,12 @@ and a bonus token from the target; nothing is rejected, so every particle advanc
 tokens. When ``ESS < kappa * N`` the particles are resampled (tokens and both KV caches).
 At the end one particle is drawn in proportion to its weight.
 
+Groups (``cfg.groups`` = G): the N particles form G groups of N/G, each weighted, resampled
+and banked on its own (ESS against ``kappa * N/G``), as G independent SMC-SD runs sharing
+each forward; at the end the groups count equally
+(:func:`~smcspec.sampling.resampling.group_normalized_weights`). With G = 1 every step, and
+the random stream, is that of plain SMC-SD.
+
 Finished particles (``cfg.finished_particles``): by default a particle that ends (EOS, a
 stop token, the budget) is *banked*: set aside with its share of the round's weight times
 the mass still running, while all N slots are refilled from the running particles; the
@@ -71,6 +77,7 @@ from smcspec.sampling.distributions import sample_categorical, tempered_log_prob
 from smcspec.sampling.resampling import (
     RESAMPLERS,
     effective_sample_size,
+    group_normalized_weights,
     log_mean_weight,
     normalized_weights,
 )
@@ -138,7 +145,17 @@ class _Setting:
     reward: Reward | None
     ess_threshold: float
     resampler: str
-    bank: bool  # finished particles are banked (see _bank_finished)
+    bank: bool  # finished particles are banked (see _bank_group)
+    groups: int = 1  # G groups of N/G particles, resampled apart
+
+    @property
+    def group_size(self) -> int:
+        return self.n // self.groups
+
+    def group(self, g: int) -> slice:
+        """The particles of group ``g``."""
+        m = self.group_size
+        return slice(g * m, (g + 1) * m)
 
     @property
     def potential(self) -> bool:
@@ -160,17 +177,17 @@ class _Particles:
     pending_t: torch.Tensor  # int64 [N, 1]: not yet fed to the target
     pending_d: torch.Tensor  # int64 [N, 1 or 2]: not yet fed to the draft
     phi: torch.Tensor  # float64 [N]: log twist of each prefix (0 without prefix_fn)
+    log_z: torch.Tensor  # float64 [G]: each group's log-normaliser estimate so far
+    log_running: torch.Tensor  # float64 [G]: banking: each group's running mass (log)
     states: list[ConstraintState] = field(default_factory=list)  # matchers (constraint)
-    log_z: float = 0.0  # log-normaliser estimate so far
     dead: int = 0  # particles killed by dead ends
     rounds: int = 0
     resamples: int = 0
     ess_trace: list[float] = field(default_factory=list)
     equal_start: bool = True  # the round being run began with equal weights
     fresh_ess: list[float] = field(default_factory=list)  # ESS of such rounds
-    # banking: ended particles (tokens, log probability mass) and the running particles' mass
-    banked: list[tuple[list[int], float]] = field(default_factory=list)
-    log_running: float = 0.0
+    # banking: ended particles (tokens, log probability mass, group)
+    banked: list[tuple[list[int], float, int]] = field(default_factory=list)
     # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
     # (itself while running; see _host_ended), or None before any particle ended
     host: torch.Tensor | None = None
@@ -306,6 +323,7 @@ def _smc_rounds(
         resampler=cfg.resampler,
         bank=cfg.finished_particles == "bank" and cfg.alpha == 1 and cfg.constraint is None
         and cfg.reward is None,
+        groups=cfg.groups,
     )  # fmt: skip
     cap = cache_capacity(cfg.max_new_tokens, st.k)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
@@ -317,12 +335,10 @@ def _smc_rounds(
     while not bool(ps.finished.all()):
         block = yield from _draft_block(st, ps, draft, dcache)  # 3a
         yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
+        was_running = ~ps.finished
         newly_finished = _advance(st, ps, block)  # 3c, 3e, 4
-        if st.bank and bool(newly_finished.any()):
-            _bank_finished(st, ps, newly_finished, tcache, dcache)
-        else:
-            _resample_if_degenerate(st, ps, tcache, dcache)  # 3f
-            _host_ended(ps, tcache, dcache)
+        _end_round(st, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        _host_ended(ps, tcache, dcache)
         emitted = _emit(ps, emitted, on_tokens)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
     out = _output(st, ps, keep, emitted, on_tokens, clock)
@@ -347,6 +363,8 @@ def _initial_particles(
         pending_t=tokens[:, :1],
         pending_d=tokens[:, :1],
         phi=torch.zeros(n, dtype=torch.float64, device=dev),
+        log_z=torch.zeros(st.groups, dtype=torch.float64),
+        log_running=torch.zeros(st.groups, dtype=torch.float64),
     )
     clock = None
     if not st.potential:
@@ -487,32 +505,65 @@ def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
     return ps.finished & ~was_finished
 
 
-def _bank_finished(
-    st: _Setting, ps: _Particles, ended: torch.Tensor, tcache: KVCache, dcache: KVCache
+def _end_round(
+    st: _Setting,
+    ps: _Particles,
+    ended: torch.Tensor,
+    was_running: torch.Tensor,
+    tcache: KVCache,
+    dcache: KVCache,
 ) -> None:
-    """Bank the particles that ended this round (``ended``: bool ``[N]``) and refill all N
-    slots from the running ones.
+    """The end of a round, group by group (one group without ``cfg.groups``): a group in
+    which particles ended this round banks them (:func:`_bank_group`, under the bank rule);
+    any other group that ran this round is resampled if its ESS fell below ``kappa`` times
+    its size (step 3f, :func:`_resample_group`). The ancestors of every group are then
+    taken at once. ``ended``, ``was_running``: bool ``[N]``. The ESS recorded for the round
+    is the sum of the groups' ESS."""
+    anc = torch.arange(st.n, device=ps.logw.device)
+    reset = torch.zeros(st.n, dtype=torch.bool, device=ps.logw.device)
+    ps.ess_trace.append(sum(effective_sample_size(ps.logw[st.group(g)]) for g in range(st.groups)))
+    if ps.equal_start:
+        ps.fresh_ess.append(ps.ess_trace[-1])
+    ps.equal_start = False
+    for g in range(st.groups):
+        sl = st.group(g)
+        if not bool(was_running[sl].any()):
+            continue  # every particle of the group had ended before this round
+        if st.bank and bool(ended[sl].any()):
+            a = _bank_group(st, ps, g, ended)
+        else:
+            a = _resample_group(st, ps, g)
+        if a is not None:
+            anc[sl] = sl.start + a
+            reset[sl] = True
+    if bool(reset.any()):
+        _take_ancestors(ps, anc, reset, tcache, dcache)
+
+
+def _bank_group(st: _Setting, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
+    """Bank the particles of group ``g`` that ended this round (``ended``: bool ``[N]``) and
+    return the group's new ancestors (int64 ``[N/G]``, indices within the group), drawn from
+    its running particles; None when none of them runs on with any weight (the group ends).
 
     Each ended particle is set aside with probability mass ``running mass x its normalised
     weight`` (:func:`~smcspec.sampling.smc_weights.finished_shares`); the running mass shrinks
-    to its own share; the running particles are resampled into all N slots (an unbiased
-    resampling among them, so the SMC estimate stays consistent) and restart at equal
-    weights. When no running particle has weight left, the request ends. The output is later
-    drawn from the banked particles in proportion to their mass (:func:`_output`)."""
-    ps.ess_trace.append(effective_sample_size(ps.logw))
-    if ps.equal_start:
-        ps.fresh_ess.append(ps.ess_trace[-1])
-    log_shares, log_run = finished_shares(ps.logw, ended)
-    for i in ended.nonzero()[:, 0].tolist():  # zero-weight ones too (mass -inf): listed
-        seq = ps.tokens[i, : int(ps.lengths[i])].tolist()
-        ps.banked.append((seq, ps.log_running + float(log_shares[i])))
-    ps.log_running += log_run
-    running = ~ps.finished
+    to its own share; the running particles are resampled into all the group's slots (an
+    unbiased resampling among them, so the SMC estimate stays consistent) and restart at
+    equal weights. The output is later drawn from the banked particles in proportion to their
+    mass (:func:`_output`)."""
+    sl = st.group(g)
+    log_shares, log_run = finished_shares(ps.logw[sl], ended[sl])
+    for i in ended[sl].nonzero()[:, 0].tolist():  # zero-weight ones too (mass -inf): listed
+        j = sl.start + i
+        seq = ps.tokens[j, : int(ps.lengths[j])].tolist()
+        ps.banked.append((seq, float(ps.log_running[g]) + float(log_shares[i]), g))
+    ps.log_running[g] += log_run
+    running = ~ps.finished[sl]
     if not math.isfinite(log_run) or not bool(running.any()):
-        ps.finished = torch.ones_like(ps.finished)  # nothing left to run
-        return
-    logw = torch.where(running, ps.logw, torch.full_like(ps.logw, -math.inf))
-    _take_ancestors(ps, RESAMPLERS[st.resampler](logw, st.generator), tcache, dcache)
+        ps.finished[sl] = True  # nothing left to run in this group
+        return None
+    logw = torch.where(running, ps.logw[sl], torch.full_like(ps.logw[sl], -math.inf))
+    return RESAMPLERS[st.resampler](logw, st.generator)
 
 
 def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
@@ -555,24 +606,25 @@ def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
     ps.pending_d = ps.pending_d[ps.host]
 
 
-def _resample_if_degenerate(st: _Setting, ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
-    """Step 3f: when ``ESS < kappa * N``, add the round's ``log mean w`` to ``log_z``, draw
-    ancestors and copy tokens, caches, matchers and twists; the log-weights restart at 0."""
-    ess = effective_sample_size(ps.logw)
-    ps.ess_trace.append(ess)
-    if ps.equal_start:
-        ps.fresh_ess.append(ess)
-    ps.equal_start = False
-    if st.n < 2 or ess >= st.ess_threshold * st.n:
-        return
-    ps.log_z += log_mean_weight(ps.logw)
-    _take_ancestors(ps, RESAMPLERS[st.resampler](ps.logw, st.generator), tcache, dcache)
+def _resample_group(st: _Setting, ps: _Particles, g: int) -> torch.Tensor | None:
+    """Step 3f for group ``g``: when its ``ESS < kappa * N/G``, add its ``log mean w`` to
+    its ``log_z`` and return its ancestors (int64 ``[N/G]``, indices within the group);
+    otherwise None."""
+    lw = ps.logw[st.group(g)]
+    m = st.group_size
+    if m < 2 or effective_sample_size(lw) >= st.ess_threshold * m:
+        return None
+    ps.log_z[g] += log_mean_weight(lw)
+    return RESAMPLERS[st.resampler](lw, st.generator)
 
 
-def _take_ancestors(ps: _Particles, anc: torch.Tensor, tcache: KVCache, dcache: KVCache) -> None:
+def _take_ancestors(
+    ps: _Particles, anc: torch.Tensor, reset: torch.Tensor, tcache: KVCache, dcache: KVCache
+) -> None:
     """Make particle ``i`` a copy of particle ``anc[i]`` (int64 ``[N]``): tokens, lengths,
-    ended flags, pending tokens, both KV caches, twists and matchers; the copies restart at
-    equal log-weights. Serves resampling and banking alike."""
+    ended flags, pending tokens, both KV caches, twists and matchers; the particles in
+    ``reset`` (bool ``[N]``: the groups resampled or banked) restart at equal log-weights.
+    Serves resampling and banking alike."""
     ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
     ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
     tcache.reorder(anc)
@@ -580,8 +632,8 @@ def _take_ancestors(ps: _Particles, anc: torch.Tensor, tcache: KVCache, dcache: 
     ps.phi = ps.phi[anc]
     if ps.states:
         ps.states = reorder(ps.states, anc)
-    ps.logw = torch.zeros_like(ps.logw)
-    ps.equal_start = True
+    ps.logw = torch.where(reset, torch.zeros_like(ps.logw), ps.logw)
+    ps.equal_start = bool(reset.all())
     ps.resamples += 1
 
 
@@ -598,7 +650,7 @@ def _emit(
         upto = _common_prefix_len(ps.tokens, ps.lengths)
         if ps.banked:
             held = ps.tokens[0, :upto].tolist()
-            for seq, _ in ps.banked:
+            for seq, _, _ in ps.banked:
                 upto = min(upto, _shared_len(seq, held))
         seq = ps.tokens[0, :upto].tolist()
     else:
@@ -622,8 +674,9 @@ def _output(
     clock: ConstraintClock | None,
 ) -> DecodeOutput:
     """Step 5: a reward without twist enters the final weights; one particle is drawn in
-    proportion to its weight (banked particles: to their mass) and streamed to the end;
-    stats and (optionally) all particles."""
+    proportion to its weight (banked particles: to their mass; with groups, normalised
+    within each group and the groups counted equally) and streamed to the end; stats and
+    (optionally) all particles. The log-normaliser estimate is the mean of the groups'."""
     n = st.n
     if st.reward is not None and not st.twisted:  # the whole reward at the end
         alive = torch.isfinite(ps.logw)
@@ -631,14 +684,19 @@ def _output(
         final = st.reward.log_potential(seqs, prefix=False).to(st.dev)
         ps.logw = torch.where(alive, ps.logw + final, ps.logw)
     if ps.banked:  # every particle was banked when it ended: the candidates are those
-        seqs = [seq for seq, _ in ps.banked]
-        w, all_inf = normalized_weights(torch.tensor([m for _, m in ps.banked]))
-        ps.log_z = 0.0  # alpha = 1 without potentials: the target is normalised (Z = 1)
+        seqs = [seq for seq, _, _ in ps.banked]
+        masses = torch.tensor([m for _, m, _ in ps.banked], dtype=torch.float64)
+        group_ids = torch.tensor([g for _, _, g in ps.banked], dtype=torch.long)
+        ps.log_z.zero_()  # alpha = 1 without potentials: the target is normalised (Z = 1)
     else:
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
-        w, all_inf = normalized_weights(ps.logw)
-        if not all_inf:
-            ps.log_z += log_mean_weight(ps.logw)
+        masses = ps.logw
+        group_ids = torch.arange(n, device=ps.logw.device) // st.group_size
+        for g in range(st.groups):
+            if not normalized_weights(ps.logw[st.group(g)])[1]:
+                ps.log_z[g] += log_mean_weight(ps.logw[st.group(g)])
+    w, all_inf = group_normalized_weights(masses, group_ids, st.groups)
+    log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(st.groups)
     choice = int(sample_categorical(w.to(st.dev), st.generator)) if len(seqs) > 1 else 0
     _emit(ps, emitted, on_tokens, final=seqs[choice])
     trace = ps.ess_trace
@@ -654,11 +712,10 @@ def _output(
         "mean_round_ess": sum(ps.fresh_ess) / len(ps.fresh_ess) if ps.fresh_ess else float(n),
         "banked": len(ps.banked),
     }
-    if ps.banked:  # the banked particles' total probability mass: 1 once all have ended
-        masses = torch.tensor([m for _, m in ps.banked], dtype=torch.float64)
-        stats["banked_mass"] = float(torch.logsumexp(masses, 0).exp())
+    if ps.banked:  # the banked particles' total probability mass (per group): 1 once all ended
+        stats["banked_mass"] = float(torch.logsumexp(masses, 0).exp()) / st.groups
     if st.potential:
-        stats.update(log_normalizer=ps.log_z, dead_particles=ps.dead)
+        stats.update(log_normalizer=log_z, dead_particles=ps.dead)
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     particles = None
@@ -668,7 +725,7 @@ def _output(
         tokens=seqs[choice],
         stats=stats,
         particles=particles,
-        log_normalizer=ps.log_z if math.isfinite(ps.log_z) else None,
+        log_normalizer=log_z if math.isfinite(log_z) else None,
     )
 
 

@@ -119,27 +119,32 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
         else:
             raise ConfigError(
                 f"unknown method {method!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
-                "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-vote]"
+                "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-vote]"
             )
     for s in specs:
         s.config.validate()
     return specs
 
 
-_SMC_NAME = re.compile(r"smc-n(\d+)-k(\d+)(-keep)?(?:-a([\d.]+))?(-reward([\d.]+)?)?(-vote)?")
+_SMC_NAME = re.compile(
+    r"smc-n(\d+)-k(\d+)(-keep)?(?:-a([\d.]+))?(-reward([\d.]+)?)?(?:-g(\d+))?(-vote)?"
+)
 
 
 def _smc_spec(name: str, m: re.Match, base: GenerationConfig) -> MethodSpec:
     """An smc setting from its name: N, K, ``-keep`` (the paper's rule for finished
     particles), ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
-    :data:`REWARD_BETA` without a number) and ``-vote`` (the weighted vote answers)."""
+    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart) and
+    ``-vote`` (the weighted vote answers)."""
     n, k = int(m.group(1)), int(m.group(2))
     cfg = replace(base, method="smc", particles=n, draft_tokens=k, draft="model")
     cfg = replace(cfg, finished_particles="keep" if m.group(3) else "bank")
     if m.group(4):
         cfg = replace(cfg, alpha=float(m.group(4)))
+    if m.group(7):
+        cfg = replace(cfg, groups=int(m.group(7)))
     beta = (float(m.group(6)) if m.group(6) else REWARD_BETA) if m.group(5) else None
-    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group(7)))
+    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group(8)))
 
 
 def _score_gsm8k(item: gsm8k.Gsm8kItem, text: str) -> dict[str, Any]:

@@ -35,6 +35,42 @@ def normalized_weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w / w.sum(), False
 
 
+def group_normalized_weights(
+    log_weights: torch.Tensor, group_ids: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, bool]:
+    """Weights ``[M]`` (float64) that count ``groups`` groups of particles equally.
+
+    Each group's log-weights are normalised within the group (:func:`normalized_weights`) and
+    divided by the number of groups that hold any weight; a group whose weights are all zero
+    gets none. This is the equal-weight combination of independent particle systems (the
+    islands of Vergé, Dubarry, Del Moral & Moulines 2015): consistent as each group grows,
+    and it does not weigh groups by their normalising-constant estimates, whose variance
+    grows with the length of the output. With one group it is :func:`normalized_weights`.
+
+    Args:
+        log_weights: float ``[M]`` log-weights (NaN counts as zero weight).
+        group_ids: int64 ``[M]``, each particle's group in ``[0, groups)``.
+        groups: the number of groups G >= 1.
+
+    Returns:
+        ``(w, degenerate)``; ``degenerate`` is True when no group holds any weight, in which
+        case ``w`` is uniform over all M particles.
+    """
+    w = torch.zeros(log_weights.shape, dtype=torch.float64, device=log_weights.device)
+    live = 0
+    for g in range(groups):
+        in_g = group_ids == g
+        if not bool(in_g.any()):
+            continue
+        wg, dead = normalized_weights(log_weights[in_g])
+        if not dead:
+            w[in_g] = wg
+            live += 1
+    if live == 0:
+        return torch.full_like(w, 1.0 / w.numel()), True
+    return w / live, False
+
+
 def _clean(log_weights: torch.Tensor) -> torch.Tensor:
     """float64 log-weights with NaN (an undefined weight) treated as -inf (zero weight)."""
     lw = log_weights.double()
