@@ -79,7 +79,6 @@ from smcspec.sampling.resampling import (
     effective_sample_size,
     group_normalized_weights,
     log_mean_weight,
-    normalized_weights,
 )
 from smcspec.sampling.smc_weights import (
     bonus_log_normalizer,
@@ -521,7 +520,8 @@ def _end_round(
     is the sum of the groups' ESS."""
     anc = torch.arange(st.n, device=ps.logw.device)
     reset = torch.zeros(st.n, dtype=torch.bool, device=ps.logw.device)
-    ps.ess_trace.append(sum(effective_sample_size(ps.logw[st.group(g)]) for g in range(st.groups)))
+    ess = [effective_sample_size(ps.logw[st.group(g)]) for g in range(st.groups)]
+    ps.ess_trace.append(sum(ess))
     if ps.equal_start:
         ps.fresh_ess.append(ps.ess_trace[-1])
     ps.equal_start = False
@@ -532,7 +532,7 @@ def _end_round(
         if st.bank and bool(ended[sl].any()):
             a = _bank_group(st, ps, g, ended)
         else:
-            a = _resample_group(st, ps, g)
+            a = _resample_group(st, ps, g, ess[g])
         if a is not None:
             anc[sl] = sl.start + a
             reset[sl] = True
@@ -606,13 +606,13 @@ def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
     ps.pending_d = ps.pending_d[ps.host]
 
 
-def _resample_group(st: _Setting, ps: _Particles, g: int) -> torch.Tensor | None:
-    """Step 3f for group ``g``: when its ``ESS < kappa * N/G``, add its ``log mean w`` to
-    its ``log_z`` and return its ancestors (int64 ``[N/G]``, indices within the group);
-    otherwise None."""
+def _resample_group(st: _Setting, ps: _Particles, g: int, ess: float) -> torch.Tensor | None:
+    """Step 3f for group ``g``, whose ESS is ``ess``: when ``ess < kappa * N/G``, add its
+    ``log mean w`` to its ``log_z`` and return its ancestors (int64 ``[N/G]``, indices within
+    the group); otherwise None."""
     lw = ps.logw[st.group(g)]
     m = st.group_size
-    if m < 2 or effective_sample_size(lw) >= st.ess_threshold * m:
+    if m < 2 or ess >= st.ess_threshold * m:
         return None
     ps.log_z[g] += log_mean_weight(lw)
     return RESAMPLERS[st.resampler](lw, st.generator)
@@ -693,8 +693,9 @@ def _output(
         masses = ps.logw
         group_ids = torch.arange(n, device=ps.logw.device) // st.group_size
         for g in range(st.groups):
-            if not normalized_weights(ps.logw[st.group(g)])[1]:
-                ps.log_z[g] += log_mean_weight(ps.logw[st.group(g)])
+            log_mean = log_mean_weight(ps.logw[st.group(g)])
+            if log_mean != -math.inf:  # a group with no weight left adds nothing
+                ps.log_z[g] += log_mean
     w, all_inf = group_normalized_weights(masses, group_ids, st.groups)
     log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(st.groups)
     choice = int(sample_categorical(w.to(st.dev), st.generator)) if len(seqs) > 1 else 0
