@@ -96,6 +96,22 @@ def test_bwrap_blocks_fork_threads_and_subprocesses(tmp_path: Path) -> None:
     assert all(" failed " in line for line in lines), lines
 
 
+@pytest.mark.parametrize("kind", ["bwrap", "rlimit"])
+def test_numpy_imports_in_both_sandboxes_whatever_the_cpus(kind: str, tmp_path: Path) -> None:
+    # Under bwrap no thread can start; OpenBLAS used to abort numpy's import (KeyboardInterrupt)
+    # wherever the parent saw more than one CPU, so a correct program's verdict depended on
+    # the machine. The child is told to use one thread.
+    if kind == "bwrap" and not sandbox.bwrap_works():
+        pytest.skip("bubblewrap cannot run here")
+    prog = (
+        "import os\n"
+        "import numpy as np\n"
+        "print(np.sort([3, 1, 2]).tolist(), os.environ['OPENBLAS_NUM_THREADS'])\n"
+    )
+    run = run_python(prog, sandbox=kind, workdir_parent=tmp_path)
+    assert run.returncode == 0 and _out(run).strip() == "[1, 2, 3] 1", run
+
+
 @needs_bwrap
 def test_bwrap_enforces_the_time_limit(tmp_path: Path) -> None:
     run = run_python("while True:\n    pass\n", Limits(timeout_s=1), "bwrap", tmp_path)

@@ -3,7 +3,8 @@
 Used by HumanEval's hidden tests (:mod:`smcspec.eval.humaneval`) and by the execution reward
 (:mod:`smcspec.rewards.code`). :func:`run_python` writes the program into a fresh temporary
 directory and runs ``python -I -B program.py`` there, with a clean environment (``PATH``,
-``HOME`` and ``TMPDIR`` = that directory, ``LANG``), stdin from ``/dev/null``, stdout and stderr
+``HOME`` and ``TMPDIR`` = that directory, ``LANG``, and one thread for the thread pools of
+OpenBLAS, OpenMP, MKL and numexpr), stdin from ``/dev/null``, stdout and stderr
 into files (read back capped), in its own session, the whole process group killed at the end
 or at the wall-clock limit. Before the program starts, a bootstrap sets ``RLIMIT_AS``,
 ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_CORE`` and ``exec``s the interpreter (no
@@ -72,6 +73,23 @@ if sys.argv[1] == "1":
     f.load()
 os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[-1]])
 """
+
+
+# Thread pools of numerical libraries start one thread per CPU at import unless told
+# otherwise. Under bwrap no thread can start, and OpenBLAS (numpy's BLAS) then aborts the
+# import with KeyboardInterrupt wherever more than one CPU is visible: a correct program that
+# imports numpy would pass or fail by the parent's CPU affinity. One thread everywhere makes
+# a program's verdict the same under both sandboxes and on every machine.
+_ONE_THREAD_ENV = {
+    name: "1"
+    for name in (
+        "OPENBLAS_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+        "VECLIB_MAXIMUM_THREADS",
+    )
+}
 
 
 class SandboxWarning(UserWarning):
@@ -227,6 +245,7 @@ def run_python(
         argv += [sys.executable, "-I", "-c", _BOOTSTRAP, "1" if used == "bwrap" else "0"]
         argv += [str(v) for triple in rl for v in triple]
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+        env.update(_ONE_THREAD_ENV)
         timed_out = False
         start = time.monotonic()
         with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
