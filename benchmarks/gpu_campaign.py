@@ -396,6 +396,8 @@ def systems(args, upper_bound: bool) -> list[list[System]]:
     if upper_bound:  # the acceptance-1 sd rows (the pair's target loaded twice)
         groups[0] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
     for b in args.batches:
+        if b == 1:  # the grid above is the batch-1 group: a second one would repeat it
+            continue
         groups.append([System("ar", batch=b), System("smc", 8, 8, batch=b)])
     return groups
 
@@ -655,7 +657,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pairs", default="qwen,llama")
     ap.add_argument("--particles", default="4,8,16")
     ap.add_argument("--draft-tokens", default="2,4,8")
-    ap.add_argument("--batches", default="8,32")
+    ap.add_argument(
+        "--batches",
+        default="8,32",
+        help="concurrent requests for the ar / smc-n8-k8 groups; 1 adds none (the grid is batch 1)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)

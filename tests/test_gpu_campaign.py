@@ -138,3 +138,13 @@ def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
     assert "| smc-n8-k8 | 1 | 64 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
     assert "- llamacpp/llama: the build failed" in report
     assert "--backends torch" in report
+
+
+def test_batch_one_adds_no_second_batch_one_group():
+    args = gpu_campaign.parse_args(
+        ["--device", "cpu", "--out", "/tmp/unused", "--particles", "4", "--draft-tokens", "8"]
+        + ["--batches", "1,8"]
+    )
+    groups = gpu_campaign.systems(args, upper_bound=False)
+    labels = [[(s.label, s.batch) for s in g] for g in groups]
+    assert labels == [[("ar", 1), ("smc-n4-k8", 1)], [("ar", 8), ("smc-n8-k8", 8)]]
