@@ -555,10 +555,20 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         rows = [json.loads(line) for line in f if line.strip()]
     envs = [r for r in rows if r["kind"] == "environment"] or [env]
     env = {k: v for k, v in envs[-1].items() if k not in ("kind", "elapsed_s", "command")}
+    # A phase is one call of the script (its rows follow its ``environment`` row): a ratio
+    # takes the ``ar`` and the roofline measured in its own phase, on its own machine.
+    phase = 0
+    for r in rows:
+        phase += r["kind"] == "environment"
+        r["phase"] = phase
     runs = [r for r in rows if r["kind"] == "run"]
-    roof = {(r["backend"], r["pair"], r["n"], r["k"]): r for r in rows if r["kind"] == "roofline"}
+    roof = {
+        (r["phase"], r["backend"], r["pair"], r["n"], r["k"]): r
+        for r in rows
+        if r["kind"] == "roofline"
+    }
     ar = {
-        (r["backend"], r["pair"], r["batch"]): r["tokens_per_s"]
+        (r["phase"], r["backend"], r["pair"], r["batch"]): r["tokens_per_s"]
         for r in runs
         if r["method"] == "ar"
     }
@@ -578,7 +588,8 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         "tokens per request); median of the runs listed, systems alternated run by run. "
         "tokens/s = new tokens "
         "/ wall seconds (prefill included; a batch: all its requests' tokens / its wall time). "
-        "`x ar`: ratio to `ar` at the same backend, pair and batch. Roofline: the speed-up "
+        "`x ar`: ratio to `ar` at the same backend, pair and batch, measured by the same "
+        "command (a row's `ar` and roofline never come from another call). Roofline: the speed-up "
         "predicted from measured forward costs (`smcspec.eval.roofline`: (K+1) target 1x1 "
         "forwards over one round's K draft forwards + one target forward of N(K+1) tokens) "
         "and the memory-bound bound (K+1)/((K+1)c+1). `sd (draft=target)` has acceptance 1: "
@@ -587,6 +598,7 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
     ]
     for backend, pair in dict.fromkeys((r["backend"], r["pair"]) for r in runs):
         sel = [r for r in runs if (r["backend"], r["pair"]) == (backend, pair)]
+        several = len({r["phase"] for r in sel}) > 1
         lines += [
             f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}",
             "",
@@ -595,14 +607,16 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in sel:
-            base = ar.get((backend, pair, r["batch"]))
+            base = ar.get((r["phase"], backend, pair, r["batch"]))
             ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
-            rf = roof.get((backend, pair, r["n"], r["k"])) if r["method"] == "smc" else None
+            key = (r["phase"], backend, pair, r["n"], r["k"])
+            rf = roof.get(key) if r["method"] == "smc" else None
             pred = f"{rf['measured_costs']:.2f}" if rf and r["batch"] == 1 else "-"
             mb = f"{rf['memory_bound']:.2f}" if rf and r["batch"] == 1 else "-"
             each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
+            name = f"{r['system']} (call {r['phase']})" if several else r["system"]
             lines.append(
-                f"| {r['system']} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
+                f"| {name} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
                 f"{r['tokens_per_s']:.1f} | {ratio} | "
                 f"{pred} | {mb} | {each} |"
             )
@@ -637,8 +651,10 @@ def plot(runs: list[dict], ar: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     for ax, (backend, pair) in zip(axes[0], groups, strict=True):
         rs = [r for r in sel if (r["backend"], r["pair"]) == (backend, pair)]
-        base = ar.get((backend, pair, 1)) or 1.0
-        ax.bar([r["system"] for r in rs], [r["tokens_per_s"] / base for r in rs])
+        ratios = [r["tokens_per_s"] / (ar.get((r["phase"], backend, pair, 1)) or 1.0) for r in rs]
+        several = len({r["phase"] for r in rs}) > 1
+        names = [f"{r['system']} (call {r['phase']})" if several else r["system"] for r in rs]
+        ax.bar(names, ratios)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{backend} {pair}: tokens/s over ar (batch 1)")
         ax.tick_params(axis="x", rotation=60, labelsize=7)

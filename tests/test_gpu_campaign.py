@@ -148,3 +148,42 @@ def test_batch_one_adds_no_second_batch_one_group():
     groups = gpu_campaign.systems(args, upper_bound=False)
     labels = [[(s.label, s.batch) for s in g] for g in groups]
     assert labels == [[("ar", 1), ("smc-n4-k8", 1)], [("ar", 8), ("smc-n8-k8", 8)]]
+
+
+def test_report_only_takes_each_rows_ar_from_its_own_call(tmp_path):
+    """Two calls joined in one ``results.jsonl`` (as a campaign and a later rerun on another
+    machine are): each ratio divides by the ``ar`` its own call measured, not the last one."""
+
+    def run(system: str, method: str, n: int, k: int, tps: float) -> dict:
+        return {
+            "kind": "run",
+            "system": system,
+            "method": method,
+            "n": n,
+            "k": k,
+            "batch": 1,
+            "backend": "llamacpp",
+            "pair": "llama",
+            "target": "llama-3.1-8b",
+            "draft": "llama-3.2-1b",
+            "tokens_per_s": tps,
+            "all_tokens_per_s": [tps],
+            "tokens": 128,
+        }
+
+    env = {"kind": "environment", "date_utc": "2026-11-27 00:00", "device": "cuda", "tiny": False}
+    rows = [
+        {**env, "command": "python benchmarks/gpu_campaign.py --draft-tokens 8"},
+        run("ar", "ar", 1, 0, 100.0),
+        run("smc-n4-k8", "smc", 4, 8, 150.0),
+        {**env, "command": "python benchmarks/gpu_campaign.py --draft-tokens 12"},
+        run("ar", "ar", 1, 0, 200.0),
+        run("smc-n4-k12", "smc", 4, 12, 300.0),
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert gpu_campaign.main(["--device", "cpu", "--out", str(tmp_path), "--report-only"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| smc-n4-k8 (call 1) | 1 | 128 | 150.0 | 1.50 |" in report
+    assert "| smc-n4-k12 (call 2) | 1 | 128 | 300.0 | 1.50 |" in report
+    assert "| ar (call 1) | 1 | 128 | 100.0 | 1.00 |" in report
+    assert "--draft-tokens 12" in report
