@@ -83,6 +83,14 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     assert "pytest-torch.log" in os.listdir(out)
 
 
+def report_only(out: Path, rows: list[dict]) -> str:
+    """Write ``rows`` as ``out/results.jsonl``, rebuild the report with ``--report-only`` and
+    return ``report.md``."""
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert gpu_campaign.main(["--device", "cpu", "--out", str(out), "--report-only"]) == 0
+    return (out / "report.md").read_text()
+
+
 def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
     rows = [
         {
@@ -132,9 +140,7 @@ def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
         },
         {"kind": "skipped", "what": "llamacpp/llama: the build failed"},
     ]
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert gpu_campaign.main(["--device", "cpu", "--out", str(tmp_path), "--report-only"]) == 0
-    report = (tmp_path / "report.md").read_text()
+    report = report_only(tmp_path, rows)
     assert "| smc-n8-k8 | 1 | 64 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
     assert "- llamacpp/llama: the build failed" in report
     assert "--backends torch" in report
@@ -180,9 +186,7 @@ def test_report_only_takes_each_rows_ar_from_its_own_call(tmp_path):
         run("ar", "ar", 1, 0, 200.0),
         run("smc-n4-k12", "smc", 4, 12, 300.0),
     ]
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert gpu_campaign.main(["--device", "cpu", "--out", str(tmp_path), "--report-only"]) == 0
-    report = (tmp_path / "report.md").read_text()
+    report = report_only(tmp_path, rows)
     assert "| smc-n4-k8 (call 1) | 1 | 128 | 150.0 | 1.50 |" in report
     assert "| smc-n4-k12 (call 2) | 1 | 128 | 300.0 | 1.50 |" in report
     assert "| ar (call 1) | 1 | 128 | 100.0 | 1.00 |" in report
