@@ -5,6 +5,7 @@ without -N/-K, ``bench --predict``, ``--quantize-draft``)."""
 from __future__ import annotations
 
 import json
+import platform
 import re
 
 import pytest
@@ -29,7 +30,7 @@ from smcspec.tuning import (
     tune,
 )
 from smcspec.tuning import tuner as tuner_module
-from smcspec.tuning.cache import cache_file, cost_key, read_costs
+from smcspec.tuning.cache import cache_file, cost_key, cpu_model, read_costs
 from smcspec.tuning.predict import (
     CHOICE_MARGIN,
     DEFAULT_SMC,
@@ -447,6 +448,24 @@ def test_the_key_names_machine_backend_and_model_files(engine, own_cache):
     assert key["draft"]["files"][0][1] == engine.draft.path.stat().st_size
     assert "CPU" in key["machine"]
     assert cache_file(key) != cache_file({**key, "threads": 2})
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu sse2 avx avx2 avx512f avx512bw", "AMD EPYC (AVX-512)"),
+    ("fpu sse2 avx avx2", "AMD EPYC (AVX2)"),
+    ("fpu avx2 avx512f amx_tile amx_bf16", "AMD EPYC (AVX-512, AMX)"),
+    ("fpu sse2", "AMD EPYC"),
+])  # fmt: skip
+def test_cpu_model_names_the_widest_vector_extension(tmp_path, flags, expected):
+    # two VMs that both call themselves "AMD EPYC" ran llama.cpp about twofold apart
+    info = tmp_path / "cpuinfo"
+    first = f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n"
+    info.write_text(first + "\nprocessor\t: 1\nmodel name\t: other\nflags\t\t: avx512f amx_tile\n")
+    assert cpu_model(info) == expected
+
+
+def test_cpu_model_without_cpuinfo_falls_back_to_platform(tmp_path):
+    assert cpu_model(tmp_path / "missing") == (platform.processor() or platform.machine())
 
 
 def test_a_draftless_engine_predicts_ar_and_ngram_sd_only(engine, own_cache):

@@ -1,13 +1,13 @@
 """The measured-costs cache: ``$SMCSPEC_CACHE/costs/<key hash>.json``, one file per machine,
 backend, model pair and format version.
 
-The key names the machine (the CPU model from ``/proc/cpuinfo`` and its core count, or the
-CUDA device's name), the compute threads, the backend, device and dtype, the measurement's
-context length, and each model file by its resolved path, size and modification time (a
-directory: each of its ``config.json`` and ``*.safetensors`` files), so a re-quantized or
-replaced model is measured again. The key is stored in the file too and checked on reading;
-a missing, unreadable, corrupt or mismatching file reads as empty (everything is measured
-again and the file rewritten), never as an error.
+The key names the machine (the CPU model and vector extension from ``/proc/cpuinfo`` and its
+core count, or the CUDA device's name), the compute threads, the backend, device and dtype, the
+measurement's context length, and each model file by its resolved path, size and modification
+time (a directory: each of its ``config.json`` and ``*.safetensors`` files), so a re-quantized
+or replaced model is measured again. The key is stored in the file too and checked on reading; a
+missing, unreadable, corrupt or mismatching file reads as empty (everything is measured again
+and the file rewritten), never as an error.
 """
 
 from __future__ import annotations
@@ -84,15 +84,33 @@ class CostRecord:
         )
 
 
-def cpu_model() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (e.g. ``"AMD EPYC"``), else what
-    :mod:`platform` knows (the processor, or the machine type)."""
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        for ln in info.read_text().splitlines():
-            if ln.startswith("model name"):
-                return ln.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+#: x86 vector extensions, widest first, as ``/proc/cpuinfo`` flags and as printed.
+_VECTOR_ISAS = (
+    ("amx_tile", "AVX-512, AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+)  # fmt: skip
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name from ``cpuinfo``'s first ``model name`` line, with the widest x86
+    vector extension its first ``flags`` line names in brackets (``"AMD EPYC (AVX-512)"``,
+    ``"AMD EPYC (AVX2)"``); else what :mod:`platform` knows (the processor, or the machine
+    type). Cloud VMs give one model name to CPUs of different generations, and llama.cpp's
+    kernels follow the vector extension, so the name alone cannot tell apart two machines whose
+    speeds differ about twofold (the records of ``docs/benchmarks/gsm8k-sc-400``)."""
+    name, flags = None, None
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        lines = []
+    for ln in lines:
+        if name is None and ln.startswith("model name"):
+            name = ln.split(":", 1)[1].strip()
+        elif flags is None and ln.startswith("flags"):
+            flags = set(ln.split(":", 1)[1].split())
+    isa = next((label for flag, label in _VECTOR_ISAS if flag in (flags or ())), "")
+    if not name:
+        return platform.processor() or platform.machine()
+    return f"{name} ({isa})" if isa else name
 
 
 def machine_name(device: str | torch.device) -> str:
