@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.backends.pool import Reservation
-from smcspec.decoding.program import Forward, Prefill, Program, execute
+from smcspec.decoding.program import Forward, Prefill, Program, Round, execute
 from smcspec.engine import Engine, GenerationResult, Job
 from smcspec.errors import ContextLengthError, SmcspecError
 
@@ -370,15 +370,17 @@ class BatchScheduler:
         return stats
 
     def _run_prefills(self, live: list[Request]) -> dict[int, torch.Tensor]:
-        """Each pending prefill, one at a time (their lengths differ): ``{id(request): logits}``.
-        A prefill that raises (e.g. out of memory) fails its request only."""
+        """Each pending prefill and fused round, one at a time (their lengths differ; a round
+        runs on its own request's static caches): ``{id(request): result}``. One that raises
+        (e.g. out of memory) fails its request only."""
         results: dict[int, torch.Tensor] = {}
         for req in live:
-            if isinstance(req.pending, Prefill):
+            if isinstance(req.pending, Prefill | Round):
                 try:
                     results[id(req)] = execute(req.pending)
                 except Exception as exc:
-                    log.exception("prefill failed")
+                    if not isinstance(exc, SmcspecError):
+                        log.exception("prefill or fused round failed")
                     req.pending = None
                     self._finish(req, exc)
         return results

@@ -154,13 +154,15 @@ class CacheNeed:
     """One KV cache a decoder program will open: ``rows`` particles of up to ``capacity``
     generated tokens each after a prompt of ``prompt_len`` tokens, on the ``role`` model
     (``shared_rows``: its forwards compute distinct rows only, see
-    :mod:`smcspec.backends.shared_rows`)."""
+    :mod:`smcspec.backends.shared_rows`; ``static``: a cache at fixed addresses for rounds
+    captured as CUDA graphs, where the backend has them)."""
 
     role: str  # "target" or "draft"
     rows: int
     capacity: int
     prompt_len: int
     shared_rows: bool = True
+    static: bool = False
 
 
 class Reservation:

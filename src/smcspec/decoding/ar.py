@@ -13,8 +13,9 @@ from smcspec.decoding.common import (
     as_prompt_tensor,
     with_caches,
 )
+from smcspec.decoding.fused import ar_step, fused_rounds, graph_safe, is_static, static_needs
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.potentials import DeadEndError, compiled_constraint, timed_start
+from smcspec.potentials import ConstraintState, DeadEndError, compiled_constraint, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
     sample_categorical,
@@ -70,6 +71,8 @@ def ar_program(
         return _ar_steps(target, cache, prompt, cfg, stop_ids, vocab, generator, on_tokens)
 
     needs = ar_caches(cfg, len(prompt))
+    if fused_rounds(target) and graph_safe(cfg, "ar"):
+        needs = static_needs(needs)  # steps captured as CUDA graphs (decoding/fused.py)
     return (yield from with_caches(needs, {"target": target}, reservation, steps))
 
 
@@ -86,15 +89,10 @@ def _ar_steps(
     constraint = compiled_constraint(cfg.constraint)
     state, clock = timed_start(constraint) if constraint is not None else (None, None)
     logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
+    fused = state is None and is_static(cache)
+    tok = _next_token(logits, cfg, state, vocab, generator)
     out: list[int] = []
     while True:
-        lp = step_log_probs(logits, cfg.temperature)
-        lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
-        if state is not None:
-            lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
-        if cfg.greedy:
-            lp = point_mass_log_probs(lp)
-        tok = int(sample_categorical(lp.exp(), generator))
         out.append(tok)
         if on_tokens:
             on_tokens([tok])
@@ -102,12 +100,34 @@ def _ar_steps(
             break
         if state is not None:
             state.consume([tok])
+        if fused:  # the forward and the next draw as one round on the device
+            tok = yield from ar_step(target, cache, tok, cfg, vocab, generator)
+            continue
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
+        tok = _next_token(logits, cfg, state, vocab, generator)
     stats: dict[str, float | int] = {"forwards": len(out)}
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _next_token(
+    logits: torch.Tensor,
+    cfg: GenerationConfig,
+    state: ConstraintState | None,
+    vocab: int,
+    generator: torch.Generator,
+) -> int:
+    """The next token from the target's ``logits`` ``[V]``: tempered, truncated, masked by the
+    constraint ``state``, a point mass when greedy."""
+    lp = step_log_probs(logits, cfg.temperature)
+    lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
+    if state is not None:
+        lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
+    if cfg.greedy:
+        lp = point_mass_log_probs(lp)
+    return int(sample_categorical(lp.exp(), generator))
 
 
 def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,11 @@ def open_caches(
         for need in needs:
             lease = reservation.lease(need.role) if reservation is not None else None
             model = models[need.role]
+            extra = {"static": True, "prompt_len": need.prompt_len} if need.static else {}
             caches.append(
-                model.new_cache(need.rows, need.capacity, lease=lease, shared_rows=need.shared_rows)
+                model.new_cache(
+                    need.rows, need.capacity, lease=lease, shared_rows=need.shared_rows, **extra
+                )
             )
     except BaseException:
         close_caches(caches)

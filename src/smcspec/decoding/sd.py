@@ -40,6 +40,7 @@ from smcspec.decoding.common import (
     cut_at_stop,
     with_caches,
 )
+from smcspec.decoding.fused import fused_rounds, graph_safe, is_static, sd_round, static_needs
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
     ConstraintState,
@@ -96,7 +97,10 @@ def sd_program(
         return _sd_rounds(target, draft, tcache, dcache, *args)
 
     models = {"target": target, "draft": draft}
-    return (yield from with_caches(sd_caches(cfg, len(prompt)), models, reservation, rounds))
+    needs = sd_caches(cfg, len(prompt))
+    if fused_rounds(target, draft) and graph_safe(cfg, "sd"):
+        needs = static_needs(needs)  # rounds captured as CUDA graphs (decoding/fused.py)
+    return (yield from with_caches(needs, models, reservation, rounds))
 
 
 def _prefill(
@@ -164,7 +168,6 @@ def _sd_rounds(
     generator: torch.Generator,
     on_tokens: TokenCallback | None,
 ) -> Program:
-    dev = target.device
     constraint = compiled_constraint(cfg.constraint)
     state, clock = timed_start(constraint) if constraint is not None else (None, None)
     tok = yield from _prefill(target, draft, tcache, dcache, prompt, cfg, state, vocab, generator)
@@ -177,24 +180,20 @@ def _sd_rounds(
     finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
     if state is not None and not finished:
         state.consume([tok])
+    fused = state is None and is_static(tcache, dcache)
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
-        d_tokens: list[int] = []
-        d_probs: list[torch.Tensor] = []
-        d_len0 = dcache.length
-        # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
-        masks = [_allowed(state, vocab, dev)] if state is not None else []
-        if state is not None and not bool(masks[0].any()):
-            raise DeadEndError("no token allowed by the constraint can follow (dead end)")
-        if k > 0:
-            d_tokens, d_probs = yield from _draft_block(
-                draft, dcache, pending_d, k, cfg, state, masks, stop_ids, vocab, generator
+        d_len0, t_len0 = dcache.length, tcache.length
+        if fused and k == cfg.draft_tokens:  # the whole round on the device
+            d_tokens, n, nxt = yield from sd_round(
+                target, draft, tcache, dcache, pending_d, pending_t, cfg, vocab, generator
             )
+        else:
+            d_tokens, n, nxt = yield from _round_steps(
+                target, draft, tcache, dcache, pending_d, pending_t, k, cfg, state, stop_ids,
+                vocab, generator,
+            )  # fmt: skip
             k = len(d_tokens)
-        t_len0 = tcache.length
-        n, nxt = yield from verify_block(
-            target, tcache, pending_t, d_tokens, d_probs, cfg, masks, vocab, generator
-        )
         rounds += 1
         drafted += k
         accepted += n
@@ -215,6 +214,38 @@ def _sd_rounds(
     if clock is not None:
         stats["constraint_seconds"] = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _round_steps(
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+    pending_d: list[int],
+    pending_t: int,
+    k: int,
+    cfg: GenerationConfig,
+    state: ConstraintState | None,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Forward, torch.Tensor, tuple[list[int], int, int]]:
+    """One round step by step: up to ``k`` draft forwards (:func:`_draft_block`), the
+    target's forward and the test (:func:`verify_block`). Returns ``(drafted, n, next)``."""
+    d_tokens: list[int] = []
+    d_probs: list[torch.Tensor] = []
+    # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
+    masks = [_allowed(state, vocab, target.device)] if state is not None else []
+    if state is not None and not bool(masks[0].any()):
+        raise DeadEndError("no token allowed by the constraint can follow (dead end)")
+    if k > 0:
+        d_tokens, d_probs = yield from _draft_block(
+            draft, dcache, pending_d, k, cfg, state, masks, stop_ids, vocab, generator
+        )
+    n, nxt = yield from verify_block(
+        target, tcache, pending_t, d_tokens, d_probs, cfg, masks, vocab, generator
+    )
+    return d_tokens, n, nxt
 
 
 def acceptance_stats(rounds: int, drafted: int, accepted: int) -> dict[str, float | int]:

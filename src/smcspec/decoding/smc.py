@@ -62,6 +62,7 @@ from smcspec.decoding.common import (
     distinct_row_stats,
     with_caches,
 )
+from smcspec.decoding.fused import fused_rounds, graph_safe, is_static, smc_block, static_needs
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import (
     ConstraintClock,
@@ -81,12 +82,11 @@ from smcspec.sampling.resampling import (
     log_mean_weight,
 )
 from smcspec.sampling.smc_weights import (
-    bonus_log_normalizer,
     finished_shares,
     incremental_log_weights,
-    power_log_probs,
+    power_target_probs,
 )
-from smcspec.sampling.truncation import truncate_log_probs, truncation_active
+from smcspec.sampling.truncation import truncate_log_probs
 
 DEGENERATE_ESS = 1.1
 """A round whose ESS (before resampling) is below this counts in ``degenerate_rounds``."""
@@ -98,29 +98,6 @@ def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
         return 0
     agree = (tokens[:, :m] == tokens[:1, :m]).all(0)
     return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
-
-
-def _power_target(
-    logits: torch.Tensor,
-    t_t: float,
-    alpha: float,
-    trunc: tuple[int, float, float],
-    with_norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities ``∝ p~(v)^alpha`` (float32 ``[..., V]``) for x0 and the bonus token, and
-    the bonus log-weight ``log sum_v p~(v)^alpha`` (float64 ``[...]``; None at alpha == 1,
-    where it is 0, or without ``with_norm``). ``trunc``: ``(top_k, top_p, min_p)``. All
-    filters off: ``softmax(alpha * l / T_t)`` and :func:`bonus_log_normalizer`, the code
-    path used before truncation existed."""
-    if not truncation_active(*trunc):
-        probs = tempered_log_probs(logits, t_t / alpha).exp()  # softmax(alpha * l / T_t)
-        use_norm = with_norm and alpha != 1.0
-        return probs, bonus_log_normalizer(logits, t_t, alpha) if use_norm else None
-    lp = truncate_log_probs(tempered_log_probs(logits, t_t), *trunc)
-    if alpha == 1.0:
-        return lp.exp(), None
-    log_r, log_z = power_log_probs(lp, alpha)
-    return log_r.exp(), log_z
 
 
 @dataclass(frozen=True)
@@ -284,7 +261,10 @@ def smc_program(
         return _smc_rounds(target, draft, tcache, dcache, *args)
 
     models = {"target": target, "draft": draft}
-    return (yield from with_caches(smc_caches(cfg, len(prompt)), models, reservation, rounds))
+    needs = smc_caches(cfg, len(prompt))
+    if fused_rounds(target, draft) and graph_safe(cfg, "smc"):
+        needs = static_needs(needs)  # rounds captured as CUDA graphs (decoding/fused.py)
+    return (yield from with_caches(needs, models, reservation, rounds))
 
 
 def _smc_rounds(
@@ -331,9 +311,13 @@ def _smc_rounds(
     yield Prefill(draft, p, dcache)
     ps, clock = _initial_particles(st, first, cap)
     emitted = _emit(ps, 0, on_tokens)
+    fused = not st.potential and is_static(tcache, dcache)
     while not bool(ps.finished.all()):
-        block = yield from _draft_block(st, ps, draft, dcache)  # 3a
-        yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
+        if fused:  # 3a, 3b, 3d as one round on the device
+            block = yield from _fused_block(st, ps, target, draft, tcache, dcache)
+        else:
+            block = yield from _draft_block(st, ps, draft, dcache)  # 3a
+            yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
         was_running = ~ps.finished
         newly_finished = _advance(st, ps, block)  # 3c, 3e, 4
         _end_round(st, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
@@ -367,7 +351,7 @@ def _initial_particles(
     )
     clock = None
     if not st.potential:
-        probs = _power_target(first, st.t_t, st.alpha, st.trunc, False)[0]
+        probs = power_target_probs(first, st.t_t, st.alpha, st.trunc, False)[0]
         x0 = int(sample_categorical(probs, st.generator))
         tokens[:, 0] = x0
         done = x0 in st.stop_ids or st.max_new_tokens == 1
@@ -433,6 +417,24 @@ def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCa
     return _Block(drafted, draft_lp, dead_pos, open_)
 
 
+def _fused_block(
+    st: _Setting,
+    ps: _Particles,
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+) -> Program:
+    """Steps 3a, 3b and 3d as one :class:`~smcspec.decoding.program.Round`
+    (:func:`smcspec.decoding.fused.smc_block`): the same draws as :func:`_draft_block` and
+    :func:`_score_block`, without a host read between the forwards."""
+    out = yield from smc_block(st, ps.pending_d, ps.pending_t, ps.host, target, draft, tcache,
+                               dcache)  # fmt: skip
+    b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out["bonus"])
+    b.bonus_norm = out.get("bonus_norm")
+    return b
+
+
 def _score_block(
     st: _Setting, ps: _Particles, b: _Block, target: DecoderModel, tcache: KVCache
 ) -> Program:
@@ -451,7 +453,7 @@ def _score_block(
         b.dead_pos = torch.where(empty & b.open_, k + 1, b.dead_pos)
         b.bonus_norm = torch.where(empty, torch.zeros_like(norm), norm)
     else:
-        probs, b.bonus_norm = _power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc)
+        probs, b.bonus_norm = power_target_probs(t_logits[:, k], st.t_t, st.alpha, st.trunc)
     b.bonus = sample_categorical(probs, st.generator)
     if ps.host is not None:
         b.bonus = b.bonus[ps.host]

@@ -17,7 +17,9 @@ SMALL_TEMPERATURE = 1e-6
 dividing, so that ``logits / temperature`` cannot overflow float32 (it would near 1e-35)."""
 
 
-def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def tempered_log_probs(
+    logits: torch.Tensor, temperature: float, check: bool = True
+) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` in float32, for any temperature >= 0.
 
     Below :data:`SMALL_TEMPERATURE` the logits are first shifted so that each row's
@@ -28,6 +30,8 @@ def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     Args:
         logits: ``[..., V]`` any float dtype.
         temperature: >= 0 (a Python float).
+        check: raise on NaN logits (reads one value on the host). ``False`` inside a
+            graph-captured round, which reports NaN through :func:`nan_rows` instead.
     Returns:
         float32 ``[..., V]`` log-probabilities.
     Raises:
@@ -43,9 +47,15 @@ def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     # A NaN logit makes its row's normaliser NaN, hence every entry of the row: one column
     # is checked instead of the whole [..., V] (a pass over 37 MB per SMC-SD round at
     # N=8 K=8 on a 128k vocabulary); the full check runs only where that column is NaN.
-    if torch.isnan(out[..., :1]).any() and torch.isnan(logits).any():
+    if check and torch.isnan(out[..., :1]).any() and torch.isnan(logits).any():
         raise NumericalError("the model produced NaN logits")
     return out
+
+
+def nan_rows(log_probs: torch.Tensor) -> torch.Tensor:
+    """bool ``[...]``: the rows of ``log_probs`` ``[..., V]`` (from :func:`tempered_log_probs`)
+    that came from NaN logits (a NaN logit makes its whole row NaN). No host read."""
+    return torch.isnan(log_probs[..., 0])
 
 
 def point_mass_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
@@ -59,12 +69,14 @@ def point_mass_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, log_probs.argmax(-1, keepdim=True), 0.0)
 
 
-def step_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def step_log_probs(logits: torch.Tensor, temperature: float, check: bool = True) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` (float32 ``[..., V]``); a greedy temperature
     (below :data:`GREEDY_BELOW`, 0 included) gives the untempered ``log_softmax(logits)``, to
     be turned into a point mass by :func:`point_mass_log_probs` once filters and masks are
-    applied (so that the mask picks among all tokens, not only the tempered top one)."""
-    return tempered_log_probs(logits, temperature if temperature >= GREEDY_BELOW else 1.0)
+    applied (so that the mask picks among all tokens, not only the tempered top one).
+    ``check``: as in :func:`tempered_log_probs`."""
+    t = temperature if temperature >= GREEDY_BELOW else 1.0
+    return tempered_log_probs(logits, t, check)
 
 
 _BLOCK = 256  # tokens per block of the two-level inverse-CDF sampler
@@ -73,15 +85,47 @@ _BLOCK = 256  # tokens per block of the two-level inverse-CDF sampler
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one index per row from ``probs`` ``[..., V]`` (need not be normalised).
 
-    Inverse-CDF sampling with one uniform per row, in two levels to keep the sequential
-    prefix sums short: the row is cut into blocks of 256 tokens, a block is chosen from the
-    float64 cumulative block masses, then a token inside it from that block's cumulative
-    masses. A token of zero mass is never drawn. (``torch.multinomial`` draws one
-    exponential variate per vocabulary entry, which on CPU costs about 3 ms per 150k-token
-    row; this costs a few passes over the row.)
+    One float64 uniform per row from ``generator`` (:func:`draw_uniforms`), then
+    :func:`categorical_from_uniforms`. A token of zero mass is never drawn.
 
     Returns int64 ``[...]``. Raises :class:`NumericalError` if a row has no finite positive
-    mass.
+    mass (or a negative entry).
+    """
+    rows = probs.numel() // probs.shape[-1]
+    u = draw_uniforms(rows, generator, probs.device)
+    idx, valid = categorical_from_uniforms(probs, u)
+    if not bool(valid.all()):
+        raise NumericalError("cannot sample from a distribution with no finite positive mass")
+    return idx
+
+
+def draw_uniforms(
+    rows: int, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """float64 ``[rows, 1]`` uniforms in [0, 1): what :func:`sample_categorical` draws for
+    ``rows`` rows (on a CPU generator, ``k`` calls of ``rows`` equal one of ``k * rows``)."""
+    return torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=device)
+
+
+def categorical_from_uniforms(
+    probs: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling of ``probs`` ``[..., V]`` (need not be normalised) with the given
+    uniforms: pure tensor work, no host read (what a graph-captured round runs).
+
+    Two levels keep the sequential prefix sums short: the row is cut into blocks of 256
+    tokens, a block is chosen from the float64 cumulative block masses, then a token inside
+    it from that block's cumulative masses. (``torch.multinomial`` draws one exponential
+    variate per vocabulary entry, which on CPU costs about 3 ms per 150k-token row; this
+    costs a few passes over the row.)
+
+    Args:
+        probs: float ``[..., V]``, non-negative.
+        u: float64 ``[R, 1]`` uniforms in [0, 1), ``R`` the number of rows of ``probs``.
+    Returns:
+        ``(idx, valid)``: int64 ``[...]`` the drawn indices (a token of zero mass is never
+        drawn from a valid row) and bool ``[...]``, False for a row with no finite positive
+        mass or a negative entry (its index is then meaningless).
     """
     v = probs.shape[-1]
     flat = probs.reshape(-1, v)
@@ -93,15 +137,16 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
         block_mass = torch.cat((block_mass, tail), dim=-1)
     cdf = block_mass.cumsum(-1)  # [R, blocks]
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all() and (total > 0).all()) or bool((flat < 0).any()):
-        raise NumericalError("cannot sample from a distribution with no finite positive mass")
-    u = torch.rand(r, 1, generator=generator, dtype=torch.float64, device=flat.device) * total
+    valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0) & ~(flat < 0).any(-1)
+    u = u.reshape(r, 1) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total
     blk = torch.searchsorted(cdf, u, right=True)  # first block with cdf > u: positive mass
+    blk = blk.clamp(max=cdf.shape[-1] - 1)  # an invalid row may overrun; valid ones cannot
     below = torch.where(blk > 0, cdf.gather(-1, (blk - 1).clamp(min=0)), 0.0)
     idx = blk * _BLOCK + torch.arange(_BLOCK, device=flat.device)  # [R, BLOCK]
     inner = torch.where(idx < v, flat.gather(-1, idx.clamp(max=v - 1)), 0).double().cumsum(-1)
     # rounding can put u - below at or past the block's own sum: keep it strictly inside
     rest = torch.minimum((u - below).clamp(min=0.0), torch.nextafter(inner[:, -1:], below * 0))
     j = torch.searchsorted(inner, rest, right=True)  # first token with cumulative mass > rest
-    return (blk * _BLOCK + j).view(probs.shape[:-1])
+    out = (blk * _BLOCK + j).clamp(max=v - 1)
+    return out.view(probs.shape[:-1]), valid.view(probs.shape[:-1])

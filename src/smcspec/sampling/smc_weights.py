@@ -17,7 +17,9 @@ import math
 
 import torch
 
+from smcspec.sampling.distributions import tempered_log_probs
 from smcspec.sampling.resampling import normalized_weights
+from smcspec.sampling.truncation import truncate_log_probs, truncation_active
 
 
 def bonus_log_normalizer(
@@ -61,6 +63,37 @@ def power_log_probs(log_probs: torch.Tensor, alpha: float) -> tuple[torch.Tensor
     scaled = alpha * log_probs.double()
     log_z = torch.logsumexp(scaled, -1)
     return (scaled - log_z[..., None]).float(), log_z
+
+
+def power_target_probs(
+    logits: torch.Tensor,
+    t_t: float,
+    alpha: float,
+    trunc: tuple[int, float, float],
+    with_norm: bool = True,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities ``∝ p~(v)^alpha`` (float32 ``[..., V]``) that x0 and the bonus token are
+    drawn from, and the bonus log-weight ``log sum_v p~(v)^alpha`` (float64 ``[...]``; None
+    at alpha == 1, where it is 0, or without ``with_norm``).
+
+    Args:
+        logits: the target's ``[..., V]`` logits at the position drawn.
+        t_t: target temperature (> 0). alpha: power exponent (> 0).
+        trunc: ``(top_k, top_p, min_p)`` of the target (``docs/sampling.md``).
+        check: raise on NaN logits (a host read; off inside a graph-captured round).
+    All filters off: ``softmax(alpha * l / T_t)`` and :func:`bonus_log_normalizer`, the code
+    path used before truncation existed.
+    """
+    if not truncation_active(*trunc):
+        probs = tempered_log_probs(logits, t_t / alpha, check).exp()  # softmax(alpha * l / T_t)
+        use_norm = with_norm and alpha != 1.0
+        return probs, bonus_log_normalizer(logits, t_t, alpha) if use_norm else None
+    lp = truncate_log_probs(tempered_log_probs(logits, t_t, check), *trunc)
+    if alpha == 1.0:
+        return lp.exp(), None
+    log_r, log_z = power_log_probs(lp, alpha)
+    return log_r.exp(), log_z
 
 
 def incremental_log_weights(

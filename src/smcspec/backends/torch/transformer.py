@@ -33,8 +33,18 @@ from torch import nn
 
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowPlan
+from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.kv_cache import ParticleKVCache
+from smcspec.backends.torch.static_cache import StaticKVCache, StaticSlots
+
+ROUND_MODES = ("auto", "steps", "eager", "graphs")
+"""How the decoders' rounds run on a :class:`Transformer` (:attr:`Transformer.rounds`):
+``steps`` one forward request at a time with the sampling on the host between them (distinct
+rows shared; every CPU path), ``eager`` a whole round as one function of device tensors on a
+static cache, called directly (what the CPU tests compare with ``steps``), ``graphs`` that
+function captured once per shape as a CUDA graph and replayed, ``auto`` graphs on CUDA and
+steps elsewhere."""
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -134,6 +144,24 @@ class Segment:
         return self.plan.distinct if self.plan is not None else self.rows * self.tokens
 
 
+@dataclass
+class StaticView:
+    """What every layer of one static-cache forward reads (built once per forward, all on the
+    device): ``rows`` x ``tokens`` new tokens written at suffix positions ``write_at``
+    (int64 ``[T]``) of ``cache``; attention over the first ``prefix_window`` prompt
+    positions and ``suffix_window`` suffix positions, True in ``mask_prefix`` ``[Pw]`` and
+    ``mask_suffix`` ``[g*T, Sw]`` (queries ordered (head in group, token)) hiding one."""
+
+    cache: StaticKVCache
+    rows: int
+    tokens: int
+    write_at: torch.Tensor
+    prefix_window: int
+    suffix_window: int
+    mask_prefix: torch.Tensor
+    mask_suffix: torch.Tensor
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer: GQA attention + SwiGLU MLP."""
 
@@ -150,18 +178,31 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.d)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
-    ) -> torch.Tensor:
-        """``x``: ``[M, hidden]``, all segments' distinct rows flattened; ``cos``/``sin``:
-        ``[M, D]``."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[M, H, D]``, keys and values ``[M, Hkv, D]`` of ``x`` ``[M, hidden]``,
+        RoPE applied (``cos``/``sin``: ``[M, D]``)."""
         m = x.shape[0]
         qkv = linear(self.attn_norm(x), self.qkv)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         c, s = cos[:, None, :], sin[:, None, :]
         q = _rotate(q.view(m, self.h, self.d), c, s)
         k = _rotate(k.view(m, self.hkv, self.d), c, s)
-        v = v.view(m, self.hkv, self.d)
+        return q, k, v.view(m, self.hkv, self.d)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output ``attn`` ``[M, H*D]`` and the MLP."""
+        x = x + linear(attn, self.o)
+        gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
+    ) -> torch.Tensor:
+        """``x``: ``[M, hidden]``, all segments' distinct rows flattened; ``cos``/``sin``:
+        ``[M, D]``."""
+        q, k, v = self.project(x, cos, sin)
         outs = []
         for seg in segments:  # attention is per request (own cache); everything else batched
             sl = slice(seg.offset, seg.offset + seg.distinct)
@@ -180,10 +221,32 @@ class Block(nn.Module):
             if seg.shared:  # back to the distinct rows: each one's first member
                 out = out[seg.plan.representative]
             outs.append(out)
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        x = x + linear(attn, self.o)
-        gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        return self.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def forward_static(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: StaticView
+    ) -> torch.Tensor:
+        """One layer over every row of a static-cache forward (:meth:`Transformer.decode_static`):
+        ``x`` ``[R*T, hidden]``, rows row-major; no host read, fixed shapes."""
+        q, k, v = self.project(x, cos, sin)
+        r, t = view.rows, view.tokens
+        q = q.view(r, t, self.h, self.d).transpose(1, 2)
+        k = k.view(r, t, self.hkv, self.d).transpose(1, 2)
+        v = v.view(r, t, self.hkv, self.d).transpose(1, 2)
+        cache = view.cache
+        cache.suffix_k[self.layer].index_copy_(2, view.write_at, k)
+        cache.suffix_v[self.layer].index_copy_(2, view.write_at, v)
+        pk = cache.prefix_store_k[self.layer, 0, :, : view.prefix_window]  # [Hkv, Pw, D]
+        pv = cache.prefix_store_v[self.layer, 0, :, : view.prefix_window]
+        sk = cache.suffix_k[self.layer, :, :, : view.suffix_window]  # [R, Hkv, Sw, D]
+        sv = cache.suffix_v[self.layer, :, :, : view.suffix_window]
+        g = self.h // self.hkv
+        out = self._attend(
+            q.reshape(r, self.hkv, g * t, self.d), pk, pv, sk, sv, view.mask_prefix,
+            view.mask_suffix,
+        )  # fmt: skip
+        out = out.view(r, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)
+        return self.finish(x, out.reshape(r * t, self.h * self.d))
 
     def _prefill_attention(self, q, k, v, cache: ParticleKVCache) -> torch.Tensor:
         cache.prefix_k[self.layer] = k
@@ -201,24 +264,44 @@ class Block(nn.Module):
         pk, pv = cache.prefix_k[self.layer], cache.prefix_v[self.layer]  # [1, Hkv, P, D]
         sk = cache.suffix_k[self.layer, :, :, :end]  # [R, Hkv, S, D]
         sv = cache.suffix_v[self.layer, :, :, :end]
-        p_len = pk.shape[2]
         qg = q.reshape(r, self.hkv, g * t, d)  # head h = kv * g + j; rows ordered (j, t)
-        # the prefix is shared: fold the rows into one [Hkv, R*g*T, D] product with it (a
-        # broadcast [R, ...] @ [1, ...] product would copy the prefix once per row)
-        qf = qg.transpose(0, 1).reshape(self.hkv, r * g * t, d)
-        s_pre = (qf @ pk[0].transpose(-1, -2)).view(self.hkv, r, g * t, p_len).transpose(0, 1)
-        scores = torch.cat((s_pre, qg @ sk.transpose(-1, -2)), dim=-1)
-        scores = scores.float() * self.scale
         # causal mask over the new block: query t sees suffix positions <= start + t
         qpos = torch.arange(t, device=q.device).repeat(g) + start  # [g*T]
         spos = torch.arange(end, device=q.device)
         mask = spos[None, :] > qpos[:, None]  # [g*T, S]
-        scores[..., p_len:].masked_fill_(mask, float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        p_pre = probs[..., :p_len].transpose(0, 1).reshape(self.hkv, r * g * t, p_len)
-        o_pre = (p_pre @ pv[0]).view(self.hkv, r, g * t, d).transpose(0, 1)
-        out = o_pre + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
+        out = self._attend(qg, pk[0], pv[0], sk, sv, None, mask)  # [R, Hkv, g*T, D]
         return out.view(r, self.hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(r, t, self.h * d)
+
+    def _attend(
+        self,
+        qg: torch.Tensor,
+        pk: torch.Tensor,
+        pv: torch.Tensor,
+        sk: torch.Tensor,
+        sv: torch.Tensor,
+        mask_prefix: torch.Tensor | None,
+        mask_suffix: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of grouped queries ``qg`` ``[R, Hkv, g*T, D]`` over the shared prompt's
+        keys/values ``pk``/``pv`` ``[Hkv, P, D]`` and each row's suffix ``sk``/``sv``
+        ``[R, Hkv, S, D]``; True in ``mask_prefix`` ``[P]`` (or None) and ``mask_suffix``
+        ``[g*T, S]`` hides a position. Scores and softmax in float32. Returns
+        ``[R, Hkv, g*T, D]``."""
+        r, hkv, gt, d = qg.shape
+        p_len = pk.shape[1]
+        # the prefix is shared: fold the rows into one [Hkv, R*g*T, D] product with it (a
+        # broadcast [R, ...] @ [1, ...] product would copy the prefix once per row)
+        qf = qg.transpose(0, 1).reshape(hkv, r * gt, d)
+        s_pre = (qf @ pk.transpose(-1, -2)).view(hkv, r, gt, p_len).transpose(0, 1)
+        scores = torch.cat((s_pre, qg @ sk.transpose(-1, -2)), dim=-1)
+        scores = scores.float() * self.scale
+        if mask_prefix is not None:
+            scores[..., :p_len].masked_fill_(mask_prefix, float("-inf"))
+        scores[..., p_len:].masked_fill_(mask_suffix, float("-inf"))
+        probs = scores.softmax(dim=-1).to(qg.dtype)
+        p_pre = probs[..., :p_len].transpose(0, 1).reshape(hkv, r * gt, p_len)
+        o_pre = (p_pre @ pv).view(hkv, r, gt, d).transpose(0, 1)
+        return o_pre + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
 
 
 class Transformer(nn.Module):
@@ -243,6 +326,20 @@ class Transformer(nn.Module):
         self._cos = self._sin = None
         self.kv_budget_bytes: int | None = None  # None: default_kv_budget(device)
         self._pool: ResourcePool | None = None
+        self.rounds = "auto"  # see ROUND_MODES
+        self.static_slots = StaticSlots(self._make_static)
+        self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
+
+    @property
+    def round_mode(self) -> str:
+        """How rounds run now (:data:`ROUND_MODES`, ``auto`` resolved; ``graphs`` only on
+        CUDA, ``eager`` in its place elsewhere)."""
+        if self.rounds not in ROUND_MODES:
+            raise ValueError(f"rounds must be one of {ROUND_MODES}, not {self.rounds!r}")
+        cuda = self.device.type == "cuda"
+        if self.rounds == "auto":
+            return "graphs" if cuda else "steps"
+        return "eager" if self.rounds == "graphs" and not cuda else self.rounds
 
     @property
     def dtype(self) -> torch.dtype:
@@ -274,13 +371,26 @@ class Transformer(nn.Module):
         return {"kv_bytes": per_token * (prompt_len + rows * capacity)}
 
     def new_cache(
-        self, rows: int, capacity: int, lease: Lease | None = None, shared_rows: bool = True
+        self,
+        rows: int,
+        capacity: int,
+        lease: Lease | None = None,
+        shared_rows: bool = True,
+        static: bool = False,
+        prompt_len: int = 0,
     ) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
 
         ``lease``: the request's reservation from :attr:`pool` (accounting only: the cache
         allocates its own tensors, freed with it); without one nothing is reserved.
-        ``shared_rows``: compute each distinct row of a forward once (the module notes)."""
+        ``shared_rows``: compute each distinct row of a forward once (the module notes).
+        ``static``: a :class:`StaticKVCache` from :attr:`static_slots` for a prompt of up to
+        ``prompt_len`` tokens (what graph-captured rounds need), where the round mode is not
+        ``steps`` and a slot is free; otherwise an ordinary cache."""
+        if static and self.round_mode != "steps":
+            cache = self.static_slots.take(rows, capacity, prompt_len, lease)
+            if cache is not None:
+                return cache
         c = self.cfg
         return ParticleKVCache(
             c.num_layers,
@@ -293,15 +403,44 @@ class Transformer(nn.Module):
             shared_rows=shared_rows,
         )
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
-        if need > self._rope_len or self._cos.device != self.device:  # grown, or moved by .to()
-            n = max(need, 2 * self._rope_len, 256)
+    def run_round(
+        self,
+        cache: StaticKVCache,
+        key: tuple,
+        fn: RoundFn,
+        inputs: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """Run a decoder's round ``fn(inputs)`` as :attr:`round_mode` says, its graph kept
+        with ``cache`` under ``key`` (:func:`smcspec.backends.torch.graphs.run_round`)."""
+        with torch.inference_mode():
+            return run_round(self.round_mode, cache.graphs, key, fn, inputs, self)
+
+    def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> StaticKVCache:
+        c = self.cfg
+        self._rope_table(prefix_capacity + capacity)  # a captured forward cannot grow it
+        return StaticKVCache(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            rows,
+            capacity,
+            prefix_capacity,
+            self.dtype,
+            self.device,
+        )
+
+    def _rope_table(self, need: int) -> None:
+        """Make the cos/sin tables cover positions ``< need`` (float32 ``[n, D]``)."""
+        if self._cos is None or need > self._rope_len or self._cos.device != self.device:
+            n = max(need, 2 * self._rope_len, 256)  # grown, or moved by .to()
             t = torch.arange(n, device=self.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(self.device))
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
             self._rope_len = n
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rope_table(int(positions.max()) + 1)
         return self._cos[positions].to(self.dtype), self._sin[positions].to(self.dtype)
 
     def _run(self, segments: list[Segment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -404,3 +543,58 @@ class Transformer(nn.Module):
             seg.cache.end_step()
             seg.cache.histories.commit(seg.plan)
         return out
+
+    @torch.inference_mode()
+    def decode_static(
+        self,
+        tokens: torch.Tensor,
+        cache: StaticKVCache,
+        start: torch.Tensor,
+        suffix_window: int,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`decode` for a graph-captured round: fixed shapes, no host read.
+
+        Every row is computed (no distinct rows). The new tokens go to suffix positions
+        ``start .. start + T - 1`` of every row; attention reads the prompt storage up to
+        its bucketed prompt length and the suffix up to ``suffix_window``, with masks from
+        the device scalars ``cache.prompt_len_t`` and ``start``. Neither the cache's host
+        ``length`` nor its histories change: the caller accounts for what the round wrote.
+
+        Args:
+            tokens: int64 ``[R, T]`` on the model's device, ``R == cache.rows``.
+            cache: a :class:`StaticKVCache` holding a prompt (prefilled).
+            start: int64 0-dim device tensor, the suffix position of ``tokens[:, 0]``.
+            suffix_window: suffix positions attended, ``>= start + T`` (the caller's
+                bucket; positions ``>= start + T`` are masked), ``<= cache.capacity``.
+            last_only: return only the logits after the last token.
+        Returns:
+            float32 logits ``[R, T, V]`` (``[R, 1, V]`` with ``last_only``).
+        """
+        r, t = tokens.shape
+        dev = tokens.device
+        steps = torch.arange(t, device=dev)
+        write_at = start + steps  # [T]
+        positions = cache.prompt_len_t + write_at
+        cos = self._cos[positions].to(self.dtype).repeat(r, 1)  # rows row-major: [R*T, D]
+        sin = self._sin[positions].to(self.dtype).repeat(r, 1)
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        p_window = cache.prompt_window
+        spos = torch.arange(suffix_window, device=dev)
+        view = StaticView(
+            cache=cache,
+            rows=r,
+            tokens=t,
+            write_at=write_at,
+            prefix_window=p_window,
+            suffix_window=suffix_window,
+            mask_prefix=torch.arange(p_window, device=dev) >= cache.prompt_len_t,
+            mask_suffix=spos[None, :] > write_at.repeat(g)[:, None],  # [g*T, Sw]
+        )
+        x = self.embed(tokens.reshape(-1))
+        for layer in self.layers:
+            x = layer.forward_static(x, cos, sin, view)
+        if last_only:
+            x = x.view(r, t, -1)[:, -1]
+        logits = linear(self.norm(x), self.lm_head).float()
+        return logits.view(r, 1 if last_only else t, -1)

@@ -1,0 +1,152 @@
+"""Running a decoder's round as one function of device tensors: called, or captured as a CUDA
+graph and replayed.
+
+A round (:class:`~smcspec.decoding.program.Round`) is ``fn(inputs) -> outputs``: dicts of
+tensors, no host read inside (the decoders draw its random numbers beforehand, so no
+generator runs inside either). :func:`run_round` runs it in one of two ways
+(:attr:`Transformer.round_mode <smcspec.backends.torch.transformer.Transformer.round_mode>`):
+
+* ``eager``: ``fn`` is called under :class:`HostReadGuard`, which raises
+  :class:`HostReadError` at the first host read of a tensor's value (``bool(t)``,
+  ``t.item()``, ``t.tolist()``, ``nonzero`` ...): the CPU check that a round can be captured.
+* ``graphs``: the first time a key is seen, ``fn`` runs once on a side stream (warm-up:
+  cuBLAS handles, the allocator), then is captured with :class:`torch.cuda.CUDAGraph` into
+  the model's graph memory pool, on inputs copied to static buffers; every round with that
+  key copies its inputs into those buffers and replays the graph (PyTorch's "whole network
+  capture" recipe, ``torch.cuda.graphs`` documentation). The graph is kept with the static
+  cache it belongs to (:attr:`StaticKVCache.graphs
+  <smcspec.backends.torch.static_cache.StaticKVCache.graphs>`), so the next request that
+  takes the cache replays it. Graphs share one pool, so their outputs are cloned before
+  the next replay can overwrite them.
+
+A key must name everything the captured work depends on besides the inputs' values: shapes,
+the attention windows, the constants the function closes over (temperatures, alpha, the
+vocabulary size) and every cache it touches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+RoundFn = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+HOST_READS = frozenset(
+    {
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__complex__",
+        "item",
+        "tolist",
+        "numpy",
+        "cpu",
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "repeat_interleave",
+        "bincount",
+    }
+)
+"""Tensor operations that read device values on the host (or whose output shape depends on
+them, which reads them too on CUDA)."""
+
+
+class HostReadError(RuntimeError):
+    """A round read a device value on the host: it could not be captured as a CUDA graph."""
+
+
+class HostReadGuard(TorchFunctionMode):
+    """Raises :class:`HostReadError` at the first :data:`HOST_READS` operation, or at
+    indexing with a boolean tensor (a ``nonzero`` in disguise), while active.
+
+    ``reads``: the operations seen (only the first when raising)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or (name in ("__getitem__", "__setitem__") and _bool_index(args)):
+            self.reads.append(name)
+            raise HostReadError(f"a round read a device value on the host ({name})")
+        return func(*args, **(kwargs or {}))
+
+
+def _bool_index(args: tuple) -> bool:
+    idx = args[1] if len(args) > 1 else None
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+@dataclass
+class CapturedRound:
+    """One captured round: its graph, the static input buffers it reads, its outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    replays: int = 0
+
+
+def run_round(
+    mode: str,
+    graphs: dict[tuple, CapturedRound],
+    key: tuple,
+    fn: RoundFn,
+    inputs: dict[str, torch.Tensor],
+    pool_owner: object,
+) -> dict[str, torch.Tensor]:
+    """Run the round ``fn`` on ``inputs`` as ``mode`` says (``eager`` or ``graphs``).
+
+    Args:
+        graphs: where the captured rounds are kept (a static cache's ``graphs``).
+        key: names the round's shapes and constants (module notes); the inputs must have
+            the same shapes and dtypes every time a key is used.
+        pool_owner: the model whose ``graph_pool`` the captures share (made here).
+    Returns:
+        The outputs (clones, owned by the caller).
+    Raises:
+        HostReadError: ``eager`` and ``fn`` read a device value on the host.
+        ValueError: an unknown mode.
+    """
+    if mode == "eager":
+        with HostReadGuard():
+            return fn(inputs)
+    if mode != "graphs":
+        raise ValueError(f"a round runs 'eager' or as 'graphs', not {mode!r}")
+    entry = graphs.get(key)
+    if entry is None:
+        entry = capture(fn, inputs, pool_owner)
+        graphs[key] = entry
+    for name, t in inputs.items():
+        entry.inputs[name].copy_(t)
+    entry.graph.replay()
+    entry.replays += 1
+    return {name: t.clone() for name, t in entry.outputs.items()}
+
+
+def capture(fn: RoundFn, inputs: dict[str, torch.Tensor], pool_owner: object) -> CapturedRound:
+    """Warm ``fn`` up once on a side stream, then capture it on static copies of ``inputs``.
+
+    The warm-up runs the round for real on the inputs (its writes to the caches are the
+    ones the replay makes again); what it returns is dropped."""
+    static = {name: t.clone() for name, t in inputs.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(static)
+    torch.cuda.current_stream().wait_stream(side)
+    if getattr(pool_owner, "graph_pool", None) is None:
+        pool_owner.graph_pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool_owner.graph_pool):
+        outputs = fn(static)
+    return CapturedRound(graph, static, outputs)

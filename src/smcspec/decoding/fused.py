@@ -1,0 +1,317 @@
+"""Rounds written as single functions of device tensors: what a backend captures as a CUDA graph.
+
+The decoders (:mod:`.ar`, :mod:`.sd`, :mod:`.smc`) run a round step by step: each forward is
+a :class:`~smcspec.decoding.program.Forward` request and the sampling between forwards runs
+on the host side of the generator, reading tokens back (distinct rows need them; so do
+constraints). On a GPU that round trip after every draft step, and eager PyTorch's launches,
+cost more than the forwards. This module writes the same rounds as one function of device
+tensors each, yielded as a :class:`~smcspec.decoding.program.Round` that the torch backend
+runs captured as a CUDA graph (:mod:`smcspec.backends.torch.graphs`):
+
+* :func:`smc_block`: SMC-SD's steps 3a, 3b and 3d (``docs/smc-sd.md``): K draft steps for
+  the N particles, each drawing from ``q_T`` (truncated only with ``truncate_draft``), the
+  target's forward over the N x (K+1) block, the drafted tokens' ``log p~``, the bonus token
+  from ``∝ p~^alpha`` and its log-weight. Weights, ESS, resampling and banking stay in the
+  decoder (they read a few numbers per round, once).
+* :func:`ar_step`: one target forward and the next token's draw.
+* :func:`sd_round`: K draft steps, the target's forward over ``[pending, d_1..d_K]``, the
+  speculative test (Leviathan et al. 2023, Alg. 1) and the token after the accepted prefix.
+
+Random numbers: a round's uniforms are drawn from the request's generator before the round,
+in the order the step-by-step round draws them (one float64 per row per sampled token; sd's
+acceptance test float32 per drafted token), and enter the round as an input. No generator
+runs inside a graph, and on a CPU generator (where ``k`` draws of ``n`` equal one draw of
+``k * n``) a fused round draws exactly what the step-by-step round draws: the same tokens,
+weights and resampling for a seed (``tests/test_fused_rounds.py``). Errors that the
+step-by-step round raises at once (NaN logits, a distribution with no mass) come back as an
+``ok`` flag, read with the round's outputs and raised then.
+
+Fused rounds run where every model of the request runs rounds fused
+(:func:`fused_rounds`), its caches are static, and the request needs no host work inside a
+round (:func:`graph_safe`: no constraint, no reward, no top-p, whose cut has a data-dependent
+shape; sd also no ``draft_p_min`` gate and only full K-token rounds). Everything else runs
+step by step, as on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.pool import CacheNeed
+from smcspec.config import GenerationConfig
+from smcspec.decoding.program import Round
+from smcspec.errors import NumericalError
+from smcspec.sampling.distributions import (
+    categorical_from_uniforms,
+    draw_uniforms,
+    nan_rows,
+    point_mass_log_probs,
+    step_log_probs,
+    tempered_log_probs,
+)
+from smcspec.sampling.smc_weights import power_target_probs
+from smcspec.sampling.truncation import truncate_log_probs
+
+Tensors = dict[str, torch.Tensor]
+MIN_WINDOW = 64  # the smallest suffix window: few graphs for short answers
+
+
+def fused_rounds(*models: DecoderModel | None) -> bool:
+    """Whether every model runs rounds fused (a torch model whose ``round_mode`` is
+    ``eager`` or ``graphs``; llama.cpp models and torch models in ``steps`` mode do not)."""
+    return all(m is not None and getattr(m, "round_mode", "steps") != "steps" for m in models)
+
+
+def graph_safe(cfg: GenerationConfig, method: str) -> bool:
+    """Whether a request's rounds need no host work between forwards (module notes)."""
+    plain = cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1
+    if method == "sd":
+        return plain and cfg.p_min <= 0
+    return plain
+
+
+def static_needs(needs: list[CacheNeed]) -> list[CacheNeed]:
+    """``needs`` asking for static caches (:class:`~smcspec.backends.pool.CacheNeed`)."""
+    return [replace(n, static=True, shared_rows=False) for n in needs]
+
+
+def is_static(*caches: KVCache) -> bool:
+    """Whether every cache is a static one (the backend gave one: a slot was free)."""
+    return all(getattr(c, "graphs", None) is not None for c in caches)
+
+
+def window(end: int) -> int:
+    """The suffix window of a round whose last write ends at position ``end`` (exclusive):
+    the power of two >= it (at least :data:`MIN_WINDOW`), so that few graphs serve a
+    request."""
+    w = MIN_WINDOW
+    while w < end:
+        w *= 2
+    return w
+
+
+def check_ok(out: Tensors) -> None:
+    """Raise what the step-by-step round would have raised inside the round."""
+    if not bool(out["ok"]):
+        raise NumericalError(
+            "a fused round met NaN logits or a distribution with no finite positive mass"
+        )
+
+
+def _claim(cache: KVCache, tokens: int) -> int:
+    """Account for ``tokens`` positions the round writes on every row; returns the start.
+    Raises ContextLengthError (before the round runs) when they do not fit."""
+    start = cache.begin_step(tokens)
+    cache.end_step()
+    return start
+
+
+def _scalar(value: int, dev: torch.device) -> torch.Tensor:
+    return torch.full((), value, dtype=torch.long, device=dev)
+
+
+# --------------------------------------------------------------------------- SMC-SD
+def smc_block(
+    st: Any,
+    pending_d: torch.Tensor,
+    pending_t: torch.Tensor,
+    host: torch.Tensor | None,
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+) -> Generator[Round, Tensors, Tensors]:
+    """One SMC-SD proposal as a :class:`Round`: returns ``drafted`` int64 ``[N, K]``,
+    ``draft_lp`` float32 ``[N, K]`` (log q of each drafted token), ``target_lp`` float32
+    ``[N, K]`` (log p~), ``bonus`` int64 ``[N]`` and, at alpha != 1 or with truncation,
+    ``bonus_norm`` float64 ``[N]``.
+
+    ``st``: the request's constants (``n, k, t_t, t_d, alpha, trunc, d_trunc, vocab, dev,
+    generator``: :class:`smcspec.decoding.smc._Setting`). ``pending_d`` int64 ``[N, 1 or 2]``
+    (not yet fed to the draft), ``pending_t`` int64 ``[N, 1]``; ``host`` int64 ``[N]``: the row
+    each ended particle follows (None: itself). Both caches advance on the host before the
+    round (``w + K - 1`` and ``K + 1`` positions). Raises NumericalError after the round
+    where the step-by-step round would have raised inside it, ContextLengthError before it.
+    """
+    n, k, dev = st.n, st.k, st.dev
+    w = pending_d.shape[1]
+    d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
+    span = window(max(d_start + w + k - 1, t_start + k + 1))
+    u = draw_uniforms((k + 1) * n, st.generator, dev).view(k + 1, n, 1)
+    inputs = {
+        "pending_d": pending_d,
+        "pending_t": pending_t,
+        "host": host if host is not None else torch.arange(n, device=dev),
+        "u": u,
+        "d_start": _scalar(d_start, dev),
+        "t_start": _scalar(t_start, dev),
+    }
+    consts = (st.t_t, st.t_d, st.alpha, st.trunc, st.d_trunc, st.vocab)
+    key = ("smc", n, k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
+
+    def fn(x: Tensors) -> Tensors:
+        drafted, draft_lp, bad = _draft_steps(st, draft, dcache, x, span)
+        block = torch.cat((x["pending_t"], drafted), 1)
+        logits = target.decode_static(block, tcache, x["t_start"], span)[:, :, : st.vocab]
+        lp = truncate_log_probs(tempered_log_probs(logits[:, :k], st.t_t, False), *st.trunc)
+        target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
+        probs, norm = power_target_probs(logits[:, k], st.t_t, st.alpha, st.trunc, check=False)
+        bonus, valid = categorical_from_uniforms(probs, x["u"][k])
+        bad = bad | nan_rows(lp).any() | ~valid.all() | torch.isnan(probs[:, 0]).any()
+        out = {
+            "drafted": drafted,
+            "draft_lp": draft_lp,
+            "target_lp": target_lp,
+            "bonus": bonus[x["host"]],
+            "ok": ~bad,
+        }
+        if norm is not None:
+            out["bonus_norm"] = norm
+        return out
+
+    out = yield Round(target, tcache, key, fn, inputs)
+    check_ok(out)
+    return out
+
+
+def _draft_steps(
+    st: Any, draft: DecoderModel, dcache: KVCache, x: Tensors, span: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K draft forwards of the N particles inside a round: drafted tokens ``[N, K]``, their
+    ``log q`` ``[N, K]`` and a bool 0-dim flag of NaN logits or an unsampleable row."""
+    feed, start = x["pending_d"], x["d_start"]
+    bad = torch.zeros((), dtype=torch.bool, device=feed.device)
+    tokens, lps = [], []
+    for j in range(st.k):
+        logits = draft.decode_static(feed, dcache, start, span, last_only=True)
+        start = start + feed.shape[1]
+        lq = tempered_log_probs(logits[:, -1, : st.vocab], st.t_d, False)
+        lq = truncate_log_probs(lq, *st.d_trunc)
+        d, valid = categorical_from_uniforms(lq.exp(), x["u"][j])
+        d = d[x["host"]]  # ended rows draft what their host drafts
+        bad = bad | nan_rows(lq).any() | ~valid.all()
+        tokens.append(d)
+        lps.append(lq.gather(-1, d[:, None])[:, 0])
+        feed = d[:, None]
+    return torch.stack(tokens, 1), torch.stack(lps, 1), bad
+
+
+# ------------------------------------------------------------------------------- ar
+def ar_step(
+    target: DecoderModel,
+    cache: KVCache,
+    token: int,
+    cfg: GenerationConfig,
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Round, Tensors, int]:
+    """Feed ``token`` to the target and draw the next one (tempered, truncated by top-k and
+    min-p, a point mass when greedy) as one :class:`Round`; returns the next token.
+    Raises NumericalError (NaN logits), ContextLengthError (the cache is full)."""
+    dev = target.device
+    start = _claim(cache, 1)
+    span = window(start + 1)
+    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    inputs = {
+        "token": torch.full((1, 1), token, dtype=torch.long, device=dev),
+        "start": _scalar(start, dev),
+        "u": draw_uniforms(1, generator, dev),
+    }
+    key = ("ar", span, cfg.temperature, cfg.greedy, trunc, vocab, cache.prompt_window)
+
+    def fn(x: Tensors) -> Tensors:
+        logits = target.decode_static(x["token"], cache, x["start"], span, last_only=True)
+        lp = step_log_probs(logits[0, -1, :vocab], cfg.temperature, False)
+        lp = truncate_log_probs(lp, *trunc)
+        if cfg.greedy:
+            lp = point_mass_log_probs(lp)
+        nxt, valid = categorical_from_uniforms(lp.exp(), x["u"])
+        return {"token": nxt, "ok": valid & ~nan_rows(lp)}
+
+    out = yield Round(target, cache, key, fn, inputs)
+    check_ok(out)
+    return int(out["token"])
+
+
+# ------------------------------------------------------------------------------- sd
+def sd_round(
+    target: DecoderModel,
+    draft: DecoderModel,
+    tcache: KVCache,
+    dcache: KVCache,
+    pending_d: list[int],
+    pending_t: int,
+    cfg: GenerationConfig,
+    vocab: int,
+    generator: torch.Generator,
+) -> Generator[Round, Tensors, tuple[list[int], int, int]]:
+    """One round of exact speculative sampling as a :class:`Round`: K = ``cfg.draft_tokens``
+    draft steps after feeding ``pending_d`` (1 or 2 tokens the draft has not seen), the
+    target's forward over ``[pending_t, d_1..d_K]``, the test ``u q(d_j) < p(d_j)`` and the
+    token after the accepted prefix (from the residual ``norm(max(p - q, 0))`` at the first
+    rejection, ``p`` itself where that is empty, the bonus from ``p`` at position K+1).
+
+    Returns ``(drafted, n, next)``: the K drafted tokens, how many were accepted and the
+    target's token after them, as :func:`~smcspec.decoding.sd.verify_block` does. Both
+    caches hold the whole block afterwards; the caller rolls back what was rejected.
+    Raises NumericalError after the round, ContextLengthError before it."""
+    dev, k, w = target.device, cfg.draft_tokens, len(pending_d)
+    d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
+    span = window(max(d_start + w + k - 1, t_start + k + 1))
+    inputs = {
+        "pending_d": torch.tensor([pending_d], dtype=torch.long, device=dev),
+        "pending_t": torch.full((1, 1), pending_t, dtype=torch.long, device=dev),
+        "u_draft": draw_uniforms(k, generator, dev).view(k, 1, 1),  # as k draws of one
+        "u_accept": torch.rand(k, generator=generator, device=dev),  # speculative_verify's
+        "u_next": draw_uniforms(1, generator, dev),
+        "d_start": _scalar(d_start, dev),
+        "t_start": _scalar(t_start, dev),
+    }
+    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    t_d = 0.0 if cfg.greedy else cfg.draft_temperature
+    consts = (cfg.temperature, t_d, cfg.greedy, trunc, vocab)
+    key = ("sd", k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
+
+    def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        lp = truncate_log_probs(step_log_probs(logits, temperature, False), *trunc)
+        return (point_mass_log_probs(lp) if cfg.greedy else lp).exp()
+
+    def fn(x: Tensors) -> Tensors:
+        feed, start = x["pending_d"], x["d_start"]
+        bad = torch.zeros((), dtype=torch.bool, device=dev)
+        tokens, q_rows = [], []
+        for j in range(k):
+            logits = draft.decode_static(feed, dcache, start, span, last_only=True)
+            start = start + feed.shape[1]
+            q = probs(logits[0, -1, :vocab], t_d)
+            d, valid = categorical_from_uniforms(q, x["u_draft"][j])
+            bad = bad | ~valid.all() | torch.isnan(q[..., 0]).any()
+            tokens.append(d.view(1))
+            q_rows.append(q)
+            feed = d.view(1, 1)
+        drafted = torch.cat(tokens)  # [K]
+        block = torch.cat((x["pending_t"], drafted[None]), 1)
+        p_all = probs(
+            target.decode_static(block, tcache, x["t_start"], span)[0, :, :vocab], cfg.temperature
+        )  # fmt: skip  [K+1, V]
+        q_all = torch.stack(q_rows)  # [K, V]
+        rows = torch.arange(k, device=dev)
+        rejected = x["u_accept"] * q_all[rows, drafted] >= p_all[rows, drafted]
+        n = torch.where(rejected.any(), rejected.int().argmax(), k)  # the first rejection
+        q_ext = torch.cat((q_all, torch.zeros_like(q_all[:1])))  # q = 0 after the block
+        p_n = p_all.index_select(0, n.view(1))[0]
+        residual = (p_n - q_ext.index_select(0, n.view(1))[0]).clamp_min(0)
+        residual = torch.where(residual.sum() > 0, residual, p_n)  # p == q up to rounding
+        nxt, valid = categorical_from_uniforms(residual, x["u_next"])
+        bad = bad | ~valid.all() | torch.isnan(p_all[:, 0]).any()
+        return {"result": torch.cat((drafted, n.view(1), nxt.view(1))), "ok": ~bad}
+
+    out = yield Round(target, tcache, key, fn, inputs)
+    check_ok(out)
+    *drafted, n, nxt = out["result"].tolist()
+    return drafted, n, nxt
