@@ -59,7 +59,13 @@ from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.config import ModelConfig
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
-from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
+from smcspec.eval.roofline import (
+    physics_bound,
+    predicted_speedup,
+    smc_forward_costs,
+    static_forward_costs,
+    weight_bytes_read,
+)
 from smcspec.scheduler import BatchScheduler, Request
 from smcspec.tuning.cache import cpu_model
 
@@ -114,9 +120,28 @@ PAIRS = {
         Shape("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, 5e5, False),
         Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 5e5, True),
     ),
+    # bf16: 65.5 GB, one H200 holds it
+    "qwen32": (
+        Shape("qwen2.5-32b", "qwen2", 152064, 5120, 27648, 64, 40, 8, 128, 1e6, False),
+        Shape("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 64, 1e6, True),
+    ),
+    # the paper's regime; bf16: 141.1 GB of weights, 131.4 GiB of the H200's 140 GiB
+    "llama70": (
+        Shape("llama-3.1-70b", "llama", 128256, 8192, 28672, 80, 64, 8, 128, 5e5, False),
+        Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, 5e5, True),
+    ),
 }
+TORCH_ONLY = {"qwen32", "llama70"}  # pairs never written as GGUF (too large to write here)
 # the same families, tiny (the CPU rehearsal: the whole sequence in a minute)
 TINY = {
+    "llama70": (
+        Shape("tiny-llama-70-target", "llama", 512, 96, 192, 3, 6, 2, 16, 5e5, False),
+        Shape("tiny-llama-70-draft", "llama", 512, 32, 64, 1, 2, 1, 16, 5e5, True),
+    ),
+    "qwen32": (
+        Shape("tiny-qwen2-32-target", "qwen2", 520, 64, 128, 3, 4, 2, 16, 1e6, False),
+        Shape("tiny-qwen2-32-draft", "qwen2", 512, 32, 64, 1, 2, 1, 16, 1e6, True),
+    ),
     "qwen": (
         Shape("tiny-qwen2-target", "qwen2", 512, 64, 128, 2, 4, 2, 16, 1e6, True),
         Shape("tiny-qwen2-draft", "qwen2", 512, 32, 64, 1, 2, 1, 16, 1e6, True),
@@ -319,19 +344,25 @@ class System:
     k: int = 0
     batch: int = 1
     upper_bound: bool = False  # sd with draft = target
+    rounds: str = "auto"  # the torch models' round mode (ROUND_MODES): auto = graphs on CUDA
 
     @property
     def label(self) -> str:
         if self.method == "ar":
-            return "ar"
-        if self.method == "sd":
-            return f"sd-k{self.k} (draft=target)"
-        return f"smc-n{self.n}-k{self.k}"
+            name = "ar"
+        elif self.method == "sd":
+            name = f"sd-k{self.k} (draft=target)"
+        else:
+            name = f"smc-n{self.n}-k{self.k}"
+        return name if self.rounds == "auto" else f"{name} [{self.rounds}]"
 
 
 def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> dict:
     """One timed run of ``system``: returns tokens, seconds and tokens/s."""
     engine = engines["copy" if system.upper_bound else "pair"]
+    for m in engine.models().values():  # torch models: how rounds run (steps or graphs)
+        if hasattr(m, "rounds"):
+            m.rounds = system.rounds
     cfg = GenerationConfig(
         method=system.method,
         particles=max(system.n, 1),
@@ -389,12 +420,22 @@ def _small(stats: dict) -> dict:
     return {k: stats[k] for k in keep if k in stats}
 
 
-def systems(args, upper_bound: bool) -> list[list[System]]:
-    """The groups of systems compared side by side (each group alternated run by run)."""
+def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
+    """The groups of systems compared side by side (each group alternated run by run): on
+    torch with ``--compare-steps`` first ``ar`` and SMC-SD N=8 K=8 with rounds step by step
+    and as graphs; then the grid (``ar``, SMC-SD at every N x K, the acceptance-1 ``sd``
+    rows); then the batches."""
+    groups = []
+    if backend == "torch" and args.compare_steps:
+        n, k = args.compare_steps
+        groups.append(
+            [System("ar", rounds="steps"), System("ar"),
+             System("smc", n, k, rounds="steps"), System("smc", n, k)]
+        )  # fmt: skip
     grid = [System("smc", n, k) for n in args.particles for k in args.draft_tokens]
-    groups = [[System("ar"), *grid]]
-    if upper_bound:  # the acceptance-1 sd rows (the pair's target loaded twice)
-        groups[0] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
+    groups.append([System("ar"), *grid])
+    if upper_bound:  # the acceptance-1 sd rows (draft = the target's own weights)
+        groups[-1] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
     for b in args.batches:
         if b == 1:  # the grid above is the batch-1 group: a second one would repeat it
             continue
@@ -428,6 +469,8 @@ class Campaign:
 
 
 def measure(c: Campaign, backend: str, pair_name: str) -> None:
+    """Load one pair on one backend, write its roofline and bound rows, then time every group
+    of :func:`systems`; the models are freed at the end."""
     args = c.args
     pair = (TINY if args.tiny else PAIRS)[pair_name]
     if c.left() < args.min_step_s:
@@ -436,7 +479,7 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     workdir = Path(args.workdir) / f"{backend}-{pair_name}"
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    upper = pair_name in args.upper_bound_pairs
+    upper = pair_name in args.upper_bound_pairs or backend == "torch"  # torch: no second copy
     target, draft, copy = load_pair(backend, pair, args, workdir, upper)
     base = dict(backend=backend, pair=pair_name, target=pair[0].name, draft=pair[1].name)
     c.row(
@@ -452,46 +495,12 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     engines = {"pair": Engine(target, draft)}
     if copy is not None:
         engines["copy"] = Engine(target, copy)
-    # the roofline: measured forward costs of one AR step and one SMC-SD round
-    for n in args.particles if args.roofline else ():
-        for k in args.draft_tokens:
-            costs = smc_forward_costs(target.model, draft.model, n, k)
-            pred = predicted_speedup(costs, n, k)
-            c.row(kind="roofline", n=n, k=k, costs_s=costs, **pred, **base)
-    warm = argparse.Namespace(**{**vars(args), "max_new_tokens": min(16, args.max_new_tokens)})
-    for group in systems(args, upper):
-        for s in group:  # warm-up (kernels compiled, caches allocated), not recorded
-            run_system(engines, s, warm, 0)
-        times: dict[System, list[dict]] = {s: [] for s in group}
-        for rep in range(args.reps):
-            if c.left() < args.min_step_s:
-                c.skip(
-                    f"{backend}/{pair_name} {group[-1].label} batch "
-                    f"{group[0].batch}: out of time after {rep} reps"
-                )
-                break
-            order = group[rep % len(group) :] + group[: rep % len(group)]
-            for s in order:
-                times[s].append(run_system(engines, s, args, rep + 1))
-        for s, runs in times.items():
-            if not runs:
-                continue
-            tps = [r["tokens"] / r["seconds"] for r in runs]
-            c.row(
-                kind="run",
-                system=s.label,
-                method=s.method,
-                n=s.n,
-                k=s.k,
-                batch=s.batch,
-                upper_bound=s.upper_bound,
-                reps=len(runs),
-                tokens_per_s=statistics.median(tps),
-                all_tokens_per_s=tps,
-                tokens=runs[0]["tokens"],
-                stats=runs[-1].get("stats", {}),
-                **base,
-            )
+    if args.roofline:
+        rooflines(c, backend, target.model, draft.model, base)
+    for i, group in enumerate(systems(args, upper, backend)):
+        time_group(c, engines, group, {**base, "group": i})
+    if args.profile and backend == "torch" and c.left() > args.min_step_s:
+        profile_round(c, engines, base)
     for m in {id(x.model): x.model for x in (target, draft, copy) if x is not None}.values():
         release = getattr(m, "release", None)
         if release is not None:
@@ -500,6 +509,105 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def rooflines(c: Campaign, backend: str, target, draft, base: dict) -> None:
+    """Per (N, K): the roofline from measured forward costs (``roofline`` rows: the step
+    forwards; on torch also ``roofline-fused``, the static forwards fused rounds run, graph
+    replays on CUDA) and the bound from weight bytes over ``--bandwidth`` (``bound`` rows)."""
+    args = c.args
+    fused = backend == "torch"  # on a CPU the fused forwards run uncaptured (the rehearsal)
+    for n in args.particles:
+        for k in args.draft_tokens:
+            if c.left() < args.min_step_s:
+                c.skip(f"{base['backend']}/{base['pair']} roofline n{n} k{k}: out of time")
+                return
+            costs = smc_forward_costs(target, draft, n, k)
+            c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k),
+                  **base)  # fmt: skip
+            if fused:
+                target.rounds = draft.rounds = "graphs"
+                costs = static_forward_costs(target, draft, n, k)
+                c.row(kind="roofline-fused", n=n, k=k, costs_s=costs,
+                      **predicted_speedup(costs, n, k), **base)  # fmt: skip
+            if backend == "torch":
+                tb, db = weight_bytes_read(target), weight_bytes_read(draft)
+                c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,
+                      bandwidth=args.bandwidth, **physics_bound(tb, db, n, k, args.bandwidth),
+                      **base)  # fmt: skip
+
+
+def profile_round(c: Campaign, engines: dict[str, Engine], base: dict) -> None:
+    """One SMC-SD request (N, K of ``--compare-steps``, else 8, 8) under cProfile: where the
+    wall time of a graph-run request goes (replays are asynchronous: the device's time shows
+    up where the host first waits for a round's outputs, ``check_ok``). A ``profile`` row
+    with the 25 functions of largest total time and the request's wall seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    n, k = c.args.compare_steps or (8, 8)
+    system = System("smc", n, k)
+    run_system(engines, system, c.args, 0)  # graphs captured before the profile
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    run_system(engines, system, c.args, 1)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    c.row(kind="profile", system=system.label, wall_s=wall, top=text.getvalue()[-6000:], **base)
+
+
+def time_group(c: Campaign, engines: dict[str, Engine], group: list[System], base: dict) -> None:
+    """Warm every system of ``group`` up (graphs captured at the full length), then run them
+    alternated ``--reps`` times and write a ``run`` row for each; a system that fails gets an
+    ``error`` row and leaves the group, the others go on."""
+    args = c.args
+    short = argparse.Namespace(**{**vars(args), "max_new_tokens": min(16, args.max_new_tokens)})
+    live = []
+    for s in group:  # warm-up (kernels, caches, graphs), not recorded
+        try:
+            run_system(engines, s, args if s.rounds != "steps" else short, 0)
+            live.append(s)
+        except Exception as exc:
+            c.row(kind="error", system=s.label, error=repr(exc)[:2000], **base)
+    times: dict[System, list[dict]] = {s: [] for s in live}
+    for rep in range(args.reps):
+        if c.left() < args.min_step_s:
+            c.skip(f"{base['backend']}/{base['pair']} {group[-1].label} batch "
+                   f"{group[0].batch}: out of time after {rep} reps")  # fmt: skip
+            break
+        order = live[rep % len(live) :] + live[: rep % len(live)] if live else []
+        for s in order:
+            if s not in times:
+                continue
+            try:
+                times[s].append(run_system(engines, s, args, rep + 1))
+            except Exception as exc:
+                c.row(kind="error", system=s.label, error=repr(exc)[:2000], **base)
+                del times[s]
+    for s, runs in times.items():
+        if not runs:
+            continue
+        tps = [r["tokens"] / r["seconds"] for r in runs]
+        c.row(
+            kind="run",
+            system=s.label,
+            method=s.method,
+            n=s.n,
+            k=s.k,
+            batch=s.batch,
+            upper_bound=s.upper_bound,
+            rounds=s.rounds,
+            reps=len(runs),
+            tokens_per_s=statistics.median(tps),
+            all_tokens_per_s=tps,
+            tokens=runs[0]["tokens"],
+            stats=runs[-1].get("stats", {}),
+            **base,
+        )
 
 
 def environment(args) -> dict:
@@ -562,16 +670,15 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         phase += r["kind"] == "environment"
         r["phase"] = phase
     runs = [r for r in rows if r["kind"] == "run"]
+    for r in runs:  # rows of earlier campaigns have neither
+        r.setdefault("rounds", "auto")
+        r.setdefault("group", 0)
     roof = {
-        (r["phase"], r["backend"], r["pair"], r["n"], r["k"]): r
+        (r["kind"], r["phase"], r["backend"], r["pair"], r["n"], r["k"]): r
         for r in rows
-        if r["kind"] == "roofline"
+        if r["kind"] in ("roofline", "roofline-fused", "bound")
     }
-    ar = {
-        (r["phase"], r["backend"], r["pair"], r["batch"]): r["tokens_per_s"]
-        for r in runs
-        if r["method"] == "ar"
-    }
+    ar = {_ar_key(r): r["tokens_per_s"] for r in runs if r["method"] == "ar"}
     lines = [
         "# GPU campaign report" + (" (CPU rehearsal, tiny shapes)" if env["tiny"] else ""),
         "",
@@ -585,15 +692,19 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         "",
         "Random weights at the named shapes; prompts of token ids, EOS ignored, T = 0.7 (the "
         "prompt length and new tokens per request are in each command; `new` below is the new "
-        "tokens per request); median of the runs listed, systems alternated run by run. "
-        "tokens/s = new tokens "
-        "/ wall seconds (prefill included; a batch: all its requests' tokens / its wall time). "
-        "`x ar`: ratio to `ar` at the same backend, pair and batch, measured by the same "
-        "command (a row's `ar` and roofline never come from another call). Roofline: the speed-up "
-        "predicted from measured forward costs (`smcspec.eval.roofline`: (K+1) target 1x1 "
-        "forwards over one round's K draft forwards + one target forward of N(K+1) tokens) "
-        "and the memory-bound bound (K+1)/((K+1)c+1). `sd (draft=target)` has acceptance 1: "
-        "an upper bound on sd, not a real pair.",
+        "tokens per request); median of the runs listed, systems alternated run by run within "
+        "a group. tokens/s = new tokens / wall seconds (prefill included; a batch: all its "
+        "requests' tokens / its wall time). torch rows run their rounds as CUDA graphs "
+        "(`decoding/fused.py`) unless marked `[steps]` (one forward at a time, sampling on the "
+        "host between). `x ar`: ratio to the `ar` of the same group, rounds mode and batch, "
+        "measured by the same command. Roofline: the speed-up predicted from measured forward "
+        "costs ((K+1) target 1x1 forwards over one round's K draft forwards + one target "
+        "forward of N(K+1) tokens; for graph rows the forwards are graph replays, "
+        "`smcspec.eval.roofline.static_forward_costs`) and the memory-bound bound "
+        "(K+1)/((K+1)c+1). `bound`: tokens/s if every forward only read its weights at the "
+        "command's bandwidth (ar: one target read a token; SMC-SD: K draft reads and one "
+        "target read for K+1 tokens). `sd (draft=target)` has acceptance 1: an upper bound on "
+        "sd, not a real pair.",
         "",
     ]
     for backend, pair in dict.fromkeys((r["backend"], r["pair"]) for r in runs):
@@ -603,23 +714,10 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
             f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}",
             "",
             "| system | batch | new | tokens/s | x ar | roofline (measured costs) | "
-            "memory-bound | runs |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "memory-bound | bound tokens/s | of bound | runs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
-        for r in sel:
-            base = ar.get((r["phase"], backend, pair, r["batch"]))
-            ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
-            key = (r["phase"], backend, pair, r["n"], r["k"])
-            rf = roof.get(key) if r["method"] == "smc" else None
-            pred = f"{rf['measured_costs']:.2f}" if rf and r["batch"] == 1 else "-"
-            mb = f"{rf['memory_bound']:.2f}" if rf and r["batch"] == 1 else "-"
-            each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
-            name = f"{r['system']} (call {r['phase']})" if several else r["system"]
-            lines.append(
-                f"| {name} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
-                f"{r['tokens_per_s']:.1f} | {ratio} | "
-                f"{pred} | {mb} | {each} |"
-            )
+        lines += [_report_line(r, ar, roof, several) for r in sel]
         lines.append("")
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
@@ -637,6 +735,39 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         plot(runs, ar, c.out / "tokens_per_s.png")
 
 
+def _ar_key(r: dict) -> tuple:
+    return (r["phase"], r["backend"], r["pair"], r["group"], r["batch"], r["rounds"])
+
+
+def _report_line(r: dict, ar: dict, roof: dict, several: bool) -> str:
+    """One table row: tokens/s, the ratio to its ``ar``, roofline and bound beside it."""
+    base = ar.get(_ar_key(r))
+    ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+    key = (r["phase"], r["backend"], r["pair"], r["n"], r["k"])
+    kind = "roofline-fused" if r["backend"] == "torch" and r["rounds"] != "steps" else "roofline"
+    rf = None
+    if r["method"] == "smc" and r["batch"] == 1:  # rows of older campaigns: no fused roofline
+        rf = roof.get((kind, *key)) or roof.get(("roofline", *key))
+    pred = f"{rf['measured_costs']:.2f}" if rf else "-"
+    mb = f"{rf['memory_bound']:.2f}" if rf else "-"
+    tps = None
+    if r["batch"] == 1 and r["method"] == "smc":
+        tps = roof.get(("bound", *key), {}).get("smc_bound_tps")
+    elif r["batch"] == 1 and r["method"] == "ar":  # the same for every (N, K) of the pair
+        pair_bounds = [
+            b for (kd, *k), b in roof.items() if kd == "bound" and tuple(k[:3]) == key[:3]
+        ]
+        tps = pair_bounds[0]["ar_bound_tps"] if pair_bounds else None
+    b_txt = f"{tps:.0f}" if tps else "-"
+    share = f"{r['tokens_per_s'] / tps:.0%}" if tps else "-"
+    each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
+    name = f"{r['system']} (call {r['phase']})" if several else r["system"]
+    return (
+        f"| {name} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
+        f"{r['tokens_per_s']:.1f} | {ratio} | {pred} | {mb} | {b_txt} | {share} | {each} |"
+    )
+
+
 def plot(runs: list[dict], ar: dict, path: Path) -> None:
     """Ratio to ``ar`` of every batch-1 system, one bar group per backend and pair."""
     import matplotlib
@@ -651,7 +782,7 @@ def plot(runs: list[dict], ar: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     for ax, (backend, pair) in zip(axes[0], groups, strict=True):
         rs = [r for r in sel if (r["backend"], r["pair"]) == (backend, pair)]
-        ratios = [r["tokens_per_s"] / (ar.get((r["phase"], backend, pair, 1)) or 1.0) for r in rs]
+        ratios = [r["tokens_per_s"] / (ar.get(_ar_key(r)) or 1.0) for r in rs]
         several = len({r["phase"] for r in rs}) > 1
         names = [f"{r['system']} (call {r['phase']})" if several else r["system"] for r in rs]
         ax.bar(names, ratios)
@@ -693,6 +824,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llamacpp: where logits go for sampling (default: --device)",
     )
     ap.add_argument("--kv-cells", type=int, default=65536)
+    ap.add_argument(
+        "--compare-steps",
+        default="8,8",
+        help="torch: N,K of the SMC-SD setting also run with rounds step by step, beside ar "
+        "both ways, in a first group ('none' for none)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch: one SMC-SD request under cProfile after each pair's groups",
+    )
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=4.8e12,
+        help="bytes/s of the bound rows (the H200 datasheet's 4.8 TB/s)",
+    )
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)
     ap.add_argument(
@@ -711,6 +859,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.draft_tokens = [int(x) for x in args.draft_tokens.split(",")]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
+    steps = "" if args.compare_steps == "none" else args.compare_steps
+    args.compare_steps = tuple(int(x) for x in steps.split(",") if x) or None
     args.workdir = args.workdir or str(Path(args.out) / "models")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
@@ -732,6 +882,9 @@ def main(argv: list[str] | None = None) -> int:
             for pair in args.pairs.split(","):
                 if backend == "llamacpp" and not env["llama_cpp_ok"]:
                     c.skip(f"llamacpp/{pair}: {env['llama_cpp']}")
+                    continue
+                if backend == "llamacpp" and pair in TORCH_ONLY:
+                    c.skip(f"llamacpp/{pair}: torch only (no GGUF of this size is written)")
                     continue
                 try:
                     measure(c, backend, pair)

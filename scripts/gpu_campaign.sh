@@ -12,6 +12,7 @@
 #      while step 3 runs. Skipped where `import llama_cpp` already works (a CPU build
 #      installed by scripts/setup.sh: the rehearsal).
 #   3. The torch backend: `pytest -m gpu tests/test_gpu.py` (CUDA forward against the CPU,
+#      graph replay against the uncaptured fused rounds,
 #      every method, exact SD's distribution on the GPU), then benchmarks/gpu_campaign.py.
 #   4. The llamacpp backend, once the build is done: `pytest -m gpu tests/test_gpu_llamacpp.py`,
 #      then benchmarks/gpu_campaign.py.
@@ -19,11 +20,17 @@
 # (waiting for the build): two commands of under 10 minutes each on a lent machine. The
 # default, --phase all, runs both. --budget-s S: start nothing after S seconds (what the
 # benchmark has not begun by then is listed as not measured); --torch-s S: the torch
-# benchmarks start nothing after S seconds (the rest is the llamacpp backend's). Results: DIR/results.jsonl, DIR/report.md,
-# DIR/tokens_per_s.png, logs beside them.
+# benchmarks start nothing after S seconds (the rest is the llamacpp backend's).
+# The torch backend runs TORCH_PAIRS (default llama: 8B/1B) with CAMPAIGN_ARGS and a cProfile
+# of one round, then BIG_PAIRS (default qwen32,llama70: 32B/0.5B and 70B/1B in bf16; empty:
+# none) with BIG_ARGS appended (default a small grid: N 4,8, K 8, no steps comparison);
+# --big-s S keeps S seconds of --torch-s for the large pairs. Results: DIR/results.jsonl,
+# DIR/report.md, DIR/tokens_per_s.png, logs beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" PY=${PYTHON:-python3}
+DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" BIG_S=0 PY=${PYTHON:-python3}
+BIG_PAIRS=${BIG_PAIRS-qwen32,llama70}
+BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none}
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
@@ -32,6 +39,7 @@ while [ $# -gt 0 ]; do
         --phase) PHASE=$2; shift 2 ;;
         --budget-s) BUDGET_S=$2; shift 2 ;;
         --torch-s) TORCH_S=$2; shift 2 ;;
+        --big-s) BIG_S=$2; shift 2 ;;
         *) echo "gpu_campaign: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -66,9 +74,16 @@ if [ "$PHASE" != llamacpp ]; then
     "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest-torch.log" | tail -3
     log "torch: benchmarks"
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$LOG"
-    "${BENCH[@]}" --backends torch --pairs qwen,llama \
-        --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
+    "${BENCH[@]}" --backends torch --pairs "${TORCH_PAIRS:-llama}" --profile \
+        --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - BIG_S - 30 )) >>"$LOG" 2>&1
     log "torch: benchmarks exit $?"
+    if [ -n "$BIG_PAIRS" ]; then
+        log "torch: the large pairs ($BIG_PAIRS)"
+        # shellcheck disable=SC2086  # BIG_ARGS: options split on spaces, after the others
+        "${BENCH[@]}" --backends torch --pairs "$BIG_PAIRS" $BIG_ARGS \
+            --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
+        log "torch: large pairs exit $?"
+    fi
 fi
 
 if [ "$PHASE" != torch ]; then

@@ -159,7 +159,7 @@ def test_without_a_free_static_cache_a_request_runs_step_by_step():
     pair = (target, draft)
     target.rounds = draft.rounds = "eager"
     try:
-        held = [target.new_cache(8, 40, static=True, prompt_len=3) for _ in range(4)]
+        held = [target.new_cache(8, 40, static=True, prompt_len=3) for _ in range(8)]
         assert all(isinstance(c, StaticKVCache) for c in held)
         cache = target.new_cache(8, 40, static=True, prompt_len=3)  # the slots are full
         assert not isinstance(cache, StaticKVCache)
@@ -209,17 +209,24 @@ def test_fused_sd_matches_the_target():
     target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
     length, runs = 3, 3000
     exact = sequence_log_probs(target, PROMPT, length, 1.0)
+    # one token more than is counted: tokens 2 and 3 come from a full K=2 round, the fused
+    # one (a shorter last round runs step by step)
     cfg = GenerationConfig(
-        method="sd", max_new_tokens=length, draft_tokens=2, temperature=1.0, draft_temperature=1.0
-    )
+        method="sd", max_new_tokens=length + 1, draft_tokens=2, temperature=1.0,
+        draft_temperature=1.0,
+    )  # fmt: skip
     target.rounds = draft.rounds = "eager"
     counts: Counter = Counter()
+    fused = 0
     try:
         for i in range(runs):
             g = torch.Generator().manual_seed(i)
-            counts[tuple(decode_sd(target, draft, PROMPT, cfg, frozenset(), 4, g).tokens)] += 1
+            out = decode_sd(target, draft, PROMPT, cfg, frozenset(), 4, g)
+            counts[tuple(out.tokens[:length])] += 1
+        fused = sum(c.rounds_run for c in target.static_slots.slots)
     finally:
         target.rounds = draft.rounds = "auto"
+    assert fused == runs  # one full round a request ran fused
     # fixed seeds; chi-square p-value bound 1e-3, TV at sampling-noise level (~0.07 at 3000)
     assert chisquare_p(exact, counts, runs) > 1e-3
     assert total_variation(exact, counts, runs) < 0.1

@@ -53,9 +53,12 @@ def test_exact_sd_on_cuda_matches_the_target():
     target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
     prompt, length, runs = [1, 2, 0], 3, 2000
     exact = sequence_log_probs(target, prompt, length, 1.0)
+    # one token more than is counted: the second and third come from a full K=2 round, which
+    # runs as a CUDA graph (rounds="auto"); a shorter last round runs step by step
     cfg = GenerationConfig(
-        method="sd", max_new_tokens=length, draft_tokens=2, temperature=1.0, draft_temperature=1.0
-    )
+        method="sd", max_new_tokens=length + 1, draft_tokens=2, temperature=1.0,
+        draft_temperature=1.0,
+    )  # fmt: skip
     for m in (target, draft):
         m.to("cuda")
         m.inv_freq = m.inv_freq.to("cuda")
@@ -102,3 +105,54 @@ def test_a_model_moved_to_cuda_after_use_still_runs():
     model.to("cuda")
     out = model.prefill(torch.tensor([1, 2, 0], device="cuda"), model.new_cache(1, 4))
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_the_uncaptured_fused_rounds(tmp_path, method, dtype):
+    """The rounds captured as CUDA graphs (``rounds="graphs"``, the default on CUDA) against the
+    same round functions called directly (``eager``): same uniforms in, the same kernels
+    replayed, so the same tokens and weights. Several requests, so that graphs captured by
+    the first are replayed for the next ones on the same static caches."""
+    d = [make_tiny_hf_model(tmp_path / str(s), "qwen2", seed=s) for s in (0, 1)]
+    e = Engine(
+        load_hf_dir(d[0], device="cuda", dtype=dtype), load_hf_dir(d[1], device="cuda", dtype=dtype)
+    )
+    models = e.models().values()
+    prompt = list(range(3, 40))
+    out = {}
+    for mode in ("eager", "graphs"):
+        for m in models:
+            m.rounds = mode
+        out[mode] = [
+            e.generate(prompt, GenerationConfig(method=method, max_new_tokens=80, particles=4,
+                       draft_tokens=4, seed=s, ignore_eos=True, return_particles=method == "smc"))
+            for s in range(3)
+        ]  # fmt: skip
+    for a, b in zip(out["eager"], out["graphs"], strict=True):
+        assert a.token_ids == b.token_ids
+        if method == "smc":
+            wa = torch.tensor([p["weight"] for p in a.particles])
+            wb = torch.tensor([p["weight"] for p in b.particles])
+            torch.testing.assert_close(wb, wa, rtol=1e-6, atol=1e-9)
+    caches = e.target.model.static_slots.slots
+    replays = sum(g.replays for c in caches for g in c.graphs.values())
+    assert caches and replays > len([g for c in caches for g in c.graphs.values()])
+
+
+def test_graphed_rounds_follow_the_steps_in_distribution(tmp_path):
+    """On CUDA the fused rounds draw their uniforms in one call where the steps draw them one
+    by one (Philox offsets differ), so tokens differ from ``steps``; what must agree is what
+    they sample: exact SD at acceptance < 1 against the enumerated target is
+    ``test_exact_sd_on_cuda_matches_the_target`` (which runs graphs by default). Here: every
+    method generates to the budget with graphs and with steps."""
+    d = [make_tiny_hf_model(tmp_path / str(s), "qwen2", seed=s) for s in (0, 1)]
+    e = Engine(load_hf_dir(d[0], device="cuda", dtype="bfloat16"),
+               load_hf_dir(d[1], device="cuda", dtype="bfloat16"))  # fmt: skip
+    for mode in ("steps", "graphs"):
+        for m in e.models().values():
+            m.rounds = mode
+        for method in ("ar", "sd", "smc"):
+            r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
+                                                      ignore_eos=True), chat=False)  # fmt: skip
+            assert r.new_tokens == 33

@@ -26,6 +26,8 @@ PUBLISHED = {
     "qwen2.5-0.5b": 494_032_768,
     "llama-3.1-8b": 8_030_261_248,
     "llama-3.2-1b": 1_235_814_400,
+    "qwen2.5-32b": 32_763_876_352,
+    "llama-3.1-70b": 70_553_706_496,
 }
 
 
@@ -67,16 +69,27 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     if importlib.util.find_spec("llama_cpp") is not None:
         backends.append("llamacpp")
     runs = [r for r in rows if r["kind"] == "run"]
-    # 2 pairs x (ar + 2x2 smc + 2 sd upper bounds + ar and smc at batch 4) per backend
-    assert len(runs) == 2 * 9 * len(backends)
+    torch_runs = [r for r in runs if r["backend"] == "torch"]
+    # torch: llama (ar and smc-n8-k8 as steps and graphs; ar + 2x2 smc + 2 sd; ar and smc at
+    # batch 4), then qwen32 and llama70 (ar + 2 smc + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 7 + 2 + 2 * 7
+    assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
+    # llamacpp: 2 pairs x (ar + 2x2 smc + 2 sd upper bounds + ar and smc at batch 4)
+    assert len(runs) - len(torch_runs) == (2 * 9 if "llamacpp" in backends else 0)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
     assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["method"] == "sd")
-    roofline = [r for r in rows if r["kind"] == "roofline"]
-    assert len(roofline) == 2 * 4 * len(backends) and all(r["measured_costs"] > 0 for r in roofline)
+    kinds = [r["kind"] for r in rows]
+    cells = 4 + 2 + 2  # (N, K) cells of the three torch pairs
+    assert kinds.count("roofline-fused") == kinds.count("bound") == cells
+    assert kinds.count("roofline") == cells + (2 * 4 if "llamacpp" in backends else 0)
+    assert all(r["measured_costs"] > 0 for r in rows if r["kind"].startswith("roofline"))
+    assert kinds.count("profile") == 1
     report = (out / "report.md").read_text()
     for backend in backends:
         for pair in ("qwen2", "llama"):
-            assert f"## {backend}: tiny-{pair}-target / tiny-{pair}-draft" in report
+            if (backend, pair) != ("torch", "qwen2"):  # torch's default pairs: no small qwen
+                assert f"## {backend}: tiny-{pair}-target / tiny-{pair}-draft" in report
+    assert "## torch: tiny-llama-70-target / tiny-llama-70-draft" in report
     assert (out / "tokens_per_s.png").stat().st_size > 1000
     # what a lent machine can bring back: at most 8 files, none in a subfolder
     assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())
@@ -141,7 +154,7 @@ def test_report_only_rebuilds_the_report_from_joined_rows(tmp_path):
         {"kind": "skipped", "what": "llamacpp/llama: the build failed"},
     ]
     report = report_only(tmp_path, rows)
-    assert "| smc-n8-k8 | 1 | 64 | 310.0 | 3.10 | 3.50 | 4.00 | 310.0 |" in report
+    assert "| smc-n8-k8 | 1 | 64 | 310.0 | 3.10 | 3.50 | 4.00 | - | - | 310.0 |" in report
     assert "- llamacpp/llama: the build failed" in report
     assert "--backends torch" in report
 
@@ -151,7 +164,7 @@ def test_batch_one_adds_no_second_batch_one_group():
         ["--device", "cpu", "--out", "/tmp/unused", "--particles", "4", "--draft-tokens", "8"]
         + ["--batches", "1,8"]
     )
-    groups = gpu_campaign.systems(args, upper_bound=False)
+    groups = gpu_campaign.systems(args, upper_bound=False, backend="llamacpp")
     labels = [[(s.label, s.batch) for s in g] for g in groups]
     assert labels == [[("ar", 1), ("smc-n4-k8", 1)], [("ar", 8), ("smc-n8-k8", 8)]]
 

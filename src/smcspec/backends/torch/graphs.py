@@ -147,6 +147,7 @@ def capture(fn: RoundFn, inputs: dict[str, torch.Tensor], pool_owner: object) ->
     if getattr(pool_owner, "graph_pool", None) is None:
         pool_owner.graph_pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool_owner.graph_pool):
+    # thread_local: another thread's CUDA calls (a server's) do not void this capture
+    with torch.cuda.graph(graph, pool=pool_owner.graph_pool, capture_error_mode="thread_local"):
         outputs = fn(static)
     return CapturedRound(graph, static, outputs)

@@ -53,7 +53,8 @@ class StaticKVCache(ParticleKVCache):
     forward reads). ``owner``: the :class:`StaticSlots` the cache returns to on
     :meth:`close`. ``serial``: unique in the process (graph keys name caches by it).
     ``graphs``: the captured rounds whose first cache this is (kept with it, so that they
-    serve the next request that takes the slot and die with it). Raises
+    serve the next request that takes the slot and die with it); ``rounds_run`` counts the
+    fused rounds run with it, captured or not. Raises
     :class:`ContextLengthError` from :meth:`begin_prefill` for a prompt longer than
     ``prefix_capacity``.
     """
@@ -78,6 +79,7 @@ class StaticKVCache(ParticleKVCache):
         self.in_use = False
         self.serial = next(_SERIALS)
         self.graphs: dict[tuple, Any] = {}
+        self.rounds_run = 0  # fused rounds run with this cache first, over its life
 
     @property
     def prefix_capacity(self) -> int:
@@ -127,7 +129,7 @@ class StaticSlots:
             (the request then runs on an ordinary cache, step by step).
     """
 
-    def __init__(self, make, max_slots: int = 4) -> None:
+    def __init__(self, make, max_slots: int = 8) -> None:
         self._make = make
         self.max_slots = max_slots
         self.slots: list[StaticKVCache] = []

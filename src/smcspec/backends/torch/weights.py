@@ -72,9 +72,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     uninitialised (built on the meta device, so nothing is allocated twice); tied embeddings
     tied, the RoPE frequencies a float32 buffer."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg).to(dtype)  # cast on meta: the device holds only `dtype`
     model.to_empty(device=device)
-    model = model.to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 buffer, not cast to dtype
