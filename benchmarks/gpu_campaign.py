@@ -502,8 +502,8 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     if args.profile and backend == "torch" and c.left() > args.min_step_s:
         profile_round(c, engines, base)
     for m in {id(x.model): x.model for x in (target, draft, copy) if x is not None}.values():
-        release = getattr(m, "release", None)
-        if release is not None:
+        release = getattr(m, "release", None) or getattr(m, "release_static", None)
+        if release is not None:  # llamacpp: the model; torch: static caches and graphs
             release()
     del engines, target, draft, copy
     gc.collect()

@@ -33,8 +33,8 @@ from torch import nn
 
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowPlan
-from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.backends.torch.static_cache import StaticKVCache, StaticSlots
 
@@ -389,6 +389,9 @@ class Transformer(nn.Module):
         ``prompt_len`` tokens (what graph-captured rounds need), where the round mode is not
         ``steps`` and a slot is free; otherwise an ordinary cache."""
         if static and self.round_mode != "steps":
+            held = self.static_slots.slots
+            if held and held[0].suffix_k.device != self.device:  # the model moved (.to)
+                self.release_static()
             cache = self.static_slots.take(rows, capacity, prompt_len, lease)
             if cache is not None:
                 return cache
@@ -416,6 +419,14 @@ class Transformer(nn.Module):
         cache.rounds_run += 1
         with torch.inference_mode():
             return run_round(self.round_mode, cache.graphs, key, fn, inputs, self)
+
+    def release_static(self) -> None:
+        """Drop the static caches kept for reuse and their CUDA graphs (their memory goes
+        back to PyTorch's allocator once nothing else holds it); caches in use stay valid."""
+        for cache in self.static_slots.slots:
+            cache.graphs.clear()
+        self.static_slots = StaticSlots(self._make_static)
+        self.graph_pool = None
 
     def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> StaticKVCache:
         c = self.cfg
