@@ -1,4 +1,4 @@
-"""HumanEval loading, code extraction and the resource-limited executor.
+"""HumanEval loading, code extraction (`smcspec.code_extraction`) and the sandboxed executor.
 
 Each executor test starts one or two short child interpreters (~0.1 s each; the timeout test
 waits its 2 s limit). Every run uses a per-test ``workdir_parent`` so the tests can check that
@@ -12,12 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from smcspec.eval.humaneval import (
-    HumanEvalProblem,
-    extract_code,
-    load_humaneval,
-    run_completion,
-)
+from smcspec.code_extraction import extract_code
+from smcspec.eval.humaneval import HumanEvalProblem, load_humaneval, run_completion
 
 # A hand-made problem in HumanEval format, so the executor tests do not need the package.
 TOY = HumanEvalProblem(

@@ -1,14 +1,37 @@
-"""The package's layers import one way: models (loading files, picking a backend) sit above
-the backends, which never import them, so neither side can import the other in a circle; and
-no module of smcspec reaches itself through its imports (lazy ones inside functions
-included; imports for type checking only are not imports at run time)."""
+"""The package's layers import one way. :data:`LAYERS` lists them, lowest first, and every
+module of smcspec lies in exactly one; no module imports one of a higher layer (lazy imports
+inside functions and imports for type checking included), and ``docs/architecture.md`` draws
+the same layers. Inside that order, models (loading files, picking a backend) sit above the
+backends, which never import them; and no module of smcspec reaches itself through its
+imports (lazy ones inside functions included; imports for type checking only are not imports
+at run time)."""
 
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import smcspec.backends
+
+# The layers, lowest first: a module imports only modules of its own layer and of the layers
+# below it. "name/" is a package with every module in it (new ones included), "name.py" one
+# module, "__init__.py" the package smcspec itself. docs/architecture.md draws them, one line
+# a layer, highest first.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors.py",),
+    ("backends/",),
+    ("models/",),
+    ("sampling/", "potentials.py", "aggregate.py", "sandbox.py", "code_extraction.py"),
+    ("config.py", "tool_calls/", "rewards/"),
+    ("decoding/", "chat.py"),
+    ("engine.py", "scheduler.py", "metrics.py"),
+    ("cli/", "server/", "eval/", "tuning/"),
+    ("__init__.py", "__main__.py"),
+]
+
+ARCHITECTURE = Path(__file__).parents[1] / "docs" / "architecture.md"
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -38,13 +61,17 @@ def test_loaded_model_is_one_class_for_both_layers():
     assert FromModels is LoadedModel
 
 
-def _runtime_imports(path: Path, module: str, is_package: bool) -> set[str]:
+def _runtime_imports(
+    path: Path, module: str, is_package: bool, type_checking: bool = False
+) -> set[str]:
     """Absolute names of what ``path`` imports, lazy imports included and ``if
-    TYPE_CHECKING:`` blocks left out; relative imports resolved against ``module``."""
+    TYPE_CHECKING:`` blocks left out unless ``type_checking``; relative imports resolved
+    against ``module``."""
     tree = ast.parse(path.read_text())
     skip = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        guarded = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if guarded and not type_checking:
             skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -62,19 +89,25 @@ def _runtime_imports(path: Path, module: str, is_package: bool) -> set[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
-    """smcspec module -> the smcspec modules it imports (a name imported from a module
-    counts as that module)."""
+def package_modules() -> dict[str, Path]:
+    """Every module of smcspec (dotted name, a package by its own name) -> its file."""
     root = Path(smcspec.backends.__file__).parents[1]
     modules = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[name] = path
+    return modules
+
+
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """smcspec module -> the smcspec modules it imports (a name imported from a module
+    counts as that module); imports for type checking only with ``type_checking``."""
+    modules = package_modules()
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for n in _runtime_imports(path, name, path.name == "__init__.py"):
+        for n in _runtime_imports(path, name, path.name == "__init__.py", type_checking):
             while n and n not in modules:
                 n = n.rpartition(".")[0]
             if n and n != name:
@@ -130,3 +163,69 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
     assert cycles(graph) == [["a", "b"], ["c", "d", "e"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def unit_of(path: Path) -> str:
+    """The entry of :data:`LAYERS` a file of smcspec belongs to: ``"name/"`` for a file in
+    package ``name``, its file name for a top-level module."""
+    parts = path.relative_to(Path(smcspec.backends.__file__).parents[1]).parts
+    return f"{parts[0]}/" if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], layer_of: Callable[[str], int]) -> list[str]:
+    """Each import of ``graph`` from a module into a module of a higher layer, as text."""
+    return sorted(
+        f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+        for m, deps in graph.items()
+        for d in deps
+        if layer_of(d) > layer_of(m)
+    )
+
+
+def test_every_module_is_in_one_layer():
+    names = [name for layer in LAYERS for name in layer]
+    assert len(names) == len(set(names)), "a name is in two layers"
+    units = {unit_of(path) for path in package_modules().values()}
+    assert units - set(names) == set(), "modules in no layer of LAYERS"
+    assert set(names) - units == set(), "names in LAYERS that are no module of smcspec"
+
+
+def test_no_module_imports_a_higher_layer():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    files = package_modules()
+    graph = import_graph(type_checking=True)
+    assert len(graph) > 50 and "smcspec.rewards.code" in graph
+    assert upward_imports(graph, lambda m: layer[unit_of(files[m])]) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """The check above can fail: an import of a higher layer is found, one of the same or a
+    lower layer is not."""
+    layers = {"low": 0, "low2": 0, "high": 1}
+    graph = {"low": {"low2", "high"}, "low2": set(), "high": {"low"}}
+    assert upward_imports(graph, layers.__getitem__) == ["low (layer 0) imports high (layer 1)"]
+
+
+def _drawing() -> list[str]:
+    """The lines of the first fenced block of docs/architecture.md (the layer drawing)."""
+    text = ARCHITECTURE.read_text()
+    match = re.search(r"^```[^\n]*\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+    assert match, "docs/architecture.md has no drawing"
+    return match.group(1).splitlines()
+
+
+def test_the_architecture_doc_draws_the_layers():
+    """Each layer of :data:`LAYERS` is one line of the drawing, highest on top, and each name
+    is drawn once."""
+    lines = _drawing()
+    rows = []
+    for names in LAYERS:
+        at = set()
+        for name in names:
+            pattern = rf"(?<![\w./]){re.escape(name)}(?![\w./])"
+            found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+            assert len(found) == 1, f"{name} is drawn on {len(found)} lines, not 1"
+            at |= set(found)
+        assert len(at) == 1, f"the layer {names} is drawn on {len(at)} lines, not 1"
+        rows.append(at.pop())
+    assert rows == sorted(rows, reverse=True), "the drawing's layers are not in LAYERS' order"

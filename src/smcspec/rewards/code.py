@@ -32,8 +32,8 @@ import secrets
 import warnings
 from dataclasses import dataclass, field
 
+from smcspec.code_extraction import CodeCompletion, entry_point_of, extract_code
 from smcspec.errors import ConfigError
-from smcspec.eval.humaneval import CodeCompletion, entry_point_of, extract_code
 from smcspec.potentials import Reward
 from smcspec.sandbox import Limits, run_python
 
