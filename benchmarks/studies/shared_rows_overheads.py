@@ -7,8 +7,8 @@ shared rows (``index_select`` of a 151,936-token vocabulary: 144 rows from 88, 3
 8 from 5) beside the decoders' log-softmax over the same rows.
 
 Usage:
-  python benchmarks/shared_rows_overheads.py profile 8 4
-  python benchmarks/shared_rows_overheads.py gather
+  python benchmarks/studies/shared_rows_overheads.py profile 8 4
+  python benchmarks/studies/shared_rows_overheads.py gather
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ where it separates answers: an answer that fails an example never passes the hid
 here, but one that passes them all may still fail, and a method whose answers already pass
 every example leaves the reward nothing to choose.
 
-  python benchmarks/humaneval_reward_ceiling.py docs/benchmarks/humaneval-reward \
+  python benchmarks/studies/humaneval_reward_ceiling.py docs/benchmarks/humaneval-reward \
       --out docs/benchmarks/humaneval-reward/ceiling.md
 """
 
@@ -58,7 +58,8 @@ def main() -> int:
     lines = [
         f"# The execution reward against the hidden tests ({len(complete)} problems)",
         "",
-        f"Command: `python benchmarks/humaneval_reward_ceiling.py {' '.join(sys.argv[1:])}`",
+        "Command: `python benchmarks/studies/humaneval_reward_ceiling.py "
+        f"{' '.join(sys.argv[1:])}`",
         "",
         f"Problems every method answered: {len(complete)}; without examples in the prompt "
         f"(no reward): {without}. Each recorded answer (for a `-vote` setting, the vote's) is "

@@ -4,7 +4,7 @@
 per setting, the paired report of bank against keep (accuracy, McNemar, target NLL) on the
 questions both answered, with ``ar`` on those questions beside them.
 
-    python benchmarks/finished_particles_paired.py \\
+    python benchmarks/studies/finished_particles_paired.py \\
         --results docs/benchmarks/gsm8k-400/results.jsonl \\
         --out docs/benchmarks/finished-particles/gsm8k-paired
 """
@@ -42,7 +42,7 @@ def main() -> None:
             f"per-question seeds; `ar` on the same questions for reference (its row, too, is "
             f"paired against `{keep}`: its difference is keep vs ar with the sign flipped). "
             f"Records: "
-            f"`{args.results}`. Command: `python benchmarks/finished_particles_paired.py "
+            f"`{args.results}`. Command: `python benchmarks/studies/finished_particles_paired.py "
             f"--results {args.results} --out {args.out}`"
         )
         summary = report.write_report(rows, args.out / bank, f"{bank}: bank vs keep", note,

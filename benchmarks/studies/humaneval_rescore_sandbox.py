@@ -9,7 +9,7 @@ policy). Prints the pass count beside the committed one, the verdicts by status,
 answer whose verdict changed; a sandbox that blocks attacks, not honest test programs,
 changes none.
 
-  python benchmarks/humaneval_rescore_sandbox.py docs/benchmarks/humaneval-reward \
+  python benchmarks/studies/humaneval_rescore_sandbox.py docs/benchmarks/humaneval-reward \
       --out docs/benchmarks/humaneval-reward/sandbox-rescore.txt
 """
 
@@ -51,7 +51,7 @@ def report(rows: list[tuple[dict, ExecResult, bool]], args: argparse.Namespace) 
     changed = [(r, res) for r, res, _ in rows if res.passed != bool(r["correct"])]
     mismatched = [r["item"] for r, _, same in rows if not same]
     lines = [
-        f"Command: python benchmarks/humaneval_rescore_sandbox.py {' '.join(sys.argv[1:])}",
+        f"Command: python benchmarks/studies/humaneval_rescore_sandbox.py {' '.join(sys.argv[1:])}",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, uid {os.geteuid()}; "
         f"sandbox {args.sandbox}; bwrap works: {sandbox.bwrap_works()}",
         f"Records: {args.run / 'results.jsonl'}, method {args.method}: {len(rows)} answers",

@@ -3,7 +3,7 @@ the question's index) with SMC-SD under both ``finished_particles`` rules, and p
 output's start, its length, the request's stats and, with ``--particles``, every candidate
 particle with its weight.
 
-    python benchmarks/finished_particles_gsm8k.py --questions 25,28,32 -N 8 -K 2
+    python benchmarks/studies/finished_particles_gsm8k.py --questions 25,28,32 -N 8 -K 2
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 rewrite prompt (llamacpp backend, 2 threads, K = 4, 96 tokens, T = 0.7), after a warm run.
 
 Usage:
-  python benchmarks/profile_sd.py model    # sd with the draft model
-  python benchmarks/profile_sd.py ngram    # sd with n-gram drafts
+  python benchmarks/studies/profile_sd.py model    # sd with the draft model
+  python benchmarks/studies/profile_sd.py ngram    # sd with n-gram drafts
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from smcspec import Engine, GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
 
 

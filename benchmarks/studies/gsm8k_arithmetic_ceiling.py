@@ -6,7 +6,7 @@ equation, and answers with a false one, among those scored right and those score
 reward can only move answers it sees a slip in: the wrong answers with a false equation bound
 what steering by it can gain, and the right answers with one are its false alarms.
 
-  python benchmarks/gsm8k_arithmetic_ceiling.py docs/benchmarks/gsm8k-400 \
+  python benchmarks/studies/gsm8k_arithmetic_ceiling.py docs/benchmarks/gsm8k-400 \
       --out docs/benchmarks/gsm8k-steering/arithmetic-ceiling.md
 """
 
@@ -58,7 +58,8 @@ def main() -> int:
     lines = [
         f"# The arithmetic check on {args.run.name}'s answers",
         "",
-        f"Command: `python benchmarks/gsm8k_arithmetic_ceiling.py {' '.join(sys.argv[1:])}`",
+        "Command: `python benchmarks/studies/gsm8k_arithmetic_ceiling.py "
+        f"{' '.join(sys.argv[1:])}`",
         "",
         "Each answer's checkable equations (`smcspec.rewards.check_arithmetic`: an `=` between "
         "two pieces of pure arithmetic), by whether the answer was scored right.",

@@ -12,7 +12,7 @@ vote over behaviours), the eval's seed for each problem (``--seed`` + its index)
 off alternated (the order flips from one problem to the next).
 
 Usage:
-  python benchmarks/keep_rule_hosts.py --problems 2,3,6 \
+  python benchmarks/studies/keep_rule_hosts.py --problems 2,3,6 \
       --out docs/benchmarks/keep-rule-hosts/README.md
 """
 
@@ -87,7 +87,7 @@ def main() -> None:
         f"`{args.method}` as in `smcspec eval humaneval` (512 new tokens at most, T = 0.7), "
         "hosts on and off alternated per problem, same seed: the answers were identical.",
         "",
-        "Command: `python benchmarks/keep_rule_hosts.py "
+        "Command: `python benchmarks/studies/keep_rule_hosts.py "
         f"--problems {args.problems} --method {args.method}"
         + (f" --out {args.out}`" if args.out else "`"),
         "",

@@ -2,7 +2,7 @@
 
 Times both forms (same weight tensor ``W [out, in]``, float32, CPU) for the row counts
 that AR (1), SD (K+1) and SMC-SD (N, N*(K+1)) decoding produce, on the 1.5B target's
-projection shapes. Usage: ``python benchmarks/linear_layout.py``.
+projection shapes. Usage: ``python benchmarks/studies/linear_layout.py``.
 """
 
 from __future__ import annotations

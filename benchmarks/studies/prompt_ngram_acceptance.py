@@ -9,7 +9,7 @@ Workloads as in ``benchmarks/llamacpp_speculative.py`` (HumanEval rewrite prompt
 ShareGPT first turns), tokenized with the default target's tokenizer (no chat template).
 
 Usage:
-  python benchmarks/prompt_ngram_acceptance.py --prompts 8
+  python benchmarks/studies/prompt_ngram_acceptance.py --prompts 8
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from smcspec import Engine
 from smcspec.decoding.ngram import NgramIndex
 from smcspec.eval.sharegpt import load_sharegpt_prompts
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
 
 

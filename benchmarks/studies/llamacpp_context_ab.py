@@ -7,7 +7,7 @@ on HumanEval rewrite prompts, the engines' order alternating; decode tokens/s (a
 first token), medians.
 
 Usage:
-  python benchmarks/llamacpp_context_ab.py kv_cells=4096 max_sequences=1
+  python benchmarks/studies/llamacpp_context_ab.py kv_cells=4096 max_sequences=1
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import smcspec.models.pair as pair
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.llamacpp.settings import LlamaCppSettings
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
 
 FIELDS = ("kv_cells", "max_sequences", "n_batch")

@@ -6,7 +6,7 @@ stop token 0, at most 9 tokens; the target ends early with probability 0.31, the
 variation between the exact and the sampled distribution of output lengths, and how often
 an output ended before the budget. Writes a Markdown table to stdout.
 
-    python benchmarks/finished_particles_tiny.py --runs 1000 --particles 2,4,8,16
+    python benchmarks/studies/finished_particles_tiny.py --runs 1000 --particles 2,4,8,16
 """
 
 from __future__ import annotations
