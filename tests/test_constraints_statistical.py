@@ -213,7 +213,7 @@ def test_dead_ends_kill_particles_and_all_dead_fails(setup):
             torch.Generator().manual_seed(0),
         )
         assert dfa.allows(out.tokens) and len(out.tokens) == LENGTH
-        assert out.stats["dead_particles"] > 0
+        assert out.stats.dead_particles > 0
         # a mask that allows what the matcher then refuses: those particles die too
         liar = NextTokenAutomaton(TABLE, VOCAB, refused=frozenset({(2, 2), (2, 3), (None, 0)}))
         for seed in range(5):
@@ -230,7 +230,7 @@ def test_dead_ends_kill_particles_and_all_dead_fails(setup):
                 (a, b) in liar.refused
                 for a, b in zip([None, *out.tokens[:-1]], out.tokens, strict=True)
             )
-            assert out.stats["dead_particles"] > 0
+            assert out.stats.dead_particles > 0
         hopeless = NextTokenAutomaton({None: {0, 3}, 0: set(), 3: set()}, VOCAB)
         for decode, models, cfg in (
             (decode_smc, (target, draft), _smc(4, constraint=hopeless)),
@@ -277,7 +277,7 @@ def test_smc_weights_with_a_mask_equal_brute_force(setup):
     expected = torch.softmax(torch.tensor(logw, dtype=torch.float64), 0)
     got = torch.tensor([p.weight for p in out.particles], dtype=torch.float64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    assert out.stats["resamples"] == 0
+    assert out.stats.resamples == 0
 
 
 def _pass_share_reward(beta: float) -> Reward:

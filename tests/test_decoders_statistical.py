@@ -142,11 +142,11 @@ def test_smc_with_draft_equal_target_is_exact_and_never_resamples(pair):
         out = decode_smc(
             target, target, PROMPT, cfg, frozenset(), 4, torch.Generator().manual_seed(seed)
         )
-        assert out.stats["resamples"] == 0
+        assert out.stats.resamples == 0
         # log p - log q is 0 up to float32 rounding of two forwards of different shapes
         assert all(p.weight == pytest.approx(0.25, abs=1e-5) for p in out.particles)
         assert out.log_normalizer == pytest.approx(0.0, abs=1e-4)
-        assert out.stats["min_ess"] == pytest.approx(4.0)
+        assert out.stats.min_ess == pytest.approx(4.0)
 
 
 def _brute_log_weight(
@@ -189,7 +189,7 @@ def test_smc_weights_equal_brute_force(pair, t_t, t_d):
         return torch.softmax(torch.tensor(logw, dtype=torch.float64), 0)
 
     torch.testing.assert_close(got, brute(t_t, t_d), atol=1e-5, rtol=1e-4)
-    assert out.stats["resamples"] == 0  # kappa = 0 disables resampling
+    assert out.stats.resamples == 0  # kappa = 0 disables resampling
     if t_t != t_d:
         with pytest.raises(AssertionError):
             torch.testing.assert_close(got, brute(t_d, t_t), atol=1e-5, rtol=1e-4)

@@ -70,8 +70,8 @@ def _sample(target, cfg: GenerationConfig, runs: int = RUNS) -> tuple[Counter, i
         g = torch.Generator().manual_seed(i)
         out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, g)
         counts[tuple(out.tokens)] += 1
-        drafted += out.stats["drafted"]
-        gated += out.stats.get("gated_rounds", 0)
+        drafted += out.stats.drafted
+        gated += (out.stats.gated_rounds or 0)
     return counts, drafted, gated
 
 
@@ -190,7 +190,7 @@ def test_greedy_ngram_sd_equals_greedy_ar(target, seed, schedule):
     ar_cfg = GenerationConfig(method="ar", temperature=0.0, max_new_tokens=24)
     ar = decode_ar(target, prompt, ar_cfg, frozenset(), V, g)
     assert ngram.tokens == ar.tokens
-    assert ngram.stats["drafted"] > 0
+    assert ngram.stats.drafted > 0
 
 
 def test_the_gate_drafts_while_the_target_backs_the_proposals():
@@ -227,11 +227,11 @@ def test_a_gate_that_never_opens_after_the_first_round_drafts_once(target):
     yet) drafts; every later proposal is probed, counted as gated, never verified."""
     cfg = _cfg(max_new_tokens=12, draft_p_min=1.0)
     out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, torch.Generator().manual_seed(0))
-    assert 0 < out.stats["drafted"] <= cfg.draft_tokens
-    assert out.stats["gated_rounds"] >= 3
+    assert 0 < out.stats.drafted <= cfg.draft_tokens
+    assert out.stats.gated_rounds >= 3
     open_ = decode_ngram_sd(target, PROMPT, _cfg(max_new_tokens=12), frozenset(), V,
                             torch.Generator().manual_seed(0))  # fmt: skip
-    assert "gated_rounds" not in open_.stats and open_.stats["drafted"] > out.stats["drafted"]
+    assert open_.stats.gated_rounds is None and open_.stats.drafted > out.stats.drafted
 
 
 def test_smc_and_constraints_refuse_the_ngram_draft():

@@ -51,7 +51,7 @@ def test_draft_p_min_keeps_sd_exact_and_drafts_less(pair):
         for i in range(RUNS if p_min else 300):
             out = decode_sd(target, draft, PROMPT, _cfg(p_min), frozenset(), V,
                             torch.Generator().manual_seed(i))  # fmt: skip
-            drafted[p_min] += out.stats["drafted"]
+            drafted[p_min] += out.stats.drafted
             if p_min:
                 counts[tuple(out.tokens)] += 1
     # the floor stops most rounds here, not all (measured: 9% of the drafts are made)
@@ -68,7 +68,7 @@ def test_every_verified_draft_distribution_matches_a_fresh_forward(pair, monkeyp
 
     def checking(draft_tokens, draft_probs, target_probs, generator):
         nonlocal checked
-        rounds = sys._getframe(2)  # verify_block <- _sd_rounds
+        rounds = sys._getframe(3)  # verify_block <- _round_steps <- _sd_rounds
         assert rounds.f_code.co_name == "_sd_rounds"
         prefix = PROMPT + rounds.f_locals["out"]
         for j, t in enumerate(draft_tokens.tolist()):

@@ -90,10 +90,10 @@ def test_banked_particles_carry_the_whole_weight(pair):
             target, draft, PROMPT, _cfg(4, "bank", return_particles=True), frozenset({STOP}), V,
             torch.Generator().manual_seed(seed),
         )  # fmt: skip
-        if out.stats["rounds"] == 0:  # x0 was the stop token: nothing ran, nothing banked
-            assert out.tokens == [STOP] and out.stats["banked"] == 0
+        if out.stats.rounds == 0:  # x0 was the stop token: nothing ran, nothing banked
+            assert out.tokens == [STOP] and out.stats.banked == 0
             continue
-        assert out.stats["banked"] == len(out.particles) >= 4  # every ended particle
+        assert out.stats.banked == len(out.particles) >= 4  # every ended particle
         assert sum(p.weight for p in out.particles) == pytest.approx(1.0, abs=1e-9)
         assert out.tokens in [p.tokens for p in out.particles]
         assert out.log_normalizer == 0.0  # alpha = 1, no potential: Z = 1
@@ -112,9 +112,9 @@ def test_the_banked_masses_sum_to_one(pair, n):
             target, draft, PROMPT, _cfg(n, "bank"), frozenset({STOP}), V,
             torch.Generator().manual_seed(seed),
         )  # fmt: skip
-        if out.stats["banked"]:
-            assert out.stats["banked_mass"] == pytest.approx(1.0, abs=1e-9), seed
-            checked += out.stats["rounds"] > 1
+        if out.stats.banked:
+            assert out.stats.banked_mass == pytest.approx(1.0, abs=1e-9), seed
+            checked += out.stats.rounds > 1
     assert checked >= 20  # runs that banked over several rounds
 
 

@@ -256,7 +256,7 @@ def test_smc_weights_equal_brute_force_with_truncation(pair, alpha):
             [_brute_log_weight(target, draft, p.tokens, k, alpha, setting) for p in out.particles],
             dtype=torch.float64,
         )
-    assert out.stats["resamples"] == 0 and out.stats["degenerate_weights"] == 0
+    assert out.stats.resamples == 0 and out.stats.degenerate_weights == 0
     assert (logw == -math.inf).any() and (logw > -math.inf).any()  # some particles die
     got = torch.tensor([p.weight for p in out.particles], dtype=torch.float64)
     # tolerance 1e-5 absolute: float32 forwards and log-probs against float64 brute force

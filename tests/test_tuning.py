@@ -317,10 +317,10 @@ def test_degenerate_rounds_count_rounds_whose_weights_collapsed():
     cfg = GenerationConfig(method="smc", max_new_tokens=40, particles=4, draft_tokens=8)
     g = torch.Generator().manual_seed(0)
     out = decode_smc(target, far, [1, 2, 0], cfg, frozenset(), 4, g)
-    assert out.stats["degenerate_rounds"] >= 1
-    assert out.stats["degenerate_rounds"] <= out.stats["rounds"] and out.stats["min_ess"] < 1.1
+    assert out.stats.degenerate_rounds >= 1
+    assert out.stats.degenerate_rounds <= out.stats.rounds and out.stats.min_ess < 1.1
     same = decode_smc(target, target, [1, 2, 0], cfg, frozenset(), 4, g)
-    assert same.stats["degenerate_rounds"] == 0
+    assert same.stats.degenerate_rounds == 0
 
 
 # ------------------------------------------------------------------ the grid

@@ -232,6 +232,38 @@ class GenerationConfig:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def truncation(self) -> tuple[int, float, float]:
+        """``(top_k, top_p, min_p)``: the target's filters (``docs/sampling.md``)."""
+        return (self.top_k, self.top_p, self.min_p)
+
+    @property
+    def has_potential(self) -> bool:
+        """A constraint or a reward reweights the particles (``docs/constraints.md``)."""
+        return self.constraint is not None or self.reward is not None
+
+    @property
+    def twisted(self) -> bool:
+        """The reward scores prefixes too (a twist, ``Reward.prefix_fn``)."""
+        return self.reward is not None and self.reward.prefix_fn is not None
+
+    @property
+    def banks_finished(self) -> bool:
+        """smc banks the particles that end (``finished_particles="bank"``); banking needs
+        normalised prefix targets, so it runs at alpha = 1 without a constraint or reward,
+        and the paper's keep rule elsewhere."""
+        return self.finished_particles == "bank" and self.alpha == 1 and not self.has_potential
+
+    @property
+    def group_size(self) -> int:
+        """Particles per group (``particles / groups``)."""
+        return self.particles // self.groups
+
+    def group(self, g: int) -> slice:
+        """The particles of group ``g``."""
+        m = self.group_size
+        return slice(g * m, (g + 1) * m)
+
+    @property
     def p_min(self) -> float:
         """``draft_p_min`` as sd applies it: the value given, or, when ``None``, the draft's
         default (0, off, with the draft model; :data:`NGRAM_DRAFT_P_MIN` with n-gram

@@ -25,7 +25,9 @@ from smcspec.chat import encode_chat, encode_raw
 from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.job import Job
 from smcspec.decoding.registry import Decoder, decoder_for
+from smcspec.decoding.stats import Stats
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair
@@ -65,6 +67,7 @@ class GenerationResult:
     log_normalizer: float | None = None
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
     vote: dict[str, Any] | None = None
+    decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
@@ -85,17 +88,6 @@ class GenerationResult:
         if self.vote is not None:
             d["vote"] = self.vote
         return d
-
-
-@dataclass
-class Job:
-    """A validated request: prompt token ids, the config with its seed fixed, stop tokens, and
-    the decoder that runs it (:func:`~smcspec.decoding.registry.decoder_for`, decided once)."""
-
-    ids: list[int]
-    config: GenerationConfig
-    stop_ids: frozenset[int]
-    decoder: Decoder
 
 
 class TextStreamer:
@@ -290,7 +282,8 @@ class Engine:
         seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
-        return Job(ids=ids, config=cfg, stop_ids=stop_ids, decoder=decoder)
+        draft = self.draft.model if self.draft is not None and decoder.draft_model else None
+        return Job(ids, cfg, stop_ids, decoder, self.target.model, draft, self.vocab)
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
@@ -314,21 +307,10 @@ class Engine:
         on_tokens: Callable[[list[int]], None] | None = None,
         reservation: Reservation | None = None,
     ) -> Program:
-        """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), its caches
+        """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), started
+        with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`), its caches
         drawn on ``reservation`` (:meth:`try_reserve`)."""
-        cfg = job.config
-        gen = torch.Generator(device=self.target.model.device).manual_seed(cfg.seed)
-        return job.decoder.program(
-            self.target.model,
-            self.draft.model if self.draft is not None else None,
-            prompt=job.ids,
-            cfg=cfg,
-            stop_ids=job.stop_ids,
-            vocab=self.vocab,
-            generator=gen,
-            on_tokens=on_tokens,
-            reservation=reservation,
-        )
+        return job.decoder.program(job.started(on_tokens, reservation))
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -348,7 +330,7 @@ class Engine:
                 vote = _vote(cfg.vote, particles)
             if not cfg.return_particles:
                 particles = None
-        stats = {**out.stats, "seed": cfg.seed}
+        stats = {**out.stats.to_dict(), "seed": cfg.seed}
         if cfg.greedy:
             stats["greedy"] = True
         stats.update(job.decoder.stats(cfg))
@@ -364,6 +346,7 @@ class Engine:
             particles=particles,
             log_normalizer=out.log_normalizer,
             vote=vote,
+            decode_stats=out.stats,
             finish_reason=(
                 "length" if hit_token_cap(out.tokens, cfg.max_new_tokens, job.stop_ids) else "stop"
             ),

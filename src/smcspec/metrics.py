@@ -109,8 +109,10 @@ class ServerMetrics:
             self.distinct_rows.labels(model).inc(rows)
 
     def observe_request(self, method: str, outcome: str, req, result, prompt_tokens: int) -> None:
-        """Count one finished request: its outcome, tokens, time to first token and, when it
-        produced a result, its time per output token and SMC-SD or SD stats."""
+        """Count one finished request: its outcome under the ``method`` it ran (greedy
+        ``smc`` runs as ``sd``), tokens, time to first token and, when it produced a result,
+        its time per output token and its decoder's own counters
+        (:meth:`~smcspec.decoding.stats.SmcStats.observe` and the like)."""
         self.requests.labels(method, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(req.tokens)
@@ -122,14 +124,8 @@ class ServerMetrics:
             self.tpot.observe(
                 max(0.0, result.seconds - req.first_token_s) / (result.new_tokens - 1)
             )
-        s = result.stats
-        if method == "smc":
-            self.rounds.inc(s.get("rounds", 0))
-            self.resamples.inc(s.get("resamples", 0))
-            self.ess.observe(s.get("mean_ess", 0.0))
-        elif method == "sd":
-            self.drafted.inc(s.get("drafted", 0))
-            self.accepted.inc(s.get("accepted", 0))
+        if result.decode_stats is not None:
+            result.decode_stats.observe(self)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (``/metrics``)."""

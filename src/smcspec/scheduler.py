@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.backends.pool import Reservation
+from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Prefill, Program, Round, execute
-from smcspec.engine import Engine, GenerationResult, Job
+from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ContextLengthError, SmcspecError
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from smcspec.cli.common import load_engine, needs_model_draft, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args, constraint_from_args, steering_from_args
+from smcspec.decoding.stats import SmcStats
 
 if TYPE_CHECKING:
     from smcspec.engine import GenerationResult
@@ -73,30 +74,14 @@ def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str
         f"[{label}] {result.new_tokens} tokens in {result.seconds:.2f} s "
         f"({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_tokens} tokens"
     )
-    ran_as = s.get("ran_as", result.method)
-    if ran_as == "smc":
-        line += (
-            f", N={s['particles']} K={s['draft_tokens']}, rounds {s['rounds']}, "
-            f"resamples {s['resamples']}, mean ESS {s['mean_ess']:.2f}, "
-            f"min ESS {s['min_ess']:.2f}, degenerate rounds {s['degenerate_rounds']}"
-        )
-        if "log_normalizer" in s:  # a constraint or reward was set
-            line += f", log Z {s['log_normalizer']:.3f}, dead particles {s['dead_particles']}"
-    elif ran_as == "sd":
-        ngram = s.get("draft") == "ngram"
-        line += (
-            f", K={s['draft_tokens']}{', n-gram drafts' if ngram else ''}, rounds {s['rounds']}"
-            f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
-            f"{s['mean_accepted_length']:.2f}"
-        )
-        if "gated_rounds" in s:
-            line += f", rounds the gate cut or kept from drafting {s['gated_rounds']}"
+    if result.decode_stats is not None:
+        line += result.decode_stats.describe()
     if result.vote is not None:
         v = result.vote
         line += (
             f"; vote: {v['answer']!r} with {v['share']:.0%} of the weight ({v['answers']} answers)"
         )
-    elif result.stats.get("ran_as", result.method) == "smc" and args.aggregate == "vote":
+    elif isinstance(result.decode_stats, SmcStats) and args.aggregate == "vote":
         line += "; vote: no particle has an answer"
     if pick is not None:
         line += f"; {tuned_note(pick, args.method, args.min_ess)}"

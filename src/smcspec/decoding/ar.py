@@ -5,17 +5,14 @@ from __future__ import annotations
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.backends.pool import CacheNeed, Reservation
+from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import (
-    DecodeOutput,
-    TokenCallback,
-    as_prompt_tensor,
-    with_caches,
-)
-from smcspec.decoding.fused import ar_step, fused_rounds, graph_safe, is_static, static_needs
+from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor, run_on_caches
+from smcspec.decoding.fused import ar_step, fused_rounds, is_static, plain
+from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.potentials import ConstraintState, DeadEndError, compiled_constraint, timed_start
+from smcspec.decoding.stats import ArStats
+from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
     sample_categorical,
@@ -31,16 +28,7 @@ def ar_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
     return [CacheNeed("target", 1, cfg.max_new_tokens + 1, prompt_len)]
 
 
-def ar_program(
-    target: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-    reservation: Reservation | None = None,
-) -> Program:
+def ar_program(job: Job) -> Program:
     """Sample up to ``cfg.max_new_tokens`` tokens from ``softmax(logits / T_t)``, one per forward.
 
     ``cfg.temperature == 0`` decodes greedily: each token is the target's most likely one
@@ -53,62 +41,43 @@ def ar_program(
     (``m_t`` the constraint's mask after the tokens so far; what structured-output engines
     do, which is not the conditional ``p(x | x in A)``: Park et al. 2024).
 
-    Args:
-        prompt: token ids. ``vocab``: number of token ids that may be sampled.
+    ``job``: the request (:class:`~smcspec.decoding.job.Job`; its cache opens on
+    ``job.reservation``, or reserves its own, given back when the program ends or is closed).
+    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`),
+    or one :class:`~smcspec.decoding.program.Round` a token where the target runs rounds
+    fused.
+
     Raises:
         DeadEndError: with a constraint, no allowed token has positive probability.
-    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
-
     Returns:
-        :class:`DecodeOutput` with stats ``{"forwards": ...}`` and, with a constraint,
-        ``constraint_seconds`` (wall seconds spent computing masks and advancing matchers).
-
-    ``reservation``: the request's leases (the KV cache is opened on them); without one the
-    cache reserves its own, given back when the program ends or is closed.
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.stats.ArStats`.
     """
-
-    def steps(cache: KVCache) -> Program:
-        return _ar_steps(target, cache, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-
-    needs = ar_caches(cfg, len(prompt))
-    if fused_rounds(target) and graph_safe(cfg, "ar"):
-        needs = static_needs(needs)  # steps captured as CUDA graphs (decoding/fused.py)
-    return (yield from with_caches(needs, {"target": target}, reservation, steps))
+    fused = fused_rounds(job.target) and plain(job.config)
+    return (yield from run_on_caches(job, ar_caches(job.config, len(job.ids)), _ar_steps, fused))
 
 
-def _ar_steps(
-    target: DecoderModel,
-    cache: KVCache,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None,
-) -> Program:
-    constraint = compiled_constraint(cfg.constraint)
-    state, clock = timed_start(constraint) if constraint is not None else (None, None)
-    logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), cache))[:vocab]
+def _ar_steps(job: Job, cache: KVCache) -> Program:
+    cfg, target, vocab, generator = job.config, job.target, job.vocab, job.generator
+    state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
+    logits = (yield Prefill(target, as_prompt_tensor(job.ids, target.device), cache))[:vocab]
     fused = state is None and is_static(cache)
     tok = _next_token(logits, cfg, state, vocab, generator)
     out: list[int] = []
     while True:
         out.append(tok)
-        if on_tokens:
-            on_tokens([tok])
-        if tok in stop_ids or len(out) >= cfg.max_new_tokens:
+        if job.on_tokens:
+            job.on_tokens([tok])
+        if tok in job.stop_ids or len(out) >= cfg.max_new_tokens:
             break
         if state is not None:
             state.consume([tok])
         if fused:  # the forward and the next draw as one round on the device
-            tok = yield from ar_step(target, cache, tok, cfg, vocab, generator)
+            tok = yield from ar_step(job, cache, tok)
             continue
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
         tok = _next_token(logits, cfg, state, vocab, generator)
-    stats: dict[str, float | int] = {"forwards": len(out)}
-    if clock is not None:
-        stats["constraint_seconds"] = clock.seconds
+    stats = ArStats(len(out), clock.seconds if clock is not None else None)
     return DecodeOutput(tokens=out, stats=stats)
 
 
@@ -138,6 +107,15 @@ def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask_log_probs(lp, mask)
 
 
-def decode_ar(*args, **kwargs) -> DecodeOutput:
-    """Run :func:`ar_program` to completion on its own (same arguments)."""
-    return run_program(ar_program(*args, **kwargs))
+def decode_ar(
+    target: DecoderModel,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+) -> DecodeOutput:
+    """Run :func:`ar_program` to completion on its own, without an engine."""
+    job = job_for(target, None, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+    return run_program(ar_program(job))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -24,10 +25,11 @@ class ParticleOutput:
 
 @dataclass
 class DecodeOutput:
-    """What a decoder returns: the new tokens and its statistics."""
+    """What a decoder returns: the new tokens and its statistics (its own typed record,
+    :mod:`smcspec.decoding.stats`)."""
 
     tokens: list[int]
-    stats: dict[str, float | int] = field(default_factory=dict)
+    stats: Any
     particles: list[ParticleOutput] | None = None
     log_normalizer: float | None = None
 
@@ -98,6 +100,18 @@ def with_caches(
         return (yield from body(*caches))
     finally:
         close_caches(caches)
+
+
+def run_on_caches(
+    job: Any, needs: list[CacheNeed], body: Callable[..., Generator], fused: bool = False
+) -> Generator:
+    """Every decoder's program: open the caches of ``needs`` on ``job``'s models and
+    reservation (static caches, at fixed addresses, where ``fused``: the decoder's rounds run
+    fused, :mod:`smcspec.decoding.fused`) and run ``body(job, *caches)``; the caches close
+    however it ends."""
+    if fused:
+        needs = [replace(n, static=True, shared_rows=False) for n in needs]
+    return (yield from with_caches(needs, job.models, job.reservation, lambda *c: body(job, *c)))
 
 
 def distinct_row_stats(**caches: KVCache) -> dict[str, float]:

@@ -28,7 +28,7 @@ step-by-step round raises at once (NaN logits, a distribution with no mass) come
 
 Fused rounds run where every model of the request runs rounds fused
 (:func:`fused_rounds`), its caches are static, and the request needs no host work inside a
-round (:func:`graph_safe`: no constraint, no reward, no top-p, whose cut has a data-dependent
+round (:func:`plain`: no constraint, no reward, no top-p, whose cut has a data-dependent
 shape; sd also no ``draft_p_min`` gate and only full K-token rounds). Everything else runs
 step by step, as on the CPU.
 """
@@ -36,14 +36,12 @@ step by step, as on the CPU.
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import replace
-from typing import Any
 
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
+from smcspec.decoding.job import Job
 from smcspec.decoding.program import Round
 from smcspec.errors import NumericalError
 from smcspec.sampling.distributions import (
@@ -67,17 +65,11 @@ def fused_rounds(*models: DecoderModel | None) -> bool:
     return all(m is not None and getattr(m, "round_mode", "steps") != "steps" for m in models)
 
 
-def graph_safe(cfg: GenerationConfig, method: str) -> bool:
-    """Whether a request's rounds need no host work between forwards (module notes)."""
-    plain = cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1
-    if method == "sd":
-        return plain and cfg.p_min <= 0
-    return plain
-
-
-def static_needs(needs: list[CacheNeed]) -> list[CacheNeed]:
-    """``needs`` asking for static caches (:class:`~smcspec.backends.pool.CacheNeed`)."""
-    return [replace(n, static=True, shared_rows=False) for n in needs]
+def plain(cfg: GenerationConfig) -> bool:
+    """Whether a request needs no host work between a round's forwards: no constraint, no
+    reward, no top-p (whose cut has a data-dependent shape). Each decoder adds its own
+    conditions (sd: no ``draft_p_min`` gate)."""
+    return cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1
 
 
 def is_static(*caches: KVCache) -> bool:
@@ -117,12 +109,10 @@ def _scalar(value: int, dev: torch.device) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- SMC-SD
 def smc_block(
-    st: Any,
+    job: Job,
     pending_d: torch.Tensor,
     pending_t: torch.Tensor,
     host: torch.Tensor | None,
-    target: DecoderModel,
-    draft: DecoderModel,
     tcache: KVCache,
     dcache: KVCache,
 ) -> Generator[Round, Tensors, Tensors]:
@@ -131,18 +121,18 @@ def smc_block(
     ``[N, K]`` (log p~), ``bonus`` int64 ``[N]`` and, at alpha != 1 or with truncation,
     ``bonus_norm`` float64 ``[N]``.
 
-    ``st``: the request's constants (``n, k, t_t, t_d, alpha, trunc, d_trunc, vocab, dev,
-    generator``: :class:`smcspec.decoding.smc._Setting`). ``pending_d`` int64 ``[N, 1 or 2]``
-    (not yet fed to the draft), ``pending_t`` int64 ``[N, 1]``; ``host`` int64 ``[N]``: the row
-    each ended particle follows (None: itself). Both caches advance on the host before the
-    round (``w + K - 1`` and ``K + 1`` positions). Raises NumericalError after the round
-    where the step-by-step round would have raised inside it, ContextLengthError before it.
+    ``pending_d`` int64 ``[N, 1 or 2]`` (not yet fed to the draft), ``pending_t`` int64
+    ``[N, 1]``; ``host`` int64 ``[N]``: the row each ended particle follows (None: itself).
+    Both caches advance on the host before the round (``w + K - 1`` and ``K + 1``
+    positions). Raises NumericalError after the round where the step-by-step round would
+    have raised inside it, ContextLengthError before it.
     """
-    n, k, dev = st.n, st.k, st.dev
+    cfg, dev = job.config, job.device
+    n, k = cfg.particles, cfg.draft_tokens
     w = pending_d.shape[1]
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
-    u = draw_uniforms((k + 1) * n, st.generator, dev).view(k + 1, n, 1)
+    u = draw_uniforms((k + 1) * n, job.generator, dev).view(k + 1, n, 1)
     inputs = {
         "pending_d": pending_d,
         "pending_t": pending_t,
@@ -151,16 +141,17 @@ def smc_block(
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
-    consts = (st.t_t, st.t_d, st.alpha, st.trunc, st.d_trunc, st.vocab)
+    t_t, trunc = cfg.temperature, cfg.truncation
+    consts = (t_t, cfg.draft_temperature, cfg.alpha, trunc, job.draft_truncation, job.vocab)
     key = ("smc", n, k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
-        drafted, draft_lp, bad = _draft_steps(st, draft, dcache, x, span)
+        drafted, draft_lp, bad = _draft_steps(job, dcache, x, span)
         block = torch.cat((x["pending_t"], drafted), 1)
-        logits = target.decode_static(block, tcache, x["t_start"], span)[:, :, : st.vocab]
-        lp = truncate_log_probs(tempered_log_probs(logits[:, :k], st.t_t, False), *st.trunc)
+        logits = job.target.decode_static(block, tcache, x["t_start"], span)[:, :, : job.vocab]
+        lp = truncate_log_probs(tempered_log_probs(logits[:, :k], t_t, False), *trunc)
         target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
-        probs, norm = power_target_probs(logits[:, k], st.t_t, st.alpha, st.trunc, check=False)
+        probs, norm = power_target_probs(logits[:, k], t_t, cfg.alpha, trunc, check=False)
         bonus, valid = categorical_from_uniforms(probs, x["u"][k])
         bad = bad | nan_rows(lp).any() | ~valid.all() | torch.isnan(probs[:, 0]).any()
         out = {
@@ -174,24 +165,25 @@ def smc_block(
             out["bonus_norm"] = norm
         return out
 
-    out = yield Round(target, tcache, key, fn, inputs)
+    out = yield Round(job.target, tcache, key, fn, inputs)
     check_ok(out)
     return out
 
 
 def _draft_steps(
-    st: Any, draft: DecoderModel, dcache: KVCache, x: Tensors, span: int
+    job: Job, dcache: KVCache, x: Tensors, span: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K draft forwards of the N particles inside a round: drafted tokens ``[N, K]``, their
     ``log q`` ``[N, K]`` and a bool 0-dim flag of NaN logits or an unsampleable row."""
+    cfg = job.config
     feed, start = x["pending_d"], x["d_start"]
     bad = torch.zeros((), dtype=torch.bool, device=feed.device)
     tokens, lps = [], []
-    for j in range(st.k):
-        logits = draft.decode_static(feed, dcache, start, span, last_only=True)
+    for j in range(cfg.draft_tokens):
+        logits = job.draft.decode_static(feed, dcache, start, span, last_only=True)
         start = start + feed.shape[1]
-        lq = tempered_log_probs(logits[:, -1, : st.vocab], st.t_d, False)
-        lq = truncate_log_probs(lq, *st.d_trunc)
+        lq = tempered_log_probs(logits[:, -1, : job.vocab], cfg.draft_temperature, False)
+        lq = truncate_log_probs(lq, *job.draft_truncation)
         d, valid = categorical_from_uniforms(lq.exp(), x["u"][j])
         d = d[x["host"]]  # ended rows draft what their host drafts
         bad = bad | nan_rows(lq).any() | ~valid.all()
@@ -202,25 +194,18 @@ def _draft_steps(
 
 
 # ------------------------------------------------------------------------------- ar
-def ar_step(
-    target: DecoderModel,
-    cache: KVCache,
-    token: int,
-    cfg: GenerationConfig,
-    vocab: int,
-    generator: torch.Generator,
-) -> Generator[Round, Tensors, int]:
+def ar_step(job: Job, cache: KVCache, token: int) -> Generator[Round, Tensors, int]:
     """Feed ``token`` to the target and draw the next one (tempered, truncated by top-k and
     min-p, a point mass when greedy) as one :class:`Round`; returns the next token.
     Raises NumericalError (NaN logits), ContextLengthError (the cache is full)."""
-    dev = target.device
+    cfg, dev, vocab, target = job.config, job.device, job.vocab, job.target
     start = _claim(cache, 1)
     span = window(start + 1)
-    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    trunc = cfg.truncation
     inputs = {
         "token": torch.full((1, 1), token, dtype=torch.long, device=dev),
         "start": _scalar(start, dev),
-        "u": draw_uniforms(1, generator, dev),
+        "u": draw_uniforms(1, job.generator, dev),
     }
     key = ("ar", span, cfg.temperature, cfg.greedy, trunc, vocab, cache.prompt_window)
 
@@ -240,15 +225,7 @@ def ar_step(
 
 # ------------------------------------------------------------------------------- sd
 def sd_round(
-    target: DecoderModel,
-    draft: DecoderModel,
-    tcache: KVCache,
-    dcache: KVCache,
-    pending_d: list[int],
-    pending_t: int,
-    cfg: GenerationConfig,
-    vocab: int,
-    generator: torch.Generator,
+    job: Job, tcache: KVCache, dcache: KVCache, pending_d: list[int], pending_t: int
 ) -> Generator[Round, Tensors, tuple[list[int], int, int]]:
     """One round of exact speculative sampling as a :class:`Round`: K = ``cfg.draft_tokens``
     draft steps after feeding ``pending_d`` (1 or 2 tokens the draft has not seen), the
@@ -260,7 +237,14 @@ def sd_round(
     target's token after them, as :func:`~smcspec.decoding.sd.verify_block` does. Both
     caches hold the whole block afterwards; the caller rolls back what was rejected.
     Raises NumericalError after the round, ContextLengthError before it."""
-    dev, k, w = target.device, cfg.draft_tokens, len(pending_d)
+    cfg, target, draft, vocab, generator = (
+        job.config,
+        job.target,
+        job.draft,
+        job.vocab,
+        job.generator,
+    )
+    dev, k, w = job.device, cfg.draft_tokens, len(pending_d)
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
     inputs = {
@@ -272,7 +256,7 @@ def sd_round(
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
-    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
+    trunc = cfg.truncation
     t_d = 0.0 if cfg.greedy else cfg.draft_temperature
     consts = (cfg.temperature, t_d, cfg.greedy, trunc, vocab)
     key = ("sd", k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)

@@ -39,7 +39,7 @@ import torch
 from torch.nn.functional import one_hot
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.backends.pool import CacheNeed, Reservation
+from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -47,10 +47,12 @@ from smcspec.decoding.common import (
     as_prompt_tensor,
     cache_capacity,
     cut_at_stop,
-    with_caches,
+    run_on_caches,
 )
+from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.program import Prefill, Program, run_program
-from smcspec.decoding.sd import acceptance_stats, first_token, verify_block
+from smcspec.decoding.sd import first_token, verify_block
+from smcspec.decoding.stats import SdStats
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
 NGRAM_MIN = 1  # the shortest n-gram matched
@@ -163,58 +165,34 @@ def ngram_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
                       prompt_len)]  # fmt: skip
 
 
-def ngram_sd_program(
-    target: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-    reservation: Reservation | None = None,
-) -> Program:
+def ngram_sd_program(job: Job) -> Program:
     """Exact speculative decoding with n-gram drafts of at most ``cfg.draft_tokens`` tokens.
 
-    Yields :class:`Prefill`/:class:`Forward` requests on the target only. ``reservation``:
-    as in :func:`~smcspec.decoding.ar.ar_program`.
+    Yields :class:`Prefill`/:class:`Forward` requests on the target only. ``job``: the
+    request (:class:`~smcspec.decoding.job.Job`; its draft model, if any, is not used).
 
     Returns:
-        :class:`DecodeOutput`; stats as :func:`~smcspec.decoding.sd.sd_program`'s
-        (``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``,
-        ``mean_accepted_length``) plus ``draft: "ngram"``, and with ``cfg.p_min`` > 0
-        ``gated_rounds``: rounds whose proposal the gate kept from drafting, or cut short
-        (``draft_schedule="confidence"``).
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.stats.SdStats` (``ngram``
+        set), and with ``cfg.p_min`` > 0 ``gated_rounds``: rounds whose proposal the gate
+        kept from drafting, or cut short (``draft_schedule="confidence"``).
     """
-
-    def rounds(tcache: KVCache) -> Program:
-        return _ngram_rounds(target, tcache, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-
-    models = {"target": target}
-    caches = ngram_caches(cfg, len(prompt))
-    return (yield from with_caches(caches, models, reservation, rounds))
+    return (yield from run_on_caches(job, ngram_caches(job.config, len(job.ids)), _ngram_rounds))
 
 
-def _ngram_rounds(
-    target: DecoderModel,
-    tcache: KVCache,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None,
-) -> Program:
-    logits = (yield Prefill(target, as_prompt_tensor(prompt, target.device), tcache))[:vocab]
-    tok = first_token(logits, cfg, None, vocab, generator)
+def _ngram_rounds(job: Job, tcache: KVCache) -> Program:
+    cfg, target, vocab = job.config, job.target, job.vocab
+    logits = (yield Prefill(target, as_prompt_tensor(job.ids, target.device), tcache))[:vocab]
+    tok = first_token(job, logits, None)
     out = [tok]
-    if on_tokens:
-        on_tokens([tok])
+    if job.on_tokens:
+        job.on_tokens([tok])
     index = NgramIndex()
-    index.extend([*prompt, tok])
+    index.extend([*job.ids, tok])
     gate = NgramGate(cfg.p_min)
-    rounds = drafted = accepted = gated = 0
+    stats = SdStats(cfg.draft_tokens, rounds=0, drafted=0, accepted=0, ngram=True)
+    gated = 0
     k_round = cfg.draft_tokens  # the round's draft length (adaptive: follows acceptance)
-    finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
+    finished = tok in job.stop_ids or len(out) >= cfg.max_new_tokens
     while not finished:
         k = min(k_round, cfg.max_new_tokens - len(out) - 1)
         proposal = index.propose(k) if k > 0 else []
@@ -227,30 +205,37 @@ def _ngram_rounds(
         d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
         t_len0 = tcache.length
         t_probs: list[torch.Tensor] = []
-        n, nxt = yield from verify_block(target, tcache, out[-1], d_tokens, d_probs, cfg, [],
-                                         vocab, generator, t_probs)  # fmt: skip
+        n, nxt = yield from verify_block(job, tcache, out[-1], d_tokens, d_probs, [], t_probs)
         if proposal and gate.p_min > 0:  # p(proposed token): its acceptance probability
             seen = d_tokens or proposal[:1]  # a probed proposal: its first token's row only
             gate.observe([float(t_probs[0][i, t]) for i, t in enumerate(seen)])
-        rounds += 1
-        drafted += len(d_tokens)
-        accepted += n
+        stats.rounds += 1
+        stats.drafted += len(d_tokens)
+        stats.accepted += n
         if cfg.draft_schedule == "adaptive":
             k_round = next_draft_length(k_round, cfg.draft_tokens, len(d_tokens), n)
-        new, stopped = cut_at_stop([*d_tokens[:n], nxt], stop_ids)
+        new, stopped = cut_at_stop([*d_tokens[:n], nxt], job.stop_ids)
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
         index.extend(new)
-        if on_tokens:
-            on_tokens(new)
+        if job.on_tokens:
+            job.on_tokens(new)
         finished = stopped or len(out) >= cfg.max_new_tokens
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
-    stats = {**acceptance_stats(rounds, drafted, accepted), "draft": "ngram"}
     if gate.p_min > 0:
-        stats["gated_rounds"] = gated  # rounds whose proposal the gate cut or kept from drafting
+        stats.gated_rounds = gated  # rounds whose proposal the gate cut or kept from drafting
     return DecodeOutput(tokens=out, stats=stats)
 
 
-def decode_ngram_sd(*args, **kwargs) -> DecodeOutput:
-    """Run :func:`ngram_sd_program` to completion on its own (same arguments)."""
-    return run_program(ngram_sd_program(*args, **kwargs))
+def decode_ngram_sd(
+    target: DecoderModel,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+) -> DecodeOutput:
+    """Run :func:`ngram_sd_program` to completion on its own, without an engine."""
+    job = job_for(target, None, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+    return run_program(ngram_sd_program(job))

@@ -30,7 +30,7 @@ from collections.abc import Generator
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.backends.pool import CacheNeed, Reservation
+from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -38,16 +38,13 @@ from smcspec.decoding.common import (
     as_prompt_tensor,
     cache_capacity,
     cut_at_stop,
-    with_caches,
+    run_on_caches,
 )
-from smcspec.decoding.fused import fused_rounds, graph_safe, is_static, sd_round, static_needs
+from smcspec.decoding.fused import fused_rounds, is_static, plain, sd_round
+from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.potentials import (
-    ConstraintState,
-    DeadEndError,
-    compiled_constraint,
-    timed_start,
-)
+from smcspec.decoding.stats import SdStats
+from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
     sample_categorical,
@@ -64,80 +61,39 @@ def sd_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
     return [CacheNeed("target", 1, cap, prompt_len), CacheNeed("draft", 1, cap, prompt_len)]
 
 
-def sd_program(
-    target: DecoderModel,
-    draft: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-    reservation: Reservation | None = None,
-) -> Program:
+def sd_program(job: Job) -> Program:
     """Speculative sampling with ``cfg.draft_tokens`` draft tokens per round.
 
     ``cfg.temperature == 0`` is greedy speculative decoding: the target and the draft are
     point masses at their most likely tokens (after truncation and masks), so a drafted
     token is accepted iff it is the target's most likely token, the token after the block
     is the target's most likely one, and the output equals greedy ``ar``'s.
-    ``reservation``: as in :func:`~smcspec.decoding.ar.ar_program`.
+    ``job``: the request (:class:`~smcspec.decoding.job.Job`).
 
-    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
+    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`),
+    or one :class:`~smcspec.decoding.program.Round` per full round where the models run
+    rounds fused.
 
     Returns:
-        :class:`DecodeOutput`; stats: ``rounds``, ``drafted``, ``accepted``,
-        ``acceptance_rate`` (accepted / drafted) and ``mean_accepted_length``
-        (1 + accepted / rounds, as vLLM defines it); with a constraint also
-        ``constraint_seconds`` (wall seconds in masks and matchers).
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.stats.SdStats` (rounds, tokens
+        drafted and accepted, the acceptance rate, the mean accepted length as vLLM defines
+        it; with a constraint the seconds in masks and matchers).
     """
-
-    def rounds(tcache: KVCache, dcache: KVCache) -> Program:
-        args = (prompt, cfg, stop_ids, vocab, generator, on_tokens)
-        return _sd_rounds(target, draft, tcache, dcache, *args)
-
-    models = {"target": target, "draft": draft}
-    needs = sd_caches(cfg, len(prompt))
-    if fused_rounds(target, draft) and graph_safe(cfg, "sd"):
-        needs = static_needs(needs)  # rounds captured as CUDA graphs (decoding/fused.py)
-    return (yield from with_caches(needs, models, reservation, rounds))
+    cfg = job.config
+    fused = fused_rounds(job.target, job.draft) and plain(cfg) and cfg.p_min <= 0
+    return (yield from run_on_caches(job, sd_caches(cfg, len(job.ids)), _sd_rounds, fused))
 
 
-def _prefill(
-    target: DecoderModel,
-    draft: DecoderModel,
-    tcache: KVCache,
-    dcache: KVCache,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    state: ConstraintState | None,
-    vocab: int,
-    generator: torch.Generator,
-) -> Generator[Prefill, torch.Tensor, int]:
-    """Prefill both models' KV caches with ``prompt`` and draw the first token from the
-    target (truncated, masked by the constraint ``state``, a point mass when greedy)."""
-    p = as_prompt_tensor(prompt, target.device)
-    first_logits = (yield Prefill(target, p, tcache))[:vocab]
-    yield Prefill(draft, p, dcache)
-    return first_token(first_logits, cfg, state, vocab, generator)
-
-
-def first_token(
-    logits: torch.Tensor,
-    cfg: GenerationConfig,
-    state: ConstraintState | None,
-    vocab: int,
-    generator: torch.Generator,
-) -> int:
+def first_token(job: Job, logits: torch.Tensor, state: ConstraintState | None) -> int:
     """The first generated token, from the target's ``logits`` (``[V]``) after the prompt:
     truncated, masked by the constraint ``state``, a point mass when greedy."""
-    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)
-    first = truncate_log_probs(step_log_probs(logits, cfg.temperature), *trunc)
+    cfg = job.config
+    first = truncate_log_probs(step_log_probs(logits, cfg.temperature), *cfg.truncation)
     if state is not None:
-        first = _masked_target(first, _allowed(state, vocab, logits.device))
+        first = _masked_target(first, _allowed(state, job.vocab, logits.device))
     if cfg.greedy:
         first = point_mass_log_probs(first)
-    return int(sample_categorical(first.exp(), generator))
+    return int(sample_categorical(first.exp(), job.generator))
 
 
 def _draft_pending(
@@ -156,28 +112,20 @@ def _draft_pending(
     return [drafted[-1], nxt]
 
 
-def _sd_rounds(
-    target: DecoderModel,
-    draft: DecoderModel,
-    tcache: KVCache,
-    dcache: KVCache,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None,
-) -> Program:
-    constraint = compiled_constraint(cfg.constraint)
-    state, clock = timed_start(constraint) if constraint is not None else (None, None)
-    tok = yield from _prefill(target, draft, tcache, dcache, prompt, cfg, state, vocab, generator)
+def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
+    cfg = job.config
+    state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
+    p = as_prompt_tensor(job.ids, job.device)
+    first_logits = (yield Prefill(job.target, p, tcache))[: job.vocab]
+    yield Prefill(job.draft, p, dcache)
+    tok = first_token(job, first_logits, state)
     out = [tok]
-    if on_tokens:
-        on_tokens([tok])
+    if job.on_tokens:
+        job.on_tokens([tok])
     pending_t = tok  # fed to the target at the start of the next round
     pending_d = [tok]  # tokens the draft has not seen yet
-    rounds = drafted = accepted = 0
-    finished = tok in stop_ids or len(out) >= cfg.max_new_tokens
+    stats = SdStats(cfg.draft_tokens, rounds=0, drafted=0, accepted=0)
+    finished = tok in job.stop_ids or len(out) >= cfg.max_new_tokens
     if state is not None and not finished:
         state.consume([tok])
     fused = state is None and is_static(tcache, dcache)
@@ -185,99 +133,71 @@ def _sd_rounds(
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_len0, t_len0 = dcache.length, tcache.length
         if fused and k == cfg.draft_tokens:  # the whole round on the device
-            d_tokens, n, nxt = yield from sd_round(
-                target, draft, tcache, dcache, pending_d, pending_t, cfg, vocab, generator
-            )
+            d_tokens, n, nxt = yield from sd_round(job, tcache, dcache, pending_d, pending_t)
         else:
             d_tokens, n, nxt = yield from _round_steps(
-                target, draft, tcache, dcache, pending_d, pending_t, k, cfg, state, stop_ids,
-                vocab, generator,
-            )  # fmt: skip
+                job, tcache, dcache, pending_d, pending_t, k, state
+            )
             k = len(d_tokens)
-        rounds += 1
-        drafted += k
-        accepted += n
-        new, stopped = cut_at_stop([*d_tokens[:n], nxt], stop_ids)
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += n
+        new, stopped = cut_at_stop([*d_tokens[:n], nxt], job.stop_ids)
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
-        if on_tokens:
-            on_tokens(new)
+        if job.on_tokens:
+            job.on_tokens(new)
         finished = stopped or len(out) >= cfg.max_new_tokens
         if state is not None and not finished:  # no stop token was accepted
-            consumed = k - (1 if d_tokens and d_tokens[-1] in stop_ids else 0)
+            consumed = k - (1 if d_tokens and d_tokens[-1] in job.stop_ids else 0)
             state.rollback(consumed - n)
             state.consume([nxt])
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
         pending_t = nxt
         pending_d = _draft_pending(dcache, d_len0, pending_d, d_tokens, n, nxt)
-    stats = acceptance_stats(rounds, drafted, accepted)
     if clock is not None:
-        stats["constraint_seconds"] = clock.seconds
+        stats.constraint_seconds = clock.seconds
     return DecodeOutput(tokens=out, stats=stats)
 
 
 def _round_steps(
-    target: DecoderModel,
-    draft: DecoderModel,
+    job: Job,
     tcache: KVCache,
     dcache: KVCache,
     pending_d: list[int],
     pending_t: int,
     k: int,
-    cfg: GenerationConfig,
     state: ConstraintState | None,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
 ) -> Generator[Forward, torch.Tensor, tuple[list[int], int, int]]:
     """One round step by step: up to ``k`` draft forwards (:func:`_draft_block`), the
     target's forward and the test (:func:`verify_block`). Returns ``(drafted, n, next)``."""
     d_tokens: list[int] = []
     d_probs: list[torch.Tensor] = []
     # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
-    masks = [_allowed(state, vocab, target.device)] if state is not None else []
+    masks = [_allowed(state, job.vocab, job.device)] if state is not None else []
     if state is not None and not bool(masks[0].any()):
         raise DeadEndError("no token allowed by the constraint can follow (dead end)")
     if k > 0:
-        d_tokens, d_probs = yield from _draft_block(
-            draft, dcache, pending_d, k, cfg, state, masks, stop_ids, vocab, generator
-        )
-    n, nxt = yield from verify_block(
-        target, tcache, pending_t, d_tokens, d_probs, cfg, masks, vocab, generator
-    )
+        d_tokens, d_probs = yield from _draft_block(job, dcache, pending_d, k, state, masks)
+    n, nxt = yield from verify_block(job, tcache, pending_t, d_tokens, d_probs, masks)
     return d_tokens, n, nxt
 
 
-def acceptance_stats(rounds: int, drafted: int, accepted: int) -> dict[str, float | int]:
-    """An sd run's stats: ``rounds``, ``drafted``, ``accepted``, ``acceptance_rate``
-    (accepted / drafted) and ``mean_accepted_length`` (1 + accepted / rounds, as vLLM
-    defines it); 0.0 for a rate with nothing to divide by."""
-    return {
-        "rounds": rounds,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
-    }
-
-
 def verify_block(
-    target: DecoderModel,
+    job: Job,
     tcache: KVCache,
     pending: int,
     d_tokens: list[int],
     d_probs: list[torch.Tensor],
-    cfg: GenerationConfig,
     masks: list[torch.Tensor],
-    vocab: int,
-    generator: torch.Generator,
     probs_out: list[torch.Tensor] | None = None,
 ) -> Generator[Forward, torch.Tensor, tuple[int, int]]:
     """Score ``[pending, *d_tokens]`` (1 + k rows) with the target in one forward and run
     the speculative-sampling test (Leviathan et al. 2023, Alg. 1) on the k drafted tokens
     with their draft distributions ``d_probs`` (k tensors of shape ``(vocab,)``).
-    ``probs_out``, if given, receives the target's distributions at the 1 + k positions
-    (float ``[1 + k, vocab]``, after temperature, truncation and masks).
+    ``masks``: the constraint's mask at each row (empty without one). ``probs_out``, if
+    given, receives the target's distributions at the 1 + k positions (float ``[1 + k,
+    vocab]``, after temperature, truncation and masks).
 
     Returns:
         ``(n, nxt)``: how many drafted tokens were accepted and the target's token after
@@ -287,35 +207,31 @@ def verify_block(
     Raises:
         DeadEndError: the constraint allows no token at the position ``nxt`` is drawn for.
     """
-    dev = target.device
+    dev = job.device
     block = torch.tensor([[pending, *d_tokens]], device=dev)
-    t_logits = (yield Forward(target, block, tcache))[0, :, :vocab]
-    t_probs, dead = _target_probs(t_logits, cfg, masks)
+    t_logits = (yield Forward(job.target, block, tcache))[0, :, : job.vocab]
+    t_probs, dead = _target_probs(t_logits, job.config, masks)
     if probs_out is not None:
         probs_out.append(t_probs)
     k = len(d_tokens)
     if k > 0:
         n, nxt = speculative_verify(
-            torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, generator
+            torch.tensor(d_tokens, device=dev), torch.stack(d_probs), t_probs, job.generator
         )
     else:
-        n, nxt = 0, int(sample_categorical(t_probs[0], generator))
+        n, nxt = 0, int(sample_categorical(t_probs[0], job.generator))
     if dead and n == k:
         raise DeadEndError("no token allowed by the constraint can follow (dead end)")
     return n, nxt
 
 
 def _draft_block(
-    draft: DecoderModel,
+    job: Job,
     dcache: KVCache,
     pending: list[int],
     k: int,
-    cfg: GenerationConfig,
     state: ConstraintState | None,
     masks: list[torch.Tensor],
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
 ) -> Generator[Forward, torch.Tensor, tuple[list[int], list[torch.Tensor]]]:
     """Draft up to ``k`` tokens after feeding ``pending`` (tokens the draft has not seen):
     returns the tokens and their draft distributions (``[V]`` float probabilities each).
@@ -325,26 +241,27 @@ def _draft_block(
     that token is drawn (llama.cpp's ``--draft-p-min``): the forward that gave it is rolled
     back, so the draft stays one step behind. The rule stays exact: whether to draft on is
     decided from the draft's own distribution only."""
-    dev, greedy = draft.device, cfg.greedy
+    cfg, dev, vocab = job.config, job.device, job.vocab
+    greedy = cfg.greedy
     t_d = 0 if greedy else cfg.draft_temperature
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
     x = torch.tensor([pending], device=dev)
     for _ in range(k):
         fed = dcache.length
-        logits = (yield Forward(draft, x, dcache, last_only=True))[0, -1, :vocab]
-        q = truncate_log_probs(step_log_probs(logits, t_d), cfg.top_k, cfg.top_p, cfg.min_p)
+        logits = (yield Forward(job.draft, x, dcache, last_only=True))[0, -1, :vocab]
+        q = truncate_log_probs(step_log_probs(logits, t_d), *cfg.truncation)
         if state is not None:
             q = _masked_draft(q, masks[-1])
         q = (point_mass_log_probs(q) if greedy else q).exp()
         if cfg.p_min > 0 and float(q.max()) < cfg.p_min:
             dcache.truncate(fed)  # unsure: stop drafting, as if this forward never ran
             break
-        d = int(sample_categorical(q, generator))
+        d = int(sample_categorical(q, job.generator))
         tokens.append(d)
         probs.append(q)
         if state is not None:
-            if d in stop_ids:
+            if d in job.stop_ids:
                 masks.append(torch.ones(vocab, dtype=torch.bool, device=dev))
                 break
             state.consume([d])
@@ -362,8 +279,7 @@ def _target_probs(
     ``[k+1, V]``), masked by ``masks[j]`` at row ``j`` when a constraint runs. Also returns
     whether the last mask allows nothing (a dead end: fatal only if every drafted token is
     accepted; that row is left unmasked meanwhile)."""
-    lp = truncate_log_probs(step_log_probs(logits, cfg.temperature), cfg.top_k, cfg.top_p,
-                            cfg.min_p)  # fmt: skip
+    lp = truncate_log_probs(step_log_probs(logits, cfg.temperature), *cfg.truncation)
     dead = False
     if masks:
         dead = not bool(masks[-1].any())
@@ -394,6 +310,16 @@ def _masked_draft(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask_log_probs(lq, mask)
 
 
-def decode_sd(*args, **kwargs) -> DecodeOutput:
-    """Run :func:`sd_program` to completion on its own (same arguments)."""
-    return run_program(sd_program(*args, **kwargs))
+def decode_sd(
+    target: DecoderModel,
+    draft: DecoderModel,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+) -> DecodeOutput:
+    """Run :func:`sd_program` to completion on its own, without an engine."""
+    job = job_for(target, draft, prompt, cfg, stop_ids, vocab, generator, on_tokens)
+    return run_program(sd_program(job))

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import smcspec.decoding.smc_potentials as hooks
+import smcspec.decoding.smc_potentials as smc_potentials
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.backends.pool import CacheNeed, Reservation
+from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import (
     DecodeOutput,
@@ -59,21 +59,13 @@ from smcspec.decoding.common import (
     TokenCallback,
     as_prompt_tensor,
     cache_capacity,
-    distinct_row_stats,
-    with_caches,
+    run_on_caches,
 )
-from smcspec.decoding.fused import fused_rounds, graph_safe, is_static, smc_block, static_needs
+from smcspec.decoding.fused import fused_rounds, is_static, plain, smc_block
+from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.potentials import (
-    ConstraintClock,
-    ConstraintState,
-    DeadEndError,
-    Reward,
-    TokenConstraint,
-    compiled_constraint,
-    reorder,
-    timed_start,
-)
+from smcspec.decoding.stats import SmcStats
+from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
     RESAMPLERS,
@@ -98,48 +90,6 @@ def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
         return 0
     agree = (tokens[:, :m] == tokens[:1, :m]).all(0)
     return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
-
-
-@dataclass(frozen=True)
-class _Setting:
-    """What one request's rounds need besides the particles (constants of the request)."""
-
-    n: int
-    k: int
-    alpha: float
-    t_t: float
-    t_d: float
-    trunc: tuple[int, float, float]  # (top_k, top_p, min_p) of the target
-    d_trunc: tuple[int, float, float]  # the proposal's: all off unless truncate_draft
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    stop_t: torch.Tensor  # int64 [S] the stop ids
-    vocab: int
-    dev: torch.device
-    generator: torch.Generator
-    constraint: TokenConstraint | None
-    reward: Reward | None
-    ess_threshold: float
-    resampler: str
-    bank: bool  # finished particles are banked (see _bank_group)
-    groups: int = 1  # G groups of N/G particles, resampled apart
-
-    @property
-    def group_size(self) -> int:
-        return self.n // self.groups
-
-    def group(self, g: int) -> slice:
-        """The particles of group ``g``."""
-        m = self.group_size
-        return slice(g * m, (g + 1) * m)
-
-    @property
-    def potential(self) -> bool:
-        return self.constraint is not None or self.reward is not None
-
-    @property
-    def twisted(self) -> bool:
-        return self.reward is not None and self.reward.prefix_fn is not None
 
 
 @dataclass
@@ -194,30 +144,18 @@ def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
     ]
 
 
-def smc_program(
-    target: DecoderModel,
-    draft: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-    truncate_draft: bool = False,
-    reservation: Reservation | None = None,
-) -> Program:
+def smc_program(job: Job) -> Program:
     """Run SMC-SD for one request.
 
-    Args:
-        target, draft: models sharing a vocabulary; ``vocab`` ids may be sampled.
-        prompt: token ids. ``cfg``: N, K, temperatures, alpha, kappa, resampler, budget,
-            and top-k / top-p / min-p (applied to the target; see the module docstring).
-        stop_ids: tokens that end a particle (EOS and stop tokens).
-        truncate_draft: draft from the truncated ``q~`` (same filters as the target)
-            instead of ``q_T``. Not consistent for ``p~`` when the draft's kept set misses
-            tokens the target keeps; kept for comparison (``docs/sampling.md``).
-        reservation: the request's leases, as in :func:`~smcspec.decoding.ar.ar_program`.
-    Yields :class:`Prefill`/:class:`Forward` requests (see :mod:`smcspec.decoding.program`).
+    ``job``: the request (:class:`~smcspec.decoding.job.Job`): the models (sharing a
+    vocabulary), the prompt, ``job.config`` (N, K, temperatures, alpha, kappa, resampler,
+    budget, and top-k / top-p / min-p, applied to the target; see the module docstring), the
+    stop tokens that end a particle, and ``job.truncate_draft``: draft from the truncated
+    ``q~`` (same filters as the target) instead of ``q_T``, not consistent for ``p~`` when
+    the draft's kept set misses tokens the target keeps, kept for comparison
+    (``docs/sampling.md``). Yields :class:`Prefill`/:class:`Forward` requests (see
+    :mod:`smcspec.decoding.program`), or one :class:`~smcspec.decoding.program.Round` per
+    round (steps 3a, 3b, 3d) where the models run rounds fused.
 
     With ``cfg.constraint`` (a compiled :class:`~smcspec.potentials.TokenConstraint`) or
     ``cfg.reward`` the sampler targets ``p~(x)^alpha Psi(x)`` (``docs/constraints.md``): every
@@ -231,7 +169,8 @@ def smc_program(
         DeadEndError: with a constraint or reward, every particle reached a dead end.
 
     Returns:
-        :class:`DecodeOutput` with the chosen particle's tokens; stats ``rounds``,
+        :class:`DecodeOutput` with the chosen particle's tokens;
+        :class:`~smcspec.decoding.stats.SmcStats`: ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
         ``degenerate_rounds`` (rounds whose ESS before resampling was below 1.1: the
         weights had collapsed onto one particle, and that round was only importance
@@ -253,90 +192,47 @@ def smc_program(
     ``cfg.temperature`` must be > 0: a greedy (point-mass) target has no importance weights;
     :class:`~smcspec.engine.Engine` runs greedy requests of ``smc`` as greedy ``sd``.
     """
+    cfg = job.config
     if cfg.greedy:
         raise ValueError("SMC-SD needs temperature > 0 (greedy requests run as greedy sd)")
-
-    def rounds(tcache: KVCache, dcache: KVCache) -> Program:
-        args = (prompt, cfg, stop_ids, vocab, generator, on_tokens, truncate_draft)
-        return _smc_rounds(target, draft, tcache, dcache, *args)
-
-    models = {"target": target, "draft": draft}
-    needs = smc_caches(cfg, len(prompt))
-    if fused_rounds(target, draft) and graph_safe(cfg, "smc"):
-        needs = static_needs(needs)  # rounds captured as CUDA graphs (decoding/fused.py)
-    return (yield from with_caches(needs, models, reservation, rounds))
+    fused = fused_rounds(job.target, job.draft) and plain(cfg)
+    return (yield from run_on_caches(job, smc_caches(cfg, len(job.ids)), _smc_rounds, fused))
 
 
-def _smc_rounds(
-    target: DecoderModel,
-    draft: DecoderModel,
-    tcache: KVCache,
-    dcache: KVCache,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None,
-    truncate_draft: bool,
-) -> Program:
-    dev = target.device
-    trunc = (cfg.top_k, cfg.top_p, cfg.min_p)  # all off: truncate_log_probs returns its input
-    st = _Setting(
-        n=cfg.particles,
-        k=cfg.draft_tokens,
-        alpha=cfg.alpha,
-        t_t=cfg.temperature,
-        t_d=cfg.draft_temperature,
-        trunc=trunc,
-        d_trunc=trunc if truncate_draft else (0, 1.0, 0.0),  # the proposal: q_T unless asked
-        max_new_tokens=cfg.max_new_tokens,
-        stop_ids=stop_ids,
-        stop_t=torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev),
-        vocab=vocab,
-        dev=dev,
-        generator=generator,
-        constraint=compiled_constraint(cfg.constraint),
-        reward=cfg.reward,
-        ess_threshold=cfg.ess_threshold,
-        resampler=cfg.resampler,
-        bank=cfg.finished_particles == "bank" and cfg.alpha == 1 and cfg.constraint is None
-        and cfg.reward is None,
-        groups=cfg.groups,
-    )  # fmt: skip
-    cap = cache_capacity(cfg.max_new_tokens, st.k)
+def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
+    cfg = job.config
+    cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
-    p = as_prompt_tensor(prompt, dev)
-    first = (yield Prefill(target, p, tcache))[:vocab]
-    yield Prefill(draft, p, dcache)
-    ps, clock = _initial_particles(st, first, cap)
-    emitted = _emit(ps, 0, on_tokens)
-    fused = not st.potential and is_static(tcache, dcache)
+    p = as_prompt_tensor(job.ids, job.device)
+    first = (yield Prefill(job.target, p, tcache))[: job.vocab]
+    yield Prefill(job.draft, p, dcache)
+    ps, clock = _initial_particles(job, first, cap)
+    emitted = _emit(ps, 0, job.on_tokens)
+    fused = not cfg.has_potential and is_static(tcache, dcache)
     while not bool(ps.finished.all()):
         if fused:  # 3a, 3b, 3d as one round on the device
-            block = yield from _fused_block(st, ps, target, draft, tcache, dcache)
+            block = yield from _fused_block(job, ps, tcache, dcache)
         else:
-            block = yield from _draft_block(st, ps, draft, dcache)  # 3a
-            yield from _score_block(st, ps, block, target, tcache)  # 3b, 3d
+            block = yield from _draft_block(job, ps, dcache)  # 3a
+            yield from _score_block(job, ps, block, tcache)  # 3b, 3d
         was_running = ~ps.finished
-        newly_finished = _advance(st, ps, block)  # 3c, 3e, 4
-        _end_round(st, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        newly_finished = _advance(job, ps, block)  # 3c, 3e, 4
+        _end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
         _host_ended(ps, tcache, dcache)
-        emitted = _emit(ps, emitted, on_tokens)
+        emitted = _emit(ps, emitted, job.on_tokens)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
-    out = _output(st, ps, keep, emitted, on_tokens, clock)
-    out.stats.update(distinct_row_stats(target=tcache, draft=dcache))
-    return out
+    return _output(job, ps, keep, emitted, clock, tcache, dcache)
 
 
 def _initial_particles(
-    st: _Setting, first: torch.Tensor, cap: int
+    job: Job, first: torch.Tensor, cap: int
 ) -> tuple[_Particles, ConstraintClock | None]:
     """Steps 1-2: x0 for every particle and uniform log-weights. Without potentials all
     particles share one x0 from ``∝ p~^alpha``; with them each particle draws its own from
     ``∝ p~^alpha m`` (a shared x0 would stay biased) and ``log_z`` starts at x0's masked
     mass. ``first``: float32 ``[V]`` logits after the prompt. Raises :class:`DeadEndError`."""
-    n, dev = st.n, st.dev
+    cfg = job.config
+    n, dev = cfg.particles, job.device
     tokens = torch.zeros(n, cap, dtype=torch.long, device=dev)
     ps = _Particles(
         tokens=tokens,
@@ -346,70 +242,75 @@ def _initial_particles(
         pending_t=tokens[:, :1],
         pending_d=tokens[:, :1],
         phi=torch.zeros(n, dtype=torch.float64, device=dev),
-        log_z=torch.zeros(st.groups, dtype=torch.float64),
-        log_running=torch.zeros(st.groups, dtype=torch.float64),
+        log_z=torch.zeros(cfg.groups, dtype=torch.float64),
+        log_running=torch.zeros(cfg.groups, dtype=torch.float64),
     )
     clock = None
-    if not st.potential:
-        probs = power_target_probs(first, st.t_t, st.alpha, st.trunc, False)[0]
-        x0 = int(sample_categorical(probs, st.generator))
+    if not cfg.has_potential:
+        probs = power_target_probs(first, cfg.temperature, cfg.alpha, cfg.truncation, False)[0]
+        x0 = int(sample_categorical(probs, job.generator))
         tokens[:, 0] = x0
-        done = x0 in st.stop_ids or st.max_new_tokens == 1
+        done = x0 in job.stop_ids or cfg.max_new_tokens == 1
         ps.finished = torch.full((n,), done, dtype=torch.bool, device=dev)
     else:
-        root, clock = timed_start(st.constraint) if st.constraint is not None else (None, None)
-        m0 = hooks.masks(st.constraint, [root], torch.ones(1, dtype=torch.bool), st.vocab, dev)
-        probs0, lz0 = hooks.masked_power_target(first[None], st.t_t, st.alpha, st.trunc, m0)
+        root, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
+        m0 = smc_potentials.masks(
+            job.constraint, [root], torch.ones(1, dtype=torch.bool), job.vocab, dev
+        )
+        probs0, lz0 = smc_potentials.masked_power_target(
+            first[None], cfg.temperature, cfg.alpha, cfg.truncation, m0
+        )
         if not math.isfinite(float(lz0[0])):
             raise DeadEndError("no first token is allowed by the constraint (dead end)")
         ps.log_z += float(lz0[0])  # x0's weight, the same for every particle
-        x0s = sample_categorical(probs0.expand(n, -1), st.generator)
+        x0s = sample_categorical(probs0.expand(n, -1), job.generator)
         tokens[:, 0] = x0s
-        ps.finished = torch.isin(x0s, st.stop_t) | (st.max_new_tokens == 1)
+        ps.finished = torch.isin(x0s, job.stop_tensor) | (cfg.max_new_tokens == 1)
         if root is not None:
             ps.states = [root.copy() for _ in range(n)]
-            bad = hooks.consume(ps.states, ~ps.finished, x0s)
+            bad = smc_potentials.consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
                 ps.logw[bad] = -math.inf
                 ps.finished[bad] = True
                 ps.dead += len(bad)
-        if st.twisted:
-            ps.phi = hooks.log_twist(st.reward, tokens, ps.lengths, ps.finished, dev)
+        if cfg.twisted:
+            ps.phi = smc_potentials.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()
     return ps, clock
 
 
-def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCache) -> Program:
+def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
     """Step 3a: K draft forwards (deferred bonus: the first feeds 1-2 tokens per particle),
     each token from ``q_T`` (``q'`` ∝ ``q_T m`` with a constraint). Returns a :class:`_Block`."""
-    n, k, dev = st.n, st.k, st.dev
+    cfg = job.config
+    n, k, dev = cfg.particles, cfg.draft_tokens, job.device
     drafted = torch.empty(n, k, dtype=torch.long, device=dev)
     draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
     open_ = dead_pos = None
-    if st.potential:
+    if cfg.has_potential:
         open_ = ~ps.finished  # still consuming tokens this round
         dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
     x = ps.pending_d
     for j in range(k):
-        d_logits = yield Forward(draft, x, dcache, last_only=True)
-        lq = tempered_log_probs(d_logits[:, -1, : st.vocab], st.t_d)
-        lq = truncate_log_probs(lq, *st.d_trunc)
-        if st.constraint is not None:
-            m = hooks.masks(st.constraint, ps.states, open_, st.vocab, dev)
+        d_logits = yield Forward(job.draft, x, dcache, last_only=True)
+        lq = tempered_log_probs(d_logits[:, -1, : job.vocab], cfg.draft_temperature)
+        lq = truncate_log_probs(lq, *job.draft_truncation)
+        if job.constraint is not None:
+            m = smc_potentials.masks(job.constraint, ps.states, open_, job.vocab, dev)
             empty = ~m.any(-1)  # a dead end at block position j+1
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
-            lq = hooks.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
-        d = sample_categorical(lq.exp(), st.generator)
+            lq = smc_potentials.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+        d = sample_categorical(lq.exp(), job.generator)
         if ps.host is not None:  # ended rows draft what their host drafts (_host_ended)
             d = d[ps.host]
         drafted[:, j] = d
         draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
-        if st.constraint is not None:
-            open_ = open_ & ~torch.isin(d, st.stop_t)
-            bad = hooks.consume(ps.states, open_, d)
+        if job.constraint is not None:
+            open_ = open_ & ~torch.isin(d, job.stop_tensor)
+            bad = smc_potentials.consume(ps.states, open_, d)
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
@@ -417,68 +318,64 @@ def _draft_block(st: _Setting, ps: _Particles, draft: DecoderModel, dcache: KVCa
     return _Block(drafted, draft_lp, dead_pos, open_)
 
 
-def _fused_block(
-    st: _Setting,
-    ps: _Particles,
-    target: DecoderModel,
-    draft: DecoderModel,
-    tcache: KVCache,
-    dcache: KVCache,
-) -> Program:
+def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> Program:
     """Steps 3a, 3b and 3d as one :class:`~smcspec.decoding.program.Round`
     (:func:`smcspec.decoding.fused.smc_block`): the same draws as :func:`_draft_block` and
     :func:`_score_block`, without a host read between the forwards."""
-    out = yield from smc_block(st, ps.pending_d, ps.pending_t, ps.host, target, draft, tcache,
-                               dcache)  # fmt: skip
+    out = yield from smc_block(job, ps.pending_d, ps.pending_t, ps.host, tcache, dcache)
     b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out["bonus"])
     b.bonus_norm = out.get("bonus_norm")
     return b
 
 
-def _score_block(
-    st: _Setting, ps: _Particles, b: _Block, target: DecoderModel, tcache: KVCache
-) -> Program:
+def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Program:
     """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
     ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
     with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``)."""
-    k = st.k
+    cfg = job.config
+    k = cfg.draft_tokens
     t_block = torch.cat((ps.pending_t, b.drafted), 1)
-    t_logits = (yield Forward(target, t_block, tcache))[:, :, : st.vocab]
-    lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], st.t_t), *st.trunc)
+    t_logits = (yield Forward(job.target, t_block, tcache))[:, :, : job.vocab]
+    lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], cfg.temperature), *cfg.truncation)
     b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
-    if st.potential:  # after all K drafted tokens
-        m = hooks.masks(st.constraint, ps.states, b.open_, st.vocab, st.dev)
-        probs, norm = hooks.masked_power_target(t_logits[:, k], st.t_t, st.alpha, st.trunc, m)
+    if cfg.has_potential:  # after all K drafted tokens
+        m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
+        probs, norm = smc_potentials.masked_power_target(
+            t_logits[:, k], cfg.temperature, cfg.alpha, cfg.truncation, m
+        )
         empty = ~m.any(-1) | ~torch.isfinite(norm)
         b.dead_pos = torch.where(empty & b.open_, k + 1, b.dead_pos)
         b.bonus_norm = torch.where(empty, torch.zeros_like(norm), norm)
     else:
-        probs, b.bonus_norm = power_target_probs(t_logits[:, k], st.t_t, st.alpha, st.trunc)
-    b.bonus = sample_categorical(probs, st.generator)
+        probs, b.bonus_norm = power_target_probs(
+            t_logits[:, k], cfg.temperature, cfg.alpha, cfg.truncation
+        )
+    b.bonus = sample_categorical(probs, job.generator)
     if ps.host is not None:
         b.bonus = b.bonus[ps.host]
-    if st.constraint is not None:
-        alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, st.stop_t)
-        bad = hooks.consume(ps.states, alive, b.bonus)
+    if job.constraint is not None:
+        alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, job.stop_tensor)
+        bad = smc_potentials.consume(ps.states, alive, b.bonus)
         b.dead_pos[bad] = k + 1
 
 
-def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
+def _advance(job: Job, ps: _Particles, b: _Block) -> torch.Tensor:
     """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
     ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
     twist ``phi(new) / phi(old)``, and the new tokens. Returns bool ``[N]``: the particles
     that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
-    k = st.k
+    cfg = job.config
+    k = cfg.draft_tokens
     block = torch.cat((b.drafted, b.bonus[:, None]), 1)  # [N, K+1]
-    block_pos = torch.arange(1, k + 2, device=st.dev)
-    first_stop = torch.where(torch.isin(block, st.stop_t), block_pos, k + 2).min(1).values
-    kept = torch.minimum(first_stop.clamp(max=k + 1), st.max_new_tokens - ps.lengths)
+    block_pos = torch.arange(1, k + 2, device=job.device)
+    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, k + 2).min(1).values
+    kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - ps.lengths)
     kept = torch.where(ps.finished, torch.zeros_like(kept), kept)
     ps.logw = ps.logw + incremental_log_weights(
-        b.target_lp, b.draft_lp, st.alpha, b.bonus_norm, kept
+        b.target_lp, b.draft_lp, cfg.alpha, b.bonus_norm, kept
     )
     killed = None
-    if st.potential:  # a particle that reached a dead end inside what it keeps dies
+    if cfg.has_potential:  # a particle that reached a dead end inside what it keeps dies
         killed = ~ps.finished & (b.dead_pos <= kept)
         ps.logw = torch.where(killed, torch.full_like(ps.logw, -math.inf), ps.logw)
         ps.dead += int(killed.sum())
@@ -487,12 +384,14 @@ def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
     ps.tokens[:, start : start + k + 1] = torch.where(ps.finished[:, None], window, block)
     ps.lengths = ps.lengths + kept
     was_finished = ps.finished
-    ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= st.max_new_tokens)
+    ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= cfg.max_new_tokens)
     if killed is not None:
         ps.finished = ps.finished | killed
-        if st.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
+        if cfg.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
             grew = ~was_finished & ~killed
-            new_phi = hooks.log_twist(st.reward, ps.tokens, ps.lengths, ps.finished, st.dev, grew)
+            new_phi = smc_potentials.log_twist(
+                cfg.reward, ps.tokens, ps.lengths, ps.finished, job.device, grew
+            )
             ps.logw = torch.where(grew, ps.logw + new_phi - ps.phi, ps.logw)
             ps.phi = torch.where(grew, new_phi, ps.phi)
         if not bool(torch.isfinite(ps.logw).any()):
@@ -507,7 +406,7 @@ def _advance(st: _Setting, ps: _Particles, b: _Block) -> torch.Tensor:
 
 
 def _end_round(
-    st: _Setting,
+    job: Job,
     ps: _Particles,
     ended: torch.Tensor,
     was_running: torch.Tensor,
@@ -520,21 +419,22 @@ def _end_round(
     its size (step 3f, :func:`_resample_group`). The ancestors of every group are then
     taken at once. ``ended``, ``was_running``: bool ``[N]``. The ESS recorded for the round
     is the sum of the groups' ESS."""
-    anc = torch.arange(st.n, device=ps.logw.device)
-    reset = torch.zeros(st.n, dtype=torch.bool, device=ps.logw.device)
-    ess = [effective_sample_size(ps.logw[st.group(g)]) for g in range(st.groups)]
+    cfg = job.config
+    anc = torch.arange(cfg.particles, device=ps.logw.device)
+    reset = torch.zeros(cfg.particles, dtype=torch.bool, device=ps.logw.device)
+    ess = [effective_sample_size(ps.logw[cfg.group(g)]) for g in range(cfg.groups)]
     ps.ess_trace.append(sum(ess))
     if ps.equal_start:
         ps.fresh_ess.append(ps.ess_trace[-1])
     ps.equal_start = False
-    for g in range(st.groups):
-        sl = st.group(g)
+    for g in range(cfg.groups):
+        sl = cfg.group(g)
         if not bool(was_running[sl].any()):
             continue  # every particle of the group had ended before this round
-        if st.bank and bool(ended[sl].any()):
-            a = _bank_group(st, ps, g, ended)
+        if cfg.banks_finished and bool(ended[sl].any()):
+            a = _bank_group(job, ps, g, ended)
         else:
-            a = _resample_group(st, ps, g, ess[g])
+            a = _resample_group(job, ps, g, ess[g])
         if a is not None:
             anc[sl] = sl.start + a
             reset[sl] = True
@@ -542,7 +442,7 @@ def _end_round(
         _take_ancestors(ps, anc, reset, tcache, dcache)
 
 
-def _bank_group(st: _Setting, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
+def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
     """Bank the particles of group ``g`` that ended this round (``ended``: bool ``[N]``) and
     return the group's new ancestors (int64 ``[N/G]``, indices within the group), drawn from
     its running particles; None when none of them runs on with any weight (the group ends).
@@ -553,7 +453,8 @@ def _bank_group(st: _Setting, ps: _Particles, g: int, ended: torch.Tensor) -> to
     unbiased resampling among them, so the SMC estimate stays consistent) and restart at
     equal weights. The output is later drawn from the banked particles in proportion to their
     mass (:func:`_output`)."""
-    sl = st.group(g)
+    cfg = job.config
+    sl = cfg.group(g)
     log_shares, log_run = finished_shares(ps.logw[sl], ended[sl])
     for i in ended[sl].nonzero()[:, 0].tolist():  # zero-weight ones too (mass -inf): listed
         j = sl.start + i
@@ -565,7 +466,7 @@ def _bank_group(st: _Setting, ps: _Particles, g: int, ended: torch.Tensor) -> to
         ps.finished[sl] = True  # nothing left to run in this group
         return None
     logw = torch.where(running, ps.logw[sl], torch.full_like(ps.logw[sl], -math.inf))
-    return RESAMPLERS[st.resampler](logw, st.generator)
+    return RESAMPLERS[cfg.resampler](logw, job.generator)
 
 
 def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
@@ -608,16 +509,17 @@ def _host_ended(ps: _Particles, tcache: KVCache, dcache: KVCache) -> None:
     ps.pending_d = ps.pending_d[ps.host]
 
 
-def _resample_group(st: _Setting, ps: _Particles, g: int, ess: float) -> torch.Tensor | None:
+def _resample_group(job: Job, ps: _Particles, g: int, ess: float) -> torch.Tensor | None:
     """Step 3f for group ``g``, whose ESS is ``ess``: when ``ess < kappa * N/G``, add its
     ``log mean w`` to its ``log_z`` and return its ancestors (int64 ``[N/G]``, indices within
     the group); otherwise None."""
-    lw = ps.logw[st.group(g)]
-    m = st.group_size
-    if m < 2 or ess >= st.ess_threshold * m:
+    cfg = job.config
+    lw = ps.logw[cfg.group(g)]
+    m = cfg.group_size
+    if m < 2 or ess >= cfg.ess_threshold * m:
         return None
     ps.log_z[g] += log_mean_weight(lw)
-    return RESAMPLERS[st.resampler](lw, st.generator)
+    return RESAMPLERS[cfg.resampler](lw, job.generator)
 
 
 def _take_ancestors(
@@ -668,22 +570,24 @@ def _shared_len(a: list[int], b: list[int]) -> int:
 
 
 def _output(
-    st: _Setting,
+    job: Job,
     ps: _Particles,
     return_particles: bool,
     emitted: int,
-    on_tokens: TokenCallback | None,
     clock: ConstraintClock | None,
+    tcache: KVCache,
+    dcache: KVCache,
 ) -> DecodeOutput:
     """Step 5: a reward without twist enters the final weights; one particle is drawn in
     proportion to its weight (banked particles: to their mass; with groups, normalised
     within each group and the groups counted equally) and streamed to the end; stats and
     (optionally) all particles. The log-normaliser estimate is the mean of the groups'."""
-    n = st.n
-    if st.reward is not None and not st.twisted:  # the whole reward at the end
+    cfg = job.config
+    n = cfg.particles
+    if cfg.reward is not None and not cfg.twisted:  # the whole reward at the end
         alive = torch.isfinite(ps.logw)
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
-        final = st.reward.log_potential(seqs, prefix=False).to(st.dev)
+        final = cfg.reward.log_potential(seqs, prefix=False).to(job.device)
         ps.logw = torch.where(alive, ps.logw + final, ps.logw)
     if ps.banked:  # every particle was banked when it ended: the candidates are those
         seqs = [seq for seq, _, _ in ps.banked]
@@ -693,34 +597,22 @@ def _output(
     else:
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
         masses = ps.logw
-        group_ids = torch.arange(n, device=ps.logw.device) // st.group_size
-        for g in range(st.groups):
-            log_mean = log_mean_weight(ps.logw[st.group(g)])
+        group_ids = torch.arange(n, device=ps.logw.device) // cfg.group_size
+        for g in range(cfg.groups):
+            log_mean = log_mean_weight(ps.logw[cfg.group(g)])
             if log_mean != -math.inf:  # a group with no weight left adds nothing
                 ps.log_z[g] += log_mean
-    w, all_inf = group_normalized_weights(masses, group_ids, st.groups)
-    log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(st.groups)
-    choice = int(sample_categorical(w.to(st.dev), st.generator)) if len(seqs) > 1 else 0
-    _emit(ps, emitted, on_tokens, final=seqs[choice])
-    trace = ps.ess_trace
-    stats: dict[str, float | int] = {
-        "rounds": ps.rounds,
-        "resamples": ps.resamples,
-        "mean_ess": sum(trace) / len(trace) if trace else float(n),
-        "min_ess": min(trace) if trace else float(n),
-        "degenerate_weights": int(all_inf),
-        # rounds whose weights had collapsed onto about one particle (ESS < 1.1)
-        "degenerate_rounds": sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
-        # the ESS of rounds that began with equal weights (what the tuner predicts)
-        "mean_round_ess": sum(ps.fresh_ess) / len(ps.fresh_ess) if ps.fresh_ess else float(n),
-        "banked": len(ps.banked),
-    }
+    w, all_inf = group_normalized_weights(masses, group_ids, cfg.groups)
+    log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(cfg.groups)
+    choice = int(sample_categorical(w.to(job.device), job.generator)) if len(seqs) > 1 else 0
+    _emit(ps, emitted, job.on_tokens, final=seqs[choice])
+    stats = _stats(cfg, ps, all_inf, tcache, dcache)
     if ps.banked:  # the banked particles' total probability mass (per group): 1 once all ended
-        stats["banked_mass"] = float(torch.logsumexp(masses, 0).exp()) / st.groups
-    if st.potential:
-        stats.update(log_normalizer=log_z, dead_particles=ps.dead)
+        stats.banked_mass = float(torch.logsumexp(masses, 0).exp()) / cfg.groups
+    if cfg.has_potential:
+        stats.log_normalizer, stats.dead_particles = log_z, ps.dead
     if clock is not None:
-        stats["constraint_seconds"] = clock.seconds
+        stats.constraint_seconds = clock.seconds
     particles = None
     if return_particles:
         particles = [ParticleOutput(seq, float(wi)) for seq, wi in zip(seqs, w, strict=True)]
@@ -732,6 +624,47 @@ def _output(
     )
 
 
-def decode_smc(*args, **kwargs) -> DecodeOutput:
-    """Run :func:`smc_program` to completion on its own (same arguments)."""
-    return run_program(smc_program(*args, **kwargs))
+def _stats(
+    cfg: GenerationConfig, ps: _Particles, all_inf: bool, tcache: KVCache, dcache: KVCache
+) -> SmcStats:
+    """The request's :class:`SmcStats` from its rounds' ESS trace and the caches' counts of
+    rows computed over rows fed (1.0 for a cache never fed)."""
+    n, trace, fresh = cfg.particles, ps.ess_trace, ps.fresh_ess
+
+    def distinct(cache: KVCache) -> float:
+        h = cache.histories
+        return h.computed / h.fed if h.fed else 1.0
+
+    return SmcStats(
+        particles=n,
+        draft_tokens=cfg.draft_tokens,
+        rounds=ps.rounds,
+        resamples=ps.resamples,
+        mean_ess=sum(trace) / len(trace) if trace else float(n),
+        min_ess=min(trace) if trace else float(n),
+        degenerate_weights=int(all_inf),
+        # rounds whose weights had collapsed onto about one particle (ESS < 1.1)
+        degenerate_rounds=sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
+        # the ESS of rounds that began with equal weights (what the tuner predicts)
+        mean_round_ess=sum(fresh) / len(fresh) if fresh else float(n),
+        banked=len(ps.banked),
+        distinct_rows_target=distinct(tcache),
+        distinct_rows_draft=distinct(dcache),
+    )
+
+
+def decode_smc(
+    target: DecoderModel,
+    draft: DecoderModel,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+    truncate_draft: bool = False,
+) -> DecodeOutput:
+    """Run :func:`smc_program` to completion on its own, without an engine."""
+    job = job_for(target, draft, prompt, cfg, stop_ids, vocab, generator, on_tokens,
+                  truncate_draft=truncate_draft)  # fmt: skip
+    return run_program(smc_program(job))

@@ -32,6 +32,7 @@ import torch
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import run_program
+from smcspec.decoding.job import job_for
 from smcspec.decoding.registry import decoder_for
 from smcspec.eval.exact import (
     LogProbs,
@@ -108,7 +109,7 @@ def sample_outputs(
 
     Returns:
         ``(counts, log_zs)``: how often each generated sequence (a tuple of token ids) came
-        out, and each run's log-normaliser estimate ``stats["log_normalizer"]`` (smc with a
+        out, and each run's log-normaliser estimate (``SmcStats.log_normalizer``: smc with a
         constraint or reward; NaN otherwise), in run order.
     """
     decoder = decoder_for(cfg)
@@ -117,12 +118,11 @@ def sample_outputs(
     log_zs: list[float] = []
     for i in range(runs):
         g = torch.Generator().manual_seed(seed0 + i)
-        program = decoder.program(
-            target, draft, prompt=prompt, cfg=cfg, stop_ids=frozenset(), vocab=vocab, generator=g
-        )
-        out = run_program(program)
+        job = job_for(target, draft, prompt, cfg, frozenset(), vocab, g)
+        out = run_program(decoder.program(job))
         counts[tuple(out.tokens)] += 1
-        log_zs.append(float(out.stats.get("log_normalizer", math.nan)))
+        log_z = getattr(out.stats, "log_normalizer", None)
+        log_zs.append(math.nan if log_z is None else float(log_z))
     return counts, log_zs
 
 

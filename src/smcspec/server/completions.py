@@ -184,7 +184,7 @@ class Completion:
         except (QueueFullError, SchedulerStoppedError, ContextLengthError) as exc:
             for c in submitted:
                 c.engine_req.cancel()
-            self.state.metrics.requests.labels(self.cfg.method, "rejected").inc()
+            self.state.metrics.requests.labels(self.ran_method, "rejected").inc()
             if isinstance(exc, ContextLengthError):  # could never fit the models' pools
                 raise ApiError(400, str(exc)) from exc
             if isinstance(exc, QueueFullError):
@@ -199,9 +199,15 @@ class Completion:
                 c.engine_req.cancel()
                 self._record(c, "cancelled")
 
+    @property
+    def ran_method(self) -> str:
+        """The method the request runs as (greedy ``smc`` runs as ``sd``): what its metrics
+        count under."""
+        return self.jobs[0].decoder.method if self.jobs else self.cfg.method
+
     def _record(self, c: Choice, outcome: str) -> None:
         self.state.metrics.observe_request(
-            self.cfg.method, outcome, c.engine_req, c.result, len(self.jobs[0].ids)
+            self.ran_method, outcome, c.engine_req, c.result, len(self.jobs[0].ids)
         )
 
     async def _next(self, request: Request | None) -> tuple[str, Choice, Any]:

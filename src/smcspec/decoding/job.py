@@ -1,0 +1,127 @@
+"""The one request object: what a decoder's program is given, and all it is given.
+
+:meth:`smcspec.engine.Engine.prepare` makes a :class:`Job` (prompt ids, the validated config
+with its seed fixed, stop tokens, the decoder that runs it, the models, the vocabulary);
+:meth:`~smcspec.engine.Engine.program` starts it (:meth:`Job.started`: the request's random
+generator, its stream callback and its reservation) and hands it to the decoder's program
+(``decoder.program(job)``). Settings are read from ``job.config`` under the config's own names;
+what a decoder derives from them lives here or on :class:`~smcspec.config.GenerationConfig`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smcspec.backends.base import DecoderModel
+from smcspec.backends.pool import Reservation
+from smcspec.config import GenerationConfig
+from smcspec.decoding.common import TokenCallback
+from smcspec.potentials import TokenConstraint, compiled_constraint
+
+if TYPE_CHECKING:
+    from smcspec.decoding.registry import Decoder
+
+
+@dataclass
+class Job:
+    """One request, as its decoder runs it.
+
+    Attributes:
+        ids: the prompt's token ids.
+        config: the validated :class:`GenerationConfig`, its seed fixed.
+        stop_ids: tokens that end an answer (EOS, end of turn, the request's stop tokens).
+        decoder: the :class:`~smcspec.decoding.registry.Decoder` that runs it (decided once,
+            :func:`~smcspec.decoding.registry.decoder_for`).
+        target, draft: the models (``draft`` None where none is loaded or needed).
+        vocab: token ids ``< vocab`` may be sampled (the pair's shared vocabulary).
+        generator: the request's random generator on the target's device (set by
+            :meth:`started`).
+        on_tokens: called with token ids as soon as they are final (streaming).
+        reservation: the request's leases on the models' pools; without one each cache
+            reserves its own.
+        truncate_draft: smc only: the proposal is the draft truncated like the target
+            (``docs/sampling.md``; a comparison, not consistent).
+    """
+
+    ids: list[int]
+    config: GenerationConfig
+    stop_ids: frozenset[int]
+    decoder: Decoder | Any
+    target: DecoderModel
+    draft: DecoderModel | None = None
+    vocab: int = 0
+    generator: torch.Generator | None = None
+    on_tokens: TokenCallback | None = None
+    reservation: Reservation | None = None
+    truncate_draft: bool = False
+
+    def started(
+        self, on_tokens: TokenCallback | None = None, reservation: Reservation | None = None
+    ) -> Job:
+        """A copy ready to run: a generator on the target's device seeded with
+        ``config.seed``, the stream callback and the reservation."""
+        gen = torch.Generator(device=self.target.device).manual_seed(self.config.seed or 0)
+        return replace(self, generator=gen, on_tokens=on_tokens, reservation=reservation)
+
+    @property
+    def device(self) -> torch.device:
+        """The target's device: where the decoders keep their tensors."""
+        return self.target.device
+
+    @property
+    def models(self) -> dict[str, DecoderModel]:
+        """The models by role (``target``, and ``draft`` where there is one)."""
+        out = {"target": self.target}
+        if self.draft is not None:
+            out["draft"] = self.draft
+        return out
+
+    @functools.cached_property
+    def stop_tensor(self) -> torch.Tensor:
+        """int64 ``[S]``: :attr:`stop_ids` on the device, sorted."""
+        return torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def constraint(self) -> TokenConstraint | None:
+        """The config's constraint compiled for this request's tokenizer (None: none)."""
+        return compiled_constraint(self.config.constraint)
+
+    @property
+    def draft_truncation(self) -> tuple[int, float, float]:
+        """``(top_k, top_p, min_p)`` of smc's proposal: the target's with
+        :attr:`truncate_draft`, all filters off otherwise (``q_T``)."""
+        return self.config.truncation if self.truncate_draft else (0, 1.0, 0.0)
+
+
+def job_for(
+    target: DecoderModel,
+    draft: DecoderModel | None,
+    prompt: list[int],
+    cfg: GenerationConfig,
+    stop_ids: frozenset[int],
+    vocab: int,
+    generator: torch.Generator,
+    on_tokens: TokenCallback | None = None,
+    reservation: Reservation | None = None,
+    truncate_draft: bool = False,
+) -> Job:
+    """A started :class:`Job` from its parts, for running one decoder's program without an
+    engine (the ``decode_*`` helpers, tests, calibration); its ``decoder`` is None (the
+    caller picked the program)."""
+    return Job(
+        ids=list(prompt),
+        config=cfg,
+        stop_ids=stop_ids,
+        decoder=None,
+        target=target,
+        draft=draft,
+        vocab=vocab,
+        generator=generator,
+        on_tokens=on_tokens,
+        reservation=reservation,
+        truncate_draft=truncate_draft,
+    )
