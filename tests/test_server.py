@@ -233,6 +233,32 @@ def test_models_and_metrics_endpoints(server):
     assert m["smcspec_generation_tokens_total"] > 0
 
 
+def test_a_greedy_smc_request_is_counted_with_sd_stats(server):
+    """Greedy smc runs as greedy sd: /metrics counts it under ``sd`` with sd's drafted and
+    accepted tokens, and puts nothing into SMC-SD's ESS histogram or rounds (issue 63: the
+    ESS of 0.0 it used to observe, and the drafted tokens it never added)."""
+    before = server.metrics()
+    r = server.client().completions.create(
+        model=MODEL,
+        prompt="ab",
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 3}},
+    )
+    assert r.choices[0].model_extra["smcspec"]["ran_as"] == "sd"
+    m = server.metrics()
+
+    def grew(key: str) -> float:
+        return m.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew('smcspec_requests_total{"method": "sd", "outcome": "success"}') == 1
+    assert grew('smcspec_requests_total{"method": "smc", "outcome": "success"}') == 0
+    assert grew("smcspec_sd_draft_tokens_total") > 0
+    assert 0 <= grew("smcspec_sd_accepted_tokens_total") <= grew("smcspec_sd_draft_tokens_total")
+    assert grew("smcspec_smc_mean_ess_count") == 0
+    assert grew("smcspec_smc_rounds_total") == 0
+
+
 def test_metrics_count_distinct_rows(server):
     """At a low temperature the 8 particles draft the same tokens: each model's forwards
     compute fewer distinct rows than they are fed, and /metrics counts both."""
