@@ -10,6 +10,7 @@ from tiny_models import make_tiny_chat_pair
 from smcspec import Engine, GenerationConfig
 from smcspec.aggregate import Vote, weighted_vote
 from smcspec.backends.torch import load_hf_dir
+from smcspec.decoding.registry import decoder_for
 from smcspec.errors import ConfigError
 
 
@@ -109,5 +110,5 @@ def test_a_vote_needs_particles() -> None:
         GenerationConfig(method="smc", temperature=0, vote=Vote.regex()),
         GenerationConfig(method="smc", vote="last number"),
     ):
-        with pytest.raises(ConfigError, match="vote"):
-            cfg.validate()
+        with pytest.raises(ConfigError, match="vote"):  # validate, then the table's checks
+            decoder_for(cfg.validate())

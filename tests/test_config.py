@@ -8,6 +8,7 @@ import math
 import pytest
 
 from smcspec.config import MAX_DRAFT_TOKENS, MAX_PARTICLES, METHODS, GenerationConfig
+from smcspec.decoding.registry import decoder_for
 from smcspec.errors import ConfigError, SmcspecError
 from smcspec.potentials import Reward
 from smcspec.sampling.resampling import RESAMPLERS
@@ -114,8 +115,10 @@ def test_valid_values_pass(kwargs):
     ],
 )
 def test_bad_values_raise_config_error(kwargs):
+    """Each is refused by ``validate`` or, for what a method allows, by the decoder table
+    (:func:`~smcspec.decoding.registry.decoder_for`, which the engine runs on every request)."""
     with pytest.raises(ConfigError):
-        GenerationConfig(**kwargs).validate()
+        decoder_for(GenerationConfig(**kwargs).validate())
 
 
 def test_config_error_is_a_user_facing_value_error():

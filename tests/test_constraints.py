@@ -21,6 +21,7 @@ from smcspec import (
 )
 from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
+from smcspec.decoding.registry import decoder_for
 from smcspec.potentials import reorder
 
 V = 96
@@ -109,8 +110,8 @@ def test_bad_types_raise_config_error():
         JsonSchema("{not json")
     with pytest.raises(ConfigError):
         GenerationConfig(constraint="ab+").validate()
-    with pytest.raises(ConfigError):
-        GenerationConfig(method="ar", reward=Reward(lambda t: [0.0] * len(t))).validate()
+    with pytest.raises(ConfigError):  # the decoder table's check: ar cannot reweight
+        decoder_for(GenerationConfig(method="ar", reward=Reward(lambda t: [0.0] * len(t))))
     with pytest.raises(ConfigError, match="ignore_eos"):  # the constraint decides the end
         GenerationConfig(constraint=Regex("a+"), ignore_eos=True).validate()
 

@@ -337,12 +337,6 @@ class GenerationConfig:
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
-        if self.draft == "ngram" and self.method == "smc":
-            raise ConfigError(
-                "SMC-SD cannot use the n-gram draft: its importance weights p/q need a "
-                "proposal that covers the target, and an n-gram draft is a point mass; use "
-                "method sd with the n-gram draft, or smc with the draft model"
-            )
         if self.draft == "ngram" and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
 
@@ -359,21 +353,12 @@ class GenerationConfig:
                 "ignore_eos cannot be combined with a constraint: the constraint decides where "
                 "the output ends (its stop token is allowed only once the output is complete)"
             )
-        if self.reward is not None:
-            if not isinstance(self.reward, Reward):
-                raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
-            if self.method != "smc":
-                raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
-            if self.greedy:
-                raise ConfigError("a reward needs sampling (temperature > 0), not greedy decoding")
-        if self.vote is not None:
-            if not isinstance(self.vote, Vote):
-                raise ConfigError(f"vote must be a Vote, got {type(self.vote).__name__}")
-            if self.method != "smc" or self.greedy:
-                raise ConfigError(
-                    "a vote needs particles: method smc with temperature > 0 (for ar, draw "
-                    "several samples and vote over them, as eval's ar-sc-nN does)"
-                )
+        # which methods take a reward, a vote or n-gram drafts is the decoder table's to say
+        # (smcspec.decoding.registry.decoder_for, run by Engine.prepare and the CLI)
+        if self.reward is not None and not isinstance(self.reward, Reward):
+            raise ConfigError(f"reward must be a Reward, got {type(self.reward).__name__}")
+        if self.vote is not None and not isinstance(self.vote, Vote):
+            raise ConfigError(f"vote must be a Vote, got {type(self.vote).__name__}")
 
 
 DEFAULT_MIN_ESS = 4.0

@@ -8,6 +8,7 @@ import os
 import sys
 
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
+from smcspec.decoding.registry import choice
 
 NGRAM = "ngram"  # --draft ngram: n-gram drafts from the text, no draft model
 
@@ -53,9 +54,7 @@ def note(line: str) -> None:
 def wants_tuning(args: argparse.Namespace) -> bool:
     """Whether the setting is chosen from measured costs: ``--method auto``, or ``smc``
     without ``-N`` or ``-K`` (the one given is kept)."""
-    if args.method == "auto":
-        return True
-    return args.method == "smc" and (args.particles is None or args.draft_tokens is None)
+    return choice(args.method).wants_tuning(args.particles, args.draft_tokens)
 
 
 def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
@@ -81,7 +80,8 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
         return cfg, None
     tuning = tune_for(engine, args, cfg)
     best_smc = tuning.smc
-    if args.method == "auto" and best_smc is not None and best_smc.ess is not None:
+    picks_any = not choice(args.method).particles_only  # auto: ar and sd as well
+    if picks_any and best_smc is not None and best_smc.ess is not None:
         if best_smc.ess < tuning.min_ess:
             note(
                 f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} after a round "
@@ -96,7 +96,7 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
     """One line on a setting the tuner chose (``pick``, a
     :class:`~smcspec.tuning.predict.Prediction`): its name, predicted tokens/s and, for smc,
     its predicted ESS after a round, and whether it falls short of ``min_ess``."""
-    how = "--method auto" if method == "auto" else "smc without -N/-K"
+    how = "--method auto" if choice(method).tuned == "always" else "smc without -N/-K"
     note_ = (
         f"{pick.setting.name} chosen by {how} from measured costs, predicted "
         f"{pick.tokens_per_second:.2f} tokens/s"

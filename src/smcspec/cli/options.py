@@ -17,6 +17,7 @@ from smcspec.config import (
     check_min_particles,
     field_type,
 )
+from smcspec.decoding.registry import BY_METHOD, choice, decoder_for
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
@@ -229,7 +230,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
     if getattr(args, "min_ess", None) is not None:
         check_min_ess(args.min_ess)
     if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
-        if args.method in ("smc", "auto"):  # N would be chosen, and G must divide it
+        if BY_METHOD[choice(args.method).method].particles:  # N would be chosen, G divides it
             raise ConfigError("--groups needs -N: the number of particles the groups divide")
     ngram = args.draft == "ngram"
     if ngram and hasattr(args, "methods"):  # eval, bench: it applies to their sd settings
@@ -238,14 +239,17 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
 
 
 def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
-    return GenerationConfig(
-        method="smc" if args.method == "auto" else args.method,
+    cfg = GenerationConfig(
+        method=choice(args.method).method,  # auto validates as smc
         max_new_tokens=args.max_new_tokens,
         particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
         draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
         **{f.name: getattr(args, f.name) for f in cli_fields()},
         **extra,
     ).validate()  # fail on bad options before spending time loading models
+    if not hasattr(args, "methods"):  # eval and bench check each of their settings
+        decoder_for(cfg)  # what the method allows (a vote needs particles, ...)
+    return cfg
 
 
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:

@@ -1,19 +1,26 @@
-"""The decoder table: which decoder runs a request, decided once from its config.
+"""The decoder table: everything that differs between decoding methods, in one place.
 
-Every decoder exposes the same two functions: ``caches(cfg, prompt_len)`` (the KV caches it
-opens, for the pools' reservation) and ``program(job)`` (its program on the request,
-:class:`~smcspec.decoding.job.Job`; see :mod:`smcspec.decoding.program`).
-:func:`decoder_for` is the one place that reads ``cfg.method``: greedy ``smc`` runs as greedy
-``sd`` (SMC-SD's weights are undefined for a point-mass target), and ``sd`` with
-``draft="ngram"`` runs the n-gram decoder.
+Each :class:`Decoder` owns its program (``program(job)``, on the request's
+:class:`~smcspec.decoding.job.Job`), the KV caches it opens (``caches(cfg, prompt_len)``, for
+the pools' reservation), its typed stats (:mod:`smcspec.decoding.stats`: their JSON keys,
+stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.decoding.rounds`:
+what the tuner predicts and the roofline prices), the name of a setting in reports and
+``eval`` (``smc-n8-k2``), and what a config must hold to run on it. :func:`decoder_for` is
+the one place that reads ``cfg.method``: greedy ``smc`` runs as greedy ``sd`` (SMC-SD's
+weights are undefined for a point-mass target), and ``sd`` with ``draft="ngram"`` runs the
+n-gram decoder. :data:`CHOICES` are the values a user may ask for (the methods and
+``auto``). Outside this module no code compares method names
+(``tests/test_decoder_registry.py``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import smcspec.decoding.rounds as rounds
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.ar import ar_caches, ar_program
@@ -22,6 +29,9 @@ from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.program import Program
 from smcspec.decoding.sd import sd_caches, sd_program
 from smcspec.decoding.smc import smc_caches, smc_program
+from smcspec.errors import ConfigError
+
+Shapes = tuple[tuple[rounds.Shape, ...], tuple[rounds.Shape, ...]]
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,14 @@ class Decoder:
         draft_model: it runs the draft model.
         draft_tokens: it drafts ``cfg.draft_tokens`` tokens a round (the last round may
             overshoot the budget by that many).
+        particles: it weighs N particles (their ESS, resampling, votes, rewards: SMC-SD).
+        from_text: its drafts come from the text, not a model (n-gram sd; priced at its
+            gate's threshold, never compared as a speed).
+        shapes: ``(n, k) -> (target shapes, draft shapes)`` of one round.
+        cost: ``(n, k, RoundCosts, distinct) -> (tokens, seconds)`` of one round.
+        label: ``(n, k) -> str``: a setting's name in reports and ``eval`` (``smc-n8-k2``).
+        pattern: the regular expression of those names (groups ``n``, ``k`` where they
+            appear), matched at the start of an ``eval`` name.
     """
 
     name: str
@@ -44,29 +62,176 @@ class Decoder:
     program: Callable[[Job], Program]
     draft_model: bool
     draft_tokens: bool
+    particles: bool
+    from_text: bool
+    shapes: Callable[[int, int], Shapes]
+    cost: Callable[..., tuple[float, float]]
+    label: Callable[[int, int], str]
+    pattern: re.Pattern
 
     def stats(self, cfg: GenerationConfig) -> dict[str, Any]:
         """What a result's stats add to the decoder's own: ``ran_as`` where the decoder is
         not the requested method's own (greedy smc)."""
         return {} if self.method == cfg.method else {"ran_as": self.method}
 
+    def configure(self, cfg: GenerationConfig, n: int = 1, k: int = 0) -> GenerationConfig:
+        """``cfg`` set to run on this decoder with N = ``n`` and K = ``k`` where it has them."""
+        out = replace(cfg, method=self.method)
+        if self.draft_tokens:
+            out = replace(out, draft="ngram" if self.from_text else "model", draft_tokens=k)
+        if self.particles:
+            out = replace(out, particles=n)
+        return out
+
+
+def _decoder(name: str, method: str, caches, program, *, draft_model: bool, drafts: bool,
+             particles: bool = False, from_text: bool = False, shapes, cost, label,
+             pattern: str) -> Decoder:  # fmt: skip
+    return Decoder(name, method, caches, program, draft_model, drafts, particles, from_text,
+                   shapes, cost, label, re.compile(pattern))  # fmt: skip
+
 
 DECODERS = {
-    "ar": Decoder("ar", "ar", ar_caches, ar_program, draft_model=False, draft_tokens=False),
-    "sd": Decoder("sd", "sd", sd_caches, sd_program, draft_model=True, draft_tokens=True),
-    "ngram-sd": Decoder(
-        "ngram-sd", "sd", ngram_caches, ngram_sd_program, draft_model=False, draft_tokens=True
+    "ar": _decoder(
+        "ar", "ar", ar_caches, ar_program, draft_model=False, drafts=False,
+        shapes=rounds.ar_shapes, cost=rounds.ar_cost, label=lambda n, k: "ar", pattern=r"ar",
     ),
-    "smc": Decoder("smc", "smc", smc_caches, smc_program, draft_model=True, draft_tokens=True),
-}
+    "sd": _decoder(
+        "sd", "sd", sd_caches, sd_program, draft_model=True, drafts=True,
+        shapes=rounds.sd_shapes, cost=rounds.sd_cost, label=lambda n, k: f"sd-k{k}",
+        pattern=r"sd-k(?P<k>\d+)",
+    ),
+    "ngram-sd": _decoder(
+        "ngram-sd", "sd", ngram_caches, ngram_sd_program, draft_model=False, drafts=True,
+        from_text=True, shapes=rounds.ngram_shapes, cost=rounds.ngram_cost,
+        label=lambda n, k: f"sd-ngram-k{k}", pattern=r"sd-ngram-k(?P<k>\d+)",
+    ),
+    "smc": _decoder(
+        "smc", "smc", smc_caches, smc_program, draft_model=True, drafts=True, particles=True,
+        shapes=rounds.smc_shapes, cost=rounds.smc_cost, label=lambda n, k: f"smc-n{n}-k{k}",
+        pattern=r"smc-n(?P<n>\d+)-k(?P<k>\d+)",
+    ),
+}  # fmt: skip
+"""The decoders by name."""
+
+BY_METHOD = {"ar": DECODERS["ar"], "sd": DECODERS["sd"], "smc": DECODERS["smc"]}
+"""Each method's own decoder (``sd`` with n-gram drafts runs ``ngram-sd``)."""
 
 
 def decoder_for(cfg: GenerationConfig) -> Decoder:
-    """The decoder that runs ``cfg`` (a validated config)."""
+    """The decoder that runs ``cfg`` (a config that passed ``validate``), after the checks
+    that depend on the method.
+
+    Raises:
+        ConfigError: SMC-SD with n-gram drafts; a reward or a vote without particles
+            (another method, or greedy smc, which runs as sd).
+    """
+    if cfg.draft == "ngram" and cfg.method == "smc":
+        raise ConfigError(
+            "SMC-SD cannot use the n-gram draft: its importance weights p/q need a "
+            "proposal that covers the target, and an n-gram draft is a point mass; use "
+            "method sd with the n-gram draft, or smc with the draft model"
+        )
     if cfg.method == "ar":
-        return DECODERS["ar"]
-    if cfg.draft == "ngram":
+        decoder = DECODERS["ar"]
+    elif cfg.draft == "ngram":
+        decoder = DECODERS["ngram-sd"]
+    elif cfg.method == "sd" or cfg.greedy:
+        decoder = DECODERS["sd"]
+    else:
+        decoder = DECODERS["smc"]
+    _check_particles(cfg, decoder)
+    return decoder
+
+
+def _check_particles(cfg: GenerationConfig, decoder: Decoder) -> None:
+    """A reward or a vote needs a decoder that weighs particles."""
+    if cfg.reward is not None and not decoder.particles:
+        if cfg.method != "smc":
+            raise ConfigError("a reward needs method smc (ar and sd cannot reweight)")
+        raise ConfigError("a reward needs sampling (temperature > 0), not greedy decoding")
+    if cfg.vote is not None and not decoder.particles:
+        raise ConfigError(
+            "a vote needs particles: method smc with temperature > 0 (for ar, draw "
+            "several samples and vote over them, as eval's ar-sc-nN does)"
+        )
+
+
+def decoder_named(method: str, draft: str = "model") -> Decoder:
+    """The decoder of ``method`` (``ar``, ``sd``, ``smc``) drafting with ``draft``
+    (``model`` or ``ngram``: sd only).
+
+    Raises:
+        ConfigError: an unknown method, or n-gram drafts for another method than sd.
+    """
+    if method not in BY_METHOD:
+        raise ConfigError(f"unknown method {method!r}; choose from {', '.join(BY_METHOD)}")
+    if draft == "ngram":
+        if method != "sd":
+            raise ConfigError(f"n-gram drafts are for sd, not {method}")
         return DECODERS["ngram-sd"]
-    if cfg.method == "sd" or cfg.greedy:
-        return DECODERS["sd"]
-    return DECODERS["smc"]
+    return BY_METHOD[method]
+
+
+def parse_label(text: str) -> tuple[Decoder, int, int, str] | None:
+    """The setting a name such as ``smc-n8-k2-keep`` starts with: ``(decoder, n, k, rest)``
+    (``rest`` the unparsed suffix, ``-keep`` here), or None when no decoder's name fits. The
+    longest match wins (``sd-ngram-k4`` is not ``sd``)."""
+    found = []
+    for d in DECODERS.values():
+        m = d.pattern.match(text)
+        if m is not None and (m.end() == len(text) or text[m.end()] == "-"):
+            groups = m.groupdict()
+            n, k = int(groups.get("n") or 1), int(groups.get("k") or 0)
+            found.append((m.end(), d, n, k))
+    if not found:
+        return None
+    end, d, n, k = max(found, key=lambda f: f[0])
+    return d, n, k, text[end:]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A value a user may give as the method: ``ar``, ``sd``, ``smc`` or ``auto``.
+
+    Attributes:
+        name: as given.
+        method: the config's method while the choice is being made (``auto`` validates
+            as ``smc``, whose settings it may choose).
+        tuned: ``"always"`` (``auto``: the setting is chosen from measured costs),
+            ``"without_nk"`` (``smc`` without N or K: they are chosen), or ``"never"``.
+        particles_only: the tuner may choose only settings with particles (``smc``); else
+            any (``auto``).
+    """
+
+    name: str
+    method: str
+    tuned: str
+    particles_only: bool = False
+
+    def wants_tuning(self, particles: int | None, draft_tokens: int | None) -> bool:
+        """Whether the setting is chosen from measured costs, given the N and K asked for."""
+        if self.tuned == "always":
+            return True
+        return self.tuned == "without_nk" and (particles is None or draft_tokens is None)
+
+
+CHOICES = {
+    "auto": Choice("auto", "smc", "always"),
+    "smc": Choice("smc", "smc", "without_nk", particles_only=True),
+    "sd": Choice("sd", "sd", "never"),
+    "ar": Choice("ar", "ar", "never"),
+}
+"""What ``--method`` (and the tuner) accept: the methods, and ``auto``."""
+
+
+def choice(name: str) -> Choice:
+    """The :class:`Choice` named ``name``.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    try:
+        return CHOICES[name]
+    except KeyError:
+        raise ConfigError(f"unknown method {name!r}; choose from {', '.join(CHOICES)}") from None

@@ -33,7 +33,7 @@ from smcspec.backends.torch.transformer import Transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import run_program
 from smcspec.decoding.job import job_for
-from smcspec.decoding.registry import decoder_for
+from smcspec.decoding.registry import BY_METHOD, decoder_for
 from smcspec.eval.exact import (
     LogProbs,
     conditional_log_probs,
@@ -150,6 +150,11 @@ class FidelityRow:
     runs: int
     tv: float
     kl: float
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the method weighs particles (SMC-SD; exact SD does not)."""
+        return BY_METHOD[self.method].particles
 
 
 def fidelity_grid(
@@ -410,7 +415,7 @@ def write_fidelity_report(
     ]
     for r in rows:
         lines.append(
-            f"| {r.method} | {r.particles if r.method == 'smc' else '-'} | "
+            f"| {r.method} | {r.particles if r.weighted else '-'} | "
             f"{r.draft_tokens} | {r.runs} | {r.tv:.4f} | {r.kl:.4f} |"
         )
     if potentials is not None:
@@ -426,15 +431,15 @@ def _plot_grid(rows: list[FidelityRow], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for k in sorted({r.draft_tokens for r in rows}):
-        smc = sorted((r.particles, r.tv) for r in rows if r.method == "smc" and r.draft_tokens == k)
+        smc = sorted((r.particles, r.tv) for r in rows if r.weighted and r.draft_tokens == k)
         if smc:
             ax.plot([n for n, _ in smc], [t for _, t in smc], "o-", label=f"SMC-SD K={k}")
-        sd = [r.tv for r in rows if r.method == "sd" and r.draft_tokens == k]
+        sd = [r.tv for r in rows if not r.weighted and r.draft_tokens == k]
         if sd:
             ax.axhline(sd[0], linestyle=":", linewidth=1, color="gray")
-    ns = sorted({r.particles for r in rows if r.method == "smc"})
+    ns = sorted({r.particles for r in rows if r.weighted})
     if ns:
-        first = [r.tv for r in rows if r.method == "smc" and r.particles == ns[0]]
+        first = [r.tv for r in rows if r.weighted and r.particles == ns[0]]
         ref = max(first) if first else 1.0
         ax.plot(
             ns,

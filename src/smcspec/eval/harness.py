@@ -22,6 +22,7 @@ from tqdm import tqdm
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
 from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.registry import BY_METHOD, Decoder, decoder_for, parse_label
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
@@ -85,66 +86,78 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
     ns = grid_vals.get("N", [base.particles])
     ks = grid_vals.get("K", [base.draft_tokens])
     specs: list[MethodSpec] = []
-    for method in [m.strip() for m in methods.split(",") if m.strip()]:
-        if method == "ar":
-            specs.append(MethodSpec("ar", replace(base, method="ar")))
-        elif method == "sd":
-            specs += [
-                MethodSpec(f"sd-k{k}", replace(base, method="sd", draft_tokens=k)) for k in ks
-            ]
-        elif method == "ar-greedy":
-            specs.append(MethodSpec(method, replace(base, method="ar", temperature=0.0)))
-        elif m := re.fullmatch(r"ar-(sc|bon)-n(\d+)", method):
-            n = int(m.group(2))
-            if not 1 <= n <= 64:
-                raise ConfigError(f"{method}: n must be in [1, 64]")
-            specs.append(MethodSpec(method, replace(base, method="ar"), n, m.group(1)))
-        elif m := _SMC_NAME.fullmatch(method):
-            specs.append(_smc_spec(method, m, base))
-        elif m := re.fullmatch(r"sd-ngram-k(\d+)", method):
-            cfg = replace(base, method="sd", draft="ngram", draft_tokens=int(m.group(1)))
-            specs.append(MethodSpec(method, cfg))
-        elif m := re.fullmatch(r"sd-k(\d+)", method):
-            k = int(m.group(1))
-            specs.append(MethodSpec(method, replace(base, method="sd", draft_tokens=k)))
-        elif method == "smc":
-            specs += [
-                MethodSpec(
-                    f"smc-n{n}-k{k}",
-                    replace(base, method="smc", particles=n, draft_tokens=k, draft="model"),
-                )
-                for n in ns
-                for k in ks
-            ]
-        else:
-            raise ConfigError(
-                f"unknown method {method!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
-                "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-vote]"
-            )
+    for name in [m.strip() for m in methods.split(",") if m.strip()]:
+        specs += _specs_named(name, base, ns, ks)
     for s in specs:
-        s.config.validate()
+        decoder_for(s.config.validate())  # the table's checks too (a vote needs particles)
     return specs
 
 
-_SMC_NAME = re.compile(
-    r"smc-n(\d+)-k(\d+)(-keep)?(?:-a([\d.]+))?(-reward([\d.]+)?)?(?:-g(\d+))?(-vote)?"
+_BASELINES = re.compile(r"ar-(?:(?P<greedy>greedy)|(?P<select>sc|bon)-n(?P<n>\d+))")
+_PARTICLE_SUFFIX = re.compile(
+    r"(?P<keep>-keep)?(?:-a(?P<alpha>[\d.]+))?(?P<reward>-reward(?P<beta>[\d.]+)?)?"
+    r"(?:-g(?P<groups>\d+))?(?P<vote>-vote)?"
 )
 
 
-def _smc_spec(name: str, m: re.Match, base: GenerationConfig) -> MethodSpec:
-    """An smc setting from its name: N, K, ``-keep`` (the paper's rule for finished
-    particles), ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
+def _specs_named(
+    name: str, base: GenerationConfig, ns: list[int], ks: list[int]
+) -> list[MethodSpec]:
+    """The specs one name stands for: a bare method (``ar``, ``sd``, ``smc``: its grid), a
+    baseline on ``ar`` (``ar-greedy``, ``ar-sc-nN``, ``ar-bon-nN``), or a setting as the
+    decoder table names it (``sd-k4``, ``sd-ngram-k4``, ``smc-n8-k2``), which for particles
+    may carry the suffixes of :func:`_particle_spec`. Raises :class:`ConfigError`."""
+    if name in BY_METHOD:  # a bare method: each (N, K) of the grid it has
+        d = BY_METHOD[name]
+        return [
+            MethodSpec(d.label(n, k), _configure(d, base, n, k))
+            for n in (ns if d.particles else [1])
+            for k in (ks if d.draft_tokens else [0])
+        ]
+    if m := _BASELINES.fullmatch(name):
+        ar = replace(base, method=BY_METHOD["ar"].method)
+        if m.group("greedy"):
+            return [MethodSpec(name, replace(ar, temperature=0.0))]
+        n = int(m.group("n"))
+        if not 1 <= n <= 64:
+            raise ConfigError(f"{name}: n must be in [1, 64]")
+        return [MethodSpec(name, ar, n, m.group("select"))]
+    parsed = parse_label(name)
+    if parsed is not None:
+        d, n, k, rest = parsed
+        suffix = _PARTICLE_SUFFIX.fullmatch(rest)
+        if d.particles and suffix is not None:
+            return [_particle_spec(name, suffix, _configure(d, base, n, k))]
+        if not rest:
+            return [MethodSpec(name, _configure(d, base, n, k))]
+    raise ConfigError(
+        f"unknown method {name!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
+        "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-vote]"
+    )
+
+
+def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> GenerationConfig:
+    """``base`` on decoder ``d`` at N = ``n``, K = ``k``: particles draft with the draft
+    model, n-gram sd with n-grams, sd as ``base.draft`` says."""
+    if d.from_text or d.particles:
+        return d.configure(base, n, k)
+    return replace(base, method=d.method, draft_tokens=k) if d.draft_tokens else d.configure(base)
+
+
+def _particle_spec(name: str, m: re.Match, cfg: GenerationConfig) -> MethodSpec:
+    """A particle setting's suffixes: ``-keep`` (the paper's rule for finished particles),
+    ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
     :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart) and
     ``-vote`` (the weighted vote answers)."""
-    n, k = int(m.group(1)), int(m.group(2))
-    cfg = replace(base, method="smc", particles=n, draft_tokens=k, draft="model")
-    cfg = replace(cfg, finished_particles="keep" if m.group(3) else "bank")
-    if m.group(4):
-        cfg = replace(cfg, alpha=float(m.group(4)))
-    if m.group(7):
-        cfg = replace(cfg, groups=int(m.group(7)))
-    beta = (float(m.group(6)) if m.group(6) else REWARD_BETA) if m.group(5) else None
-    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group(8)))
+    cfg = replace(cfg, finished_particles="keep" if m.group("keep") else "bank")
+    if m.group("alpha"):
+        cfg = replace(cfg, alpha=float(m.group("alpha")))
+    if m.group("groups"):
+        cfg = replace(cfg, groups=int(m.group("groups")))
+    beta = None
+    if m.group("reward"):
+        beta = float(m.group("beta")) if m.group("beta") else REWARD_BETA
+    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group("vote")))
 
 
 def _score_gsm8k(item: gsm8k.Gsm8kItem, text: str) -> dict[str, Any]:

@@ -116,12 +116,12 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
             by_method.setdefault(drawn["method"], {})[rec["item"]] = drawn
     base = by_method.get(baseline, {})
     rows = []
-    for method, recs in by_method.items():
+    for setting, recs in by_method.items():  # eval's setting names (smc-n8-k2-vote, ...)
         correct = [bool(r["correct"]) for r in recs.values()]
         low, high = wilson_interval(sum(correct), len(correct))
         tps = sorted(r["tokens_per_second"] for r in recs.values())
         row = {
-            "method": method,
+            "method": setting,
             "n": len(correct),
             "correct": sum(correct),
             "accuracy": sum(correct) / len(correct),
@@ -140,7 +140,7 @@ def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[
                 nll_median=float(q[1]),
                 nll_p90=float(q[2]),
             )
-        if method != baseline:
+        if setting != baseline:
             row.update(_paired_accuracy(base, recs), **_paired_nll(base, recs))
             row.update(_paired_budget(base, recs))
         rows.append(row)

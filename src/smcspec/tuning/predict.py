@@ -2,30 +2,22 @@
 
 Pure functions (no model, no clock): unit-testable with hand-written costs.
 
-A *round* of each method, in the forwards the decoders issue (``smcspec.decoding``):
-
-* ``ar``: one target forward of 1 token (1 row); 1 token a round.
-* ``sd`` (K): K draft forwards of 1 row, the first of them with 2 tokens when the previous
-  round accepted every draft (deferred feeding, ``smcspec.decoding.sd``) and 1 token
-  otherwise, then one target forward of K+1 tokens. Expected tokens a round with per-token
-  acceptance probability ``alpha`` (Leviathan et al. 2023, "Fast Inference from
-  Transformers via Speculative Decoding", eq. 1): ``(1 - alpha^(K+1)) / (1 - alpha)``; the
-  first draft forward has 2 tokens with probability ``alpha^K``.
-* ``smc`` (N, K): K draft forwards of N rows (the first with 2 tokens a row: the deferred
-  bonus), one target forward of N x (K+1) tokens; every particle advances K+1 tokens, so a
-  round yields K+1 tokens (Emara et al. 2026, "Faster LLM Inference via Sequential Monte
-  Carlo", arXiv:2604.15672, and ``docs/smc-sd.md``, "Cost, and how N and K are chosen":
-  the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row costs).
-* ``sd`` with n-gram drafts (K; no draft model, :mod:`smcspec.decoding.ngram`): its speed
-  depends on how much the answer copies the text before it, which no prompt-independent
-  measurement knows, and its gate drafts only where the target's recent probability of the
-  proposals (the acceptance probability of a point-mass draft) is at least ``p_min``
-  (:data:`~smcspec.config.NGRAM_DRAFT_P_MIN`). It is priced *at the gate's threshold*: one
-  drafted token accepted with probability ``p_min``, ``1 + p_min`` tokens for a 2-token
-  target forward. Above that speed every round the gate lets draft is predicted to pay, and
-  a round that drafts nothing is an ``ar`` step; so where this beats ``ar``, n-gram sd can
-  lose to ``ar`` only its loop's own overhead and wins where the text copies
-  (:func:`choose`, :data:`NGRAM_MARGIN`).
+A *round* of each method, the forwards it issues and what they cost, is its decoder's
+(:mod:`smcspec.decoding.rounds`, through :attr:`Setting.decoder`): ``ar`` one target forward a
+token; ``sd`` K draft forwards and a K+1-token target forward, ``(1 - alpha^(K+1)) /
+(1 - alpha)`` tokens a round (Leviathan et al. 2023, eq. 1); ``smc`` K draft forwards of N rows
+and one target forward of N x (K+1) tokens for K+1 tokens (Emara et al. 2026,
+arXiv:2604.15672; the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row
+costs). ``sd`` with n-gram drafts (no draft model, :mod:`smcspec.decoding.ngram`) is priced
+*at its gate's threshold*: its speed depends on how much the answer copies the text before
+it, which no prompt-independent measurement knows, and its gate drafts only where the
+target's recent probability of the proposals (the acceptance probability of a point-mass
+draft) is at least ``p_min`` (:data:`~smcspec.config.NGRAM_DRAFT_P_MIN`); so one drafted
+token accepted with probability ``p_min``, ``1 + p_min`` tokens for a 2-token target forward.
+Above that speed every round the gate lets draft is predicted to pay, and a round that
+drafts nothing is an ``ar`` step; so where this beats ``ar``, n-gram sd can lose to ``ar``
+only its loop's own overhead and wins where the text copies (:func:`choose`,
+:data:`NGRAM_MARGIN`).
 
 **Distinct rows** (:mod:`smcspec.backends.shared_rows`): a forward computes only the
 distinct particle prefixes of its N x (K+1) rows, so an smc round costs what forwards of the
@@ -63,15 +55,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from smcspec.config import NGRAM_DRAFT_P_MIN, GenerationConfig
+from smcspec.decoding.registry import Decoder, choice, decoder_named
+from smcspec.decoding.rounds import RoundCosts, Shape
+from smcspec.decoding.rounds import sd_tokens_per_round as sd_tokens_per_round  # re-exported
+from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
 from smcspec.errors import ConfigError
-
-Shape = tuple[int, int]
-"""``(rows, tokens)`` of one decode forward."""
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One decoding setting: ``ar``, ``sd`` with K draft tokens, or ``smc`` with N, K.
+    """One decoding setting: ``ar``, ``sd`` with K draft tokens, or ``smc`` with N, K. What
+    differs between them (its round, its name, how it configures a request) is its
+    decoder's (:attr:`decoder`, from :mod:`smcspec.decoding.registry`).
 
     Attributes:
         method: ``"ar"``, ``"sd"`` or ``"smc"``.
@@ -87,44 +82,43 @@ class Setting:
     draft: str = "model"
 
     @property
+    def decoder(self) -> Decoder:
+        """The decoder that runs this setting (ConfigError for an unknown method)."""
+        return decoder_named(self.method, self.draft)
+
+    @property
     def name(self) -> str:
         """``ar``, ``sd-k4``, ``sd-ngram-k4``, ``smc-n4-k4`` (the names of
         ``smcspec.eval.harness``)."""
-        if self.method == "ar":
-            return "ar"
-        if self.method == "sd":
-            return f"sd-{'ngram-' if self.ngram else ''}k{self.draft_tokens}"
-        return f"smc-n{self.particles}-k{self.draft_tokens}"
+        return self.decoder.label(self.particles, self.draft_tokens)
 
     @property
     def ngram(self) -> bool:
         """Whether this is sd with n-gram drafts."""
-        return self.draft == "ngram"
+        return self.decoder.from_text
+
+    @property
+    def weighted(self) -> bool:
+        """Whether it weighs particles (smc): the fidelity floor applies to it."""
+        return self.decoder.particles
+
+    @property
+    def drafts(self) -> bool:
+        """Whether it drafts (everything but ``ar``)."""
+        return self.decoder.draft_tokens
 
     def target_shapes(self) -> tuple[Shape, ...]:
         """Target forwards of one round (n-gram sd: the one- and two-row forwards that
         price its gate, :func:`predict`)."""
-        if self.method == "ar":
-            return ((1, 1),)
-        if self.ngram:
-            return ((1, 1), (1, 2))
-        return ((self.particles, self.draft_tokens + 1),)
+        return self.decoder.shapes(self.particles, self.draft_tokens)[0]
 
     def draft_shapes(self) -> tuple[Shape, ...]:
         """Draft forwards a round may issue (ar and n-gram sd: none)."""
-        if self.method == "ar" or self.ngram:
-            return ()
-        return ((self.particles, 1), (self.particles, 2))
+        return self.decoder.shapes(self.particles, self.draft_tokens)[1]
 
     def apply(self, config: GenerationConfig) -> GenerationConfig:
         """``config`` with this setting's method (and N, K, draft where the method has them)."""
-        if self.method == "ar":
-            return replace(config, method="ar")
-        if self.method == "sd":
-            return replace(config, method="sd", draft=self.draft, draft_tokens=self.draft_tokens)
-        return replace(
-            config, method="smc", particles=self.particles, draft_tokens=self.draft_tokens
-        )
+        return self.decoder.configure(config, self.particles, self.draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -190,16 +184,6 @@ class Prediction:
     def tokens_per_second(self) -> float:
         """Predicted decode speed: expected tokens per round / seconds per round."""
         return self.tokens_per_round / self.round_seconds
-
-
-def sd_tokens_per_round(alpha: float, k: int) -> float:
-    """Expected tokens of one sd round, ``(1 - alpha^(K+1)) / (1 - alpha)`` (K+1 at alpha 1).
-
-    Leviathan et al. 2023, eq. 1: accepted drafts plus the target's own token.
-    """
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def sd_accepted_per_round(alpha: float, k: float) -> float:
@@ -390,18 +374,6 @@ def _systematic(rng, w: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(np.cumsum(w), u), n - 1)
 
 
-def seconds_for_rows(costs: Mapping[Shape, float], rows: float) -> float:
-    """A forward's seconds for ``rows`` token rows in all: the measured forwards' seconds
-    interpolated linearly in their row counts (``rows x tokens``; several shapes of one
-    count are averaged; clamped to the measured range)."""
-    by_rows: dict[int, list[float]] = {}
-    for (r, t), sec in costs.items():
-        by_rows.setdefault(r * t, []).append(sec)
-    xs = sorted(by_rows)
-    ys = [sum(by_rows[x]) / len(by_rows[x]) for x in xs]
-    return float(np.interp(rows, xs, ys))
-
-
 def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> Prediction:
     """Tokens a round and seconds a round of ``setting`` (see the module notes); an smc
     setting with ``shared_rows`` and measured agreement profiles is priced at its predicted
@@ -411,7 +383,7 @@ def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> 
         KeyError: a forward shape the setting needs is not in ``costs``.
         ConfigError: an sd setting without a measured ``alpha``, or an unknown method.
     """
-    if setting.method != "smc":
+    if not setting.weighted:
         tokens, seconds = _round(setting, costs)
         return Prediction(setting, tokens, seconds)
     n, k = setting.particles, setting.draft_tokens
@@ -426,33 +398,13 @@ def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> 
 
 
 def _round(setting: Setting, costs: ForwardCosts, distinct: float = 1.0) -> tuple[float, float]:
-    """Expected tokens and seconds of one round of ``setting`` at ``costs``; an smc round
-    computes the fraction ``distinct`` of its rows (at most what every row costs). The
-    simulations (ESS, distinct rows) are the caller's: they do not depend on the costs."""
-    t, d = costs.target, costs.draft
-    n, k = setting.particles, setting.draft_tokens
-    if setting.method == "ar":
-        return 1.0, t[(1, 1)]
-    if setting.ngram:  # at the gate's threshold: one drafted token, accepted w.p. p_min
-        return 1.0 + NGRAM_DRAFT_P_MIN, t[(1, 2)]
-    if setting.method == "sd":
-        if costs.alpha is None:
-            raise ConfigError("an sd prediction needs the measured acceptance alpha")
-        all_accepted = costs.alpha**k  # the next round's first draft forward has 2 tokens
-        first = all_accepted * d[(1, 2)] + (1 - all_accepted) * d[(1, 1)]
-        seconds = (k - 1) * d[(1, 1)] + first + t[(1, k + 1)]
-        return sd_tokens_per_round(costs.alpha, k), seconds
-    if setting.method == "smc":
-        every = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
-        if distinct == 1.0:
-            return float(k + 1), every
-        seconds = (
-            (k - 1) * seconds_for_rows(d, distinct * n)
-            + seconds_for_rows(d, 2 * distinct * n)
-            + seconds_for_rows(t, distinct * n * (k + 1))
-        )
-        return float(k + 1), min(seconds, every)
-    raise ConfigError(f"unknown method {setting.method!r}; choose from ar, sd, smc")
+    """Expected tokens and seconds of one round of ``setting`` at ``costs``: its decoder's
+    round (:mod:`smcspec.decoding.rounds`; n-gram sd at the gate's threshold
+    :data:`~smcspec.config.NGRAM_DRAFT_P_MIN`); an smc round computes the fraction
+    ``distinct`` of its rows (at most what every row costs). The simulations (ESS, distinct
+    rows) are the caller's: they do not depend on the costs."""
+    c = RoundCosts(costs.target, costs.draft, costs.alpha, NGRAM_DRAFT_P_MIN)
+    return setting.decoder.cost(setting.particles, setting.draft_tokens, c, distinct)
 
 
 def prediction_range(
@@ -566,28 +518,29 @@ def choose(
     Raises:
         ConfigError: an unknown method, or no prediction meets the restrictions.
     """
-    if method not in ("auto", "smc"):
+    wanted = choice(method)
+    if wanted.tuned == "never":
         raise ConfigError(f"can only choose for method auto or smc, not {method!r}")
 
     def eligible(p: Prediction, floor: bool = True) -> bool:
         s = p.setting
-        if method == "smc" and s.method != "smc":
+        if wanted.particles_only and not s.weighted:
             return False
         if s.ngram:
             return draft_tokens is None or s.draft_tokens == draft_tokens
-        if s.method == "smc":
+        if s.weighted:
             if particles is not None and s.particles != particles:
                 return False
             if particles is None and s.particles < min_particles:
                 return False
             if floor and particles is None and not meets_floor(p, min_ess):
                 return False
-        return draft_tokens is None or s.method == "ar" or s.draft_tokens == draft_tokens
+        return draft_tokens is None or not s.drafts or s.draft_tokens == draft_tokens
 
     allowed = [p for p in predictions if eligible(p)]
     candidates = [p for p in allowed if not p.setting.ngram]
     ngram = [p for p in allowed if p.setting.ngram]
-    if not candidates and method == "smc":  # none meets the floor: the most faithful one
+    if not candidates and wanted.particles_only:  # none meets the floor: the most faithful
         below = [p for p in predictions if eligible(p, floor=False)]
         if below:
             return max(below, key=lambda p: (p.ess or 0.0, p.tokens_per_second))
@@ -598,18 +551,18 @@ def choose(
             + (f", K = {draft_tokens}" if draft_tokens is not None else "")
         )
     best = max(candidates, key=lambda p: p.tokens_per_second)
-    if best.setting.method == "ar":
+    if not best.setting.drafts:  # ar: n-gram sd takes its place if it beats it by the margin
         bar = (1 + NGRAM_MARGIN) * best.tokens_per_second
         faster = [p for p in ngram if p.tokens_per_second > bar]
         return max(faster, key=lambda p: p.tokens_per_second) if faster else best
-    if best.setting.method == "smc" and particles is None and draft_tokens is None:
-        kept = [p for p in candidates if p.setting.method == "smc"
+    if best.setting.weighted and particles is None and draft_tokens is None:
+        kept = [p for p in candidates if p.setting.weighted
                 and (p.setting.particles, p.setting.draft_tokens) == default]  # fmt: skip
         if kept and kept[0].tokens_per_second >= (1 - margin) * best.tokens_per_second:
             return kept[0]
-    if best.setting.method == "smc" and particles is None:
+    if best.setting.weighted and particles is None:
         floor = (1 - tie) * best.tokens_per_second
-        near = [p for p in candidates if p.setting.method == "smc" and p.tokens_per_second >= floor]
+        near = [p for p in candidates if p.setting.weighted and p.tokens_per_second >= floor]
         best = max(near, key=lambda p: (p.setting.particles, p.tokens_per_second))
     return best
 

@@ -19,7 +19,7 @@ def format_table(tuning: Tuning) -> str:
     smc's predicted distinct-row fraction and its tokens/s were every row computed, its
     predicted ESS, and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
     key = tuning.key
-    ar = next(p for p in tuning.predictions if p.setting.method == "ar")
+    ar = next(p for p in tuning.predictions if not p.setting.drafts)
     measured = (
         f"measured now in {tuning.measured_seconds:.1f} s"
         if tuning.measured_seconds
@@ -104,17 +104,17 @@ def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> 
         marks.append("auto")
     if p == tuning.smc:
         marks.append(f"smc (N >= {tuning.min_particles})")
-    if s.method == "smc" and s.particles < tuning.min_particles:
+    if s.weighted and s.particles < tuning.min_particles:
         marks.append("below --min-particles")
     elif p.ess is not None and p.ess < tuning.min_ess:
         marks.append(f"below --min-ess {tuning.min_ess:g}")
     ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
-    distinct = f"{p.distinct:.2f}" if s.method == "smc" else "-"
-    every = f"{p.all_rows_tokens_per_second:.2f}" if s.method == "smc" else "-"
-    n = str(s.particles) if s.method == "smc" else "-"
+    distinct = f"{p.distinct:.2f}" if s.weighted else "-"
+    every = f"{p.all_rows_tokens_per_second:.2f}" if s.weighted else "-"
+    n = str(s.particles) if s.weighted else "-"
     r = p.tokens_per_second_range
     span = "-" if r is None else f"{r[0]:.2f}-{r[1]:.2f}"
-    k = str(s.draft_tokens) if s.method != "ar" else "-"
+    k = str(s.draft_tokens) if s.drafts else "-"
     method = f"{s.method} (ngram)" if s.ngram else s.method
     return (
         f"| {method} | {n} | {k} | {p.tokens_per_round:.2f} | "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig, check_min_ess, check_min_particles
+from smcspec.decoding.registry import choice
 from smcspec.tuning.cache import (
     CostRecord,
     cache_file,
@@ -65,8 +66,14 @@ class Tuning:
     measured_seconds: float
 
     def pick(self, method: str) -> Prediction:
-        """``auto`` or ``smc``'s choice. Raises ConfigError for smc without a draft."""
-        if method == "auto":
+        """``auto`` or ``smc``'s choice (:data:`smcspec.decoding.registry.CHOICES`). Raises
+        ConfigError for smc without a draft, or a method whose setting is never chosen."""
+        wanted = choice(method)
+        if wanted.tuned == "never":
+            from smcspec.errors import ConfigError
+
+            raise ConfigError(f"{method}'s setting is given, not chosen (auto or smc)")
+        if not wanted.particles_only:
             return self.auto
         if self.smc is None:
             from smcspec.errors import ConfigError
