@@ -56,7 +56,7 @@ import torch
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.base import LoadedModel
-from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
 from smcspec.eval.roofline import (

@@ -27,10 +27,10 @@ from datetime import date
 from pathlib import Path
 
 from smcspec import Engine, GenerationConfig
-from smcspec.eval.bench import run_bench
 from smcspec.eval.gsm8k import PROMPT_TEMPLATE, load_gsm8k
 from smcspec.eval.harness import MethodSpec
 from smcspec.eval.sharegpt import load_sharegpt_prompts
+from smcspec.eval.throughput import run_bench
 from smcspec.tuning import TuningGrid, tune
 
 SETTINGS = [(n, k) for n in (4, 8, 16) for k in (4, 8)]

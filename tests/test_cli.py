@@ -330,7 +330,7 @@ def test_generate_at_temperature_0_is_greedy_on_every_method(pair, capsys, metho
 def test_fixed_threads_turns_the_fair_share_off(monkeypatch):
     """``--fixed-threads`` reaches Engine.load as ``fair_share=False``; without it, True."""
     import smcspec.engine
-    from smcspec.cli.common import load_engine
+    from smcspec.cli.engine_args import load_engine
 
     seen = []
 
@@ -351,7 +351,7 @@ def test_provenance_names_what_computed():
     import argparse
     from importlib.metadata import version
 
-    from smcspec.cli.common import provenance
+    from smcspec.cli.engine_args import provenance
 
     pytest.importorskip("llama_cpp")
     ns = argparse.Namespace(backend="llamacpp", threads=1, device="cpu", dtype="float32")

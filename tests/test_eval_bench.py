@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from smcspec import ConfigError, Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
-from smcspec.eval import bench, harness, report
+from smcspec.eval import harness, report, throughput
 from smcspec.eval.sharegpt import load_sharegpt_prompts, read_json_list
 
 
@@ -83,7 +83,7 @@ def test_run_bench_alternates_methods_and_measures_ttft(engine):
     specs = harness.method_specs("ar,sd,smc", base, "N=2,3;K=2")
     names = [s.name for s in specs]
     prompts = ["ab cd", "ef gh ij", "kl ab"]
-    recs = bench.run_bench(engine, prompts, specs, seed=5, progress=False)
+    recs = throughput.run_bench(engine, prompts, specs, seed=5, progress=False)
     assert len(recs) == len(prompts) * len(specs)
     for i in range(len(prompts)):  # the order rotates from prompt to prompt
         order = [r["method"] for r in recs if r["prompt"] == i]
@@ -96,16 +96,16 @@ def test_run_bench_alternates_methods_and_measures_ttft(engine):
             # ar and sd stream every token: the first arrives before the end
             assert r["ttft_seconds"] is not None and 0 < r["ttft_seconds"] <= r["seconds"] + 0.05
     # paired seeds: the same prompt and seed give the same text again
-    again = bench.run_bench(engine, prompts[:1], specs, seed=5, warmup=False, progress=False)
+    again = throughput.run_bench(engine, prompts[:1], specs, seed=5, warmup=False, progress=False)
     for a, r in zip(again, recs[: len(specs)], strict=True):
         assert a["method"] == r["method"] and a["text"] == r["text"]
-    other = bench.run_bench(engine, prompts[:1], specs, seed=6, warmup=False, progress=False)
+    other = throughput.run_bench(engine, prompts[:1], specs, seed=6, warmup=False, progress=False)
     assert [o["text"] for o in other] != [r["text"] for r in recs[: len(specs)]]
-    rows = bench.summarize_bench(recs)
+    rows = throughput.summarize_bench(recs)
     by = {r["method"]: r for r in rows}
     assert by["ar"]["ratio_vs_baseline"] == pytest.approx(1.0)
     assert set(by) == set(names) and all(r["requests"] == 3 for r in rows)
-    roof = bench.roofline_rows(engine, specs, rows)
+    roof = throughput.roofline_rows(engine, specs, rows)
     assert [r["method"] for r in roof] == ["smc-n2-k2", "smc-n3-k2"]
     for r in roof:
         assert r["c"] > 0 and r["memory_bound"] > 0 and r["measured_costs"] > 0
@@ -147,7 +147,7 @@ def test_bench_speeds_feed_the_pareto_plot(tmp_path):
         for i, (m, tps) in enumerate([("ar", 2.0), ("ar", 4.0), ("smc-n4-k4", 5.0)])
     ]
     runs.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    speeds = bench.load_bench_speeds(runs)
+    speeds = throughput.load_bench_speeds(runs)
     assert speeds == {"ar": 3.0, "smc-n4-k4": 5.0}
     rows = [
         {"method": "ar", "n": 4, "correct": 2, "accuracy": 0.5, "ci_low": 0.2, "ci_high": 0.8,
@@ -164,18 +164,18 @@ def test_bench_speeds_feed_the_pareto_plot(tmp_path):
     bad.write_text("not json\n")
     for path in (bad, tmp_path / "missing.jsonl"):
         with pytest.raises(ConfigError):
-            bench.load_bench_speeds(path)
+            throughput.load_bench_speeds(path)
 
 
 def test_bench_capped_column_only_when_eos_is_honoured(tmp_path):
     def rec(method: str, capped: bool | None) -> dict:
         return {"method": method, "tokens_per_second": 4.0, "ttft_seconds": 0.1, "hit_cap": capped}
 
-    ignored = bench.summarize_bench([rec("ar", None), rec("ar", None)])  # the default run
+    ignored = throughput.summarize_bench([rec("ar", None), rec("ar", None)])  # the default run
     assert ignored[0]["capped"] is None
-    text = bench.write_bench_report(ignored, [], tmp_path / "a", "t").read_text()
+    text = throughput.write_bench_report(ignored, [], tmp_path / "a", "t").read_text()
     assert "capped" not in text
-    honoured = bench.summarize_bench([rec("ar", True), rec("ar", False), rec("ar", True)])
+    honoured = throughput.summarize_bench([rec("ar", True), rec("ar", False), rec("ar", True)])
     assert (honoured[0]["capped"], honoured[0]["capped_known"]) == (2, 3)
-    text = bench.write_bench_report(honoured, [], tmp_path / "b", "t").read_text()
+    text = throughput.write_bench_report(honoured, [], tmp_path / "b", "t").read_text()
     assert "| capped |" in text and text.splitlines()[6].endswith(" | 2/3 |")

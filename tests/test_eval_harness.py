@@ -127,7 +127,7 @@ def test_fidelity_report(tmp_path):
 
 
 def test_hit_token_cap_rule():
-    from smcspec.decoding.common import hit_token_cap
+    from smcspec.decoding.output import hit_token_cap
 
     """Capped = the budget is used up and the last token is not a stop token."""
     stop = {9}

@@ -71,7 +71,7 @@ def _sample(target, cfg: GenerationConfig, runs: int = RUNS) -> tuple[Counter, i
         out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, g)
         counts[tuple(out.tokens)] += 1
         drafted += out.stats.drafted
-        gated += (out.stats.gated_rounds or 0)
+        gated += out.stats.gated_rounds or 0
     return counts, drafted, gated
 
 

@@ -205,7 +205,7 @@ def test_auto_takes_ngram_sd_for_ar_where_its_gate_pays(per_row, chosen):
 
 
 def test_the_note_on_a_chosen_ngram_sd_says_where_its_prediction_holds():
-    from smcspec.cli.common import tuned_note
+    from smcspec.cli.engine_args import tuned_note
 
     pick = Prediction(Setting("sd", 1, 4, draft="ngram"), tokens_per_round=1.8, round_seconds=0.04)
     line = tuned_note(pick, "auto")
@@ -602,10 +602,10 @@ def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, ca
 
 
 def test_bench_runs_auto_as_the_chosen_setting(gguf_pair, tmp_path, capsys, monkeypatch):
-    from smcspec.eval import bench
+    from smcspec.eval import throughput
 
     target, draft = (str(p) for p in gguf_pair)
-    monkeypatch.setattr(bench, "roofline_rows", lambda *a: [])  # not what this test checks
+    monkeypatch.setattr(throughput, "roofline_rows", lambda *a: [])  # not what this test checks
     monkeypatch.setattr(
         "smcspec.eval.sharegpt.load_sharegpt_prompts", lambda *a, **k: ["ab cd", "ef gh"]
     )

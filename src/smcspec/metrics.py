@@ -112,7 +112,7 @@ class ServerMetrics:
         """Count one finished request: its outcome under the ``method`` it ran (greedy
         ``smc`` runs as ``sd``), tokens, time to first token and, when it produced a result,
         its time per output token and its decoder's own counters
-        (:meth:`~smcspec.decoding.stats.SmcStats.observe` and the like)."""
+        (:meth:`~smcspec.decoding.decoder_stats.SmcStats.observe` and the like)."""
         self.requests.labels(method, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(req.tokens)

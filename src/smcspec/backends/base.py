@@ -20,7 +20,7 @@ from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowHistories
 
 if TYPE_CHECKING:
-    from smcspec.backends.torch.config import ModelConfig
+    from smcspec.backends.torch.architecture import ModelConfig
 
 
 class KVCache(Protocol):

@@ -8,7 +8,7 @@ import json
 import shlex
 from pathlib import Path
 
-from smcspec.cli.common import load_engine, needs_model_draft, provenance, tune_for
+from smcspec.cli.engine_args import load_engine, needs_model_draft, provenance, tune_for
 from smcspec.cli.options import config_from_args
 from smcspec.config import GenerationConfig
 
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         SmcspecError: bad options (before the models load) or model files.
     """
-    from smcspec.eval import bench
+    from smcspec.eval import throughput
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
     base = config_from_args(args, ignore_eos=not args.stop_at_eos)
@@ -42,17 +42,19 @@ def run(args: argparse.Namespace) -> int:
     )
     tuning = tune_for(engine, args, base) if _bench_tunes(args) else None
     specs = _bench_specs(args, base, tuning)
-    records = bench.run_bench(engine, prompts, specs, seed=args.seed or 0)
+    records = throughput.run_bench(engine, prompts, specs, seed=args.seed or 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "runs.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    rows = bench.summarize_bench(records)
+    rows = throughput.summarize_bench(records)
     roof = (
-        [] if args.no_roofline or engine.draft is None else bench.roofline_rows(engine, specs, rows)
+        []
+        if args.no_roofline or engine.draft is None
+        else throughput.roofline_rows(engine, specs, rows)
     )
     note = _bench_note(args, engine, len(prompts), base, tuning)
-    report = bench.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
+    report = throughput.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
 

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smcspec.cli.common import load_engine, machine_line, needs_model_draft, provenance
+from smcspec.cli.engine_args import load_engine, machine_line, needs_model_draft, provenance
 from smcspec.cli.options import config_from_args
 from smcspec.errors import ConfigError
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         )
     speeds = None
     if args.speed_from:
-        from smcspec.eval.bench import load_bench_speeds
+        from smcspec.eval.throughput import load_bench_speeds
 
         speeds = load_bench_speeds(args.speed_from)
     note = _report_note(args, base, records, len(items))

@@ -7,9 +7,9 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from smcspec.cli.common import load_engine, needs_model_draft, tuned_config, tuned_note
+from smcspec.cli.engine_args import load_engine, needs_model_draft, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args, constraint_from_args, steering_from_args
-from smcspec.decoding.stats import SmcStats
+from smcspec.decoding.decoder_stats import SmcStats
 
 if TYPE_CHECKING:
     from smcspec.engine import GenerationResult

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from smcspec.cli.common import note
+from smcspec.cli.engine_args import note
 from smcspec.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from smcspec.cli.common import NGRAM, load_engine, note, tuned_config, tuned_note
+from smcspec.cli.engine_args import NGRAM, load_engine, note, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args
 from smcspec.errors import ConfigError
 

@@ -6,8 +6,8 @@ Each is a program (a generator of forward requests, see :mod:`smcspec.decoding.p
 """
 
 from smcspec.decoding.ar import ar_program, decode_ar
-from smcspec.decoding.common import DecodeOutput, ParticleOutput
 from smcspec.decoding.ngram import decode_ngram_sd, ngram_sd_program
+from smcspec.decoding.output import DecodeOutput, ParticleOutput
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.decoding.sd import decode_sd, sd_program
 from smcspec.decoding.smc import decode_smc, smc_program

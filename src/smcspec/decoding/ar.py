@@ -7,11 +7,12 @@ import torch
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import DecodeOutput, TokenCallback, as_prompt_tensor, run_on_caches
+from smcspec.decoding.caches import run_on_caches
+from smcspec.decoding.decoder_stats import ArStats
 from smcspec.decoding.fused import ar_step, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
+from smcspec.decoding.output import DecodeOutput, TokenCallback, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.decoding.stats import ArStats
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
@@ -50,7 +51,7 @@ def ar_program(job: Job) -> Program:
     Raises:
         DeadEndError: with a constraint, no allowed token has positive probability.
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.stats.ArStats`.
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.ArStats`.
     """
     fused = fused_rounds(job.target) and plain(job.config)
     return (yield from run_on_caches(job, ar_caches(job.config, len(job.ids)), _ar_steps, fused))

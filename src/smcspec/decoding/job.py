@@ -19,7 +19,7 @@ import torch
 from smcspec.backends.base import DecoderModel
 from smcspec.backends.pool import Reservation
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import TokenCallback
+from smcspec.decoding.output import TokenCallback
 from smcspec.potentials import TokenConstraint, compiled_constraint
 
 if TYPE_CHECKING:

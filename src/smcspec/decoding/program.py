@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.decoding.common import DecodeOutput
+from smcspec.decoding.output import DecodeOutput
 
 
 @dataclass

@@ -32,18 +32,12 @@ import torch
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import (
-    DecodeOutput,
-    TokenCallback,
-    as_prompt_tensor,
-    cache_capacity,
-    cut_at_stop,
-    run_on_caches,
-)
+from smcspec.decoding.caches import cache_capacity, run_on_caches
+from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, sd_round
 from smcspec.decoding.job import Job, job_for
+from smcspec.decoding.output import DecodeOutput, TokenCallback, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.decoding.stats import SdStats
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
@@ -75,7 +69,7 @@ def sd_program(job: Job) -> Program:
     rounds fused.
 
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.stats.SdStats` (rounds, tokens
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` (rounds, tokens
         drafted and accepted, the acceptance rate, the mean accepted length as vLLM defines
         it; with a constraint the seconds in masks and matchers).
     """

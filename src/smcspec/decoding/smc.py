@@ -53,18 +53,12 @@ import smcspec.decoding.smc_potentials as smc_potentials
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import (
-    DecodeOutput,
-    ParticleOutput,
-    TokenCallback,
-    as_prompt_tensor,
-    cache_capacity,
-    run_on_caches,
-)
+from smcspec.decoding.caches import cache_capacity, run_on_caches
+from smcspec.decoding.decoder_stats import SmcStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, smc_block
 from smcspec.decoding.job import Job, job_for
+from smcspec.decoding.output import DecodeOutput, ParticleOutput, TokenCallback, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
-from smcspec.decoding.stats import SmcStats
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -170,7 +164,7 @@ def smc_program(job: Job) -> Program:
 
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens;
-        :class:`~smcspec.decoding.stats.SmcStats`: ``rounds``,
+        :class:`~smcspec.decoding.decoder_stats.SmcStats`: ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
         ``degenerate_rounds`` (rounds whose ESS before resampling was below 1.1: the
         weights had collapsed onto one particle, and that round was only importance

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.potentials import DeadEndError, Reward, TokenConstraint
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
-from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.output import hit_token_cap
 from smcspec.decoding.registry import BY_METHOD, Decoder, decoder_for, parse_label
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
@@ -207,10 +207,10 @@ def run_task(
 
     Records: ``id`` (``"<method>/<item id>"``), ``item``, ``method``, ``prompt_id``,
     ``output``, ``extracted``, ``correct``, ``new_tokens``, ``max_new_tokens`` (the budget),
-    ``hit_cap`` (cut by the budget, see :func:`smcspec.decoding.common.hit_token_cap`), ``seconds``,
+    ``hit_cap`` (cut by the budget, see :func:`smcspec.decoding.output.hit_token_cap`), ``seconds``,
     ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
     token of the output under the target at temperature 1) and, if given, ``machine`` (what
-    generated it, e.g. :func:`smcspec.cli.common.machine_line`: a resumed run may span
+    generated it, e.g. :func:`smcspec.cli.engine_args.machine_line`: a resumed run may span
     machines, see :func:`machines_note`). Returns all records of the file.
     """
     if task not in ("gsm8k", "humaneval"):

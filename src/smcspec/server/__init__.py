@@ -12,7 +12,7 @@ Modules: :mod:`.schemas` (request bodies), :mod:`.completions` (serving one requ
 shape), :mod:`.guards` (API key and body-size limit), :mod:`.app` (routes and process).
 """
 
+from smcspec.server.api_errors import ApiError
 from smcspec.server.app import ServerSettings, create_app, serve
-from smcspec.server.errors import ApiError
 
 __all__ = ["ApiError", "ServerSettings", "create_app", "serve"]

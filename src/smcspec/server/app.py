@@ -15,9 +15,9 @@ from smcspec.engine import Engine
 from smcspec.errors import ConfigError
 from smcspec.metrics import ServerMetrics
 from smcspec.scheduler import BatchScheduler
+from smcspec.server.api_errors import ApiError, install_error_handlers
 from smcspec.server.backend_faults import fail_requests_on_abort
 from smcspec.server.completions import ServerState, create_completion
-from smcspec.server.errors import ApiError, install_error_handlers
 from smcspec.server.guards import ApiKeyAuth, BodySizeLimit
 from smcspec.server.schemas import ChatBody, CompletionBody
 

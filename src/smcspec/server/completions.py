@@ -27,7 +27,7 @@ from smcspec.metrics import ServerMetrics
 from smcspec.potentials import DeadEndError
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
 from smcspec.scheduler import Request as EngineRequest
-from smcspec.server.errors import ApiError, error_body
+from smcspec.server.api_errors import ApiError, error_body
 from smcspec.server.schemas import CommonBody, constraint_spec, unsupported_fields
 from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
 from smcspec.tool_calls import ToolCalls

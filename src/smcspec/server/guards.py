@@ -1,6 +1,6 @@
 """ASGI middlewares that stand in front of every route: API-key auth and a body-size limit.
 
-Both answer in OpenAI's error shape (:mod:`smcspec.server.errors`) before any handler runs.
+Both answer in OpenAI's error shape (:mod:`smcspec.server.api_errors`) before any handler runs.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from smcspec.server.errors import error_response
+from smcspec.server.api_errors import error_response
 
 
 class ApiKeyAuth:

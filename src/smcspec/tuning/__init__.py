@@ -13,7 +13,7 @@ model pair, :mod:`smcspec.tuning.cache`), predicts tokens/s of every ``ar``, ``s
 
 ``--method auto`` on the command line uses ``tuning.auto``; ``smc`` without ``-N``/``-K``
 uses ``tuning.smc``; ``smcspec bench --predict`` prints the table
-(:func:`smcspec.tuning.report.format_table`).
+(:func:`smcspec.tuning.table.format_table`).
 """
 
 from smcspec.tuning.grid import TuningGrid, default_grid
@@ -27,7 +27,7 @@ from smcspec.tuning.predict import (
     predict_all,
     sd_tokens_per_round,
 )
-from smcspec.tuning.report import format_table
+from smcspec.tuning.table import format_table
 from smcspec.tuning.tuner import Tuning, tune
 
 __all__ = [

@@ -27,7 +27,7 @@ from smcspec.models.loading import cache_root
 from smcspec.tuning.predict import ForwardCosts, Shape, alpha_interval
 
 if TYPE_CHECKING:
-    from smcspec.tuning.pair import TunablePair
+    from smcspec.tuning.tunable import TunablePair
 
 FORMAT_VERSION = 1
 """Bumped when the file's content or the way it is measured changes."""

@@ -25,7 +25,7 @@ from smcspec.tuning.predict import Shape, alpha_from_counts
 if TYPE_CHECKING:
     from smcspec.backends.base import DecoderModel
     from smcspec.models.loading import LoadedModel
-    from smcspec.tuning.pair import TunablePair
+    from smcspec.tuning.tunable import TunablePair
 
 ACCEPTANCE_PROMPTS = (
     "Write a Python function that returns the prime numbers below n, and explain how it works.",

@@ -30,7 +30,7 @@ from smcspec.tuning.predict import (
 )
 
 if TYPE_CHECKING:
-    from smcspec.tuning.pair import TunablePair
+    from smcspec.tuning.tunable import TunablePair
 
 
 @dataclass(frozen=True)

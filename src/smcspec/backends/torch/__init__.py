@@ -9,7 +9,7 @@ backend is checked against.
 * :mod:`.weights`: a Hugging Face directory loaded into the model.
 """
 
-from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import load_hf_dir

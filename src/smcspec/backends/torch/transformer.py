@@ -33,7 +33,7 @@ from torch import nn
 
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowPlan
-from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.backends.torch.static_cache import StaticKVCache, StaticSlots

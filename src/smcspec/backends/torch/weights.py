@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from smcspec.backends.base import LoadedModel
-from smcspec.backends.torch.config import ModelConfig
+from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.transformer import Transformer, rope_inv_freq
 from smcspec.errors import ConfigError, ModelFileError
 

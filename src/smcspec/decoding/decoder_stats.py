@@ -1,7 +1,7 @@
 """Each decoder's statistics, typed: what it counts, its JSON keys, its stats line, its metrics.
 
 A program returns one of these in :attr:`DecodeOutput.stats
-<smcspec.decoding.common.DecodeOutput.stats>`; the engine turns it into the result's JSON
+<smcspec.decoding.output.DecodeOutput.stats>`; the engine turns it into the result's JSON
 (:meth:`to_dict`, the keys results and clients have always read), the CLI prints
 :meth:`describe`, and the server's ``/metrics`` counts it with :meth:`observe`. Which of them
 a request gets follows the decoder that ran it (greedy ``smc`` runs as ``sd`` and reports

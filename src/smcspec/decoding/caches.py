@@ -1,67 +1,23 @@
-"""Types and helpers shared by the decoders."""
+"""The KV caches a decoder's program opens, and how they are given back.
+
+Every program opens the caches its decoder lists (``caches(cfg, prompt_len)``, a
+:class:`~smcspec.backends.pool.CacheNeed` each) on the request's reservation and closes them
+however the program ends (:func:`run_on_caches`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Generator
+from dataclasses import replace
 from typing import Any
-
-import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed, Reservation
-
-TokenCallback = Callable[[list[int]], None]
-"""Called with token ids as soon as they are final (they will be in the output)."""
-
-
-@dataclass
-class ParticleOutput:
-    """One SMC particle at the end of decoding."""
-
-    tokens: list[int]
-    weight: float  # normalised importance weight
-
-
-@dataclass
-class DecodeOutput:
-    """What a decoder returns: the new tokens and its statistics (its own typed record,
-    :mod:`smcspec.decoding.stats`)."""
-
-    tokens: list[int]
-    stats: Any
-    particles: list[ParticleOutput] | None = None
-    log_normalizer: float | None = None
-
-
-def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
-    """Keep tokens up to and including the first stop token; returns ``(kept, stopped)``."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
-def hit_token_cap(token_ids: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> bool:
-    """Whether an answer was cut by the new-token budget rather than ending on its own.
-
-    The rule: the answer has ``max_new_tokens`` tokens (or more) *and* its last token is not a
-    stop token (EOS or the chat template's end of turn; decoders keep the stop token that
-    ended an answer). An answer whose stop token is exactly the last allowed token ended on
-    its own and is not counted. With EOS ignored (``stop_ids`` empty) every answer of full
-    length counts as capped.
-    """
-    return len(token_ids) >= max_new_tokens and not (token_ids and token_ids[-1] in stop_ids)
 
 
 def cache_capacity(max_new_tokens: int, draft_tokens: int) -> int:
     """Generated-token KV capacity for a request (one round may overshoot the budget)."""
     return max_new_tokens + draft_tokens + 2
-
-
-def as_prompt_tensor(prompt: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Token ids as a 1-D ``torch.long`` tensor ``[P]`` on ``device``."""
-    return torch.as_tensor(prompt, dtype=torch.long, device=device).view(-1)
 
 
 def open_caches(
@@ -112,16 +68,6 @@ def run_on_caches(
     if fused:
         needs = [replace(n, static=True, shared_rows=False) for n in needs]
     return (yield from with_caches(needs, job.models, job.reservation, lambda *c: body(job, *c)))
-
-
-def distinct_row_stats(**caches: KVCache) -> dict[str, float]:
-    """``distinct_rows_<role>``: the rows each cache's forwards computed over the rows they
-    were fed (:mod:`smcspec.backends.shared_rows`), 1.0 for a cache never fed."""
-    out = {}
-    for role, cache in caches.items():
-        h = cache.histories
-        out[f"distinct_rows_{role}"] = h.computed / h.fed if h.fed else 1.0
-    return out
 
 
 def close_caches(caches: list[KVCache]) -> None:

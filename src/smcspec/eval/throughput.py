@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from smcspec.decoding.common import hit_token_cap
+from smcspec.decoding.output import hit_token_cap
 from smcspec.decoding.registry import decoder_for
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
@@ -55,7 +55,7 @@ def run_bench(
     Returns:
         one record per (prompt, method): ``prompt``, ``method``, ``prompt_tokens``,
         ``new_tokens``, ``max_new_tokens``, ``hit_cap`` (cut by the budget, see
-        :func:`smcspec.decoding.common.hit_token_cap`; ``None`` when the config ignores EOS,
+        :func:`smcspec.decoding.output.hit_token_cap`; ``None`` when the config ignores EOS,
         since then every request runs to the budget), ``seconds``, ``tokens_per_second``,
         ``ttft_seconds`` (``None`` if nothing was streamed) and the decoder's ``stats``.
     Raises:
