@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
@@ -11,7 +13,7 @@ from smcspec.decoding.caches import run_on_caches
 from smcspec.decoding.decoder_stats import ArStats
 from smcspec.decoding.fused import ar_step, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, TokenCallback, as_prompt_tensor
+from smcspec.decoding.output import DecodeOutput, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
@@ -108,15 +110,7 @@ def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask_log_probs(lp, mask)
 
 
-def decode_ar(
-    target: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
-    """Run :func:`ar_program` to completion on its own, without an engine."""
-    job = job_for(target, None, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-    return run_program(ar_program(job))
+def decode_ar(target: DecoderModel, *args: Any, **kwargs: Any) -> DecodeOutput:
+    """Run :func:`ar_program` to completion on its own, without an engine; arguments
+    ``(target, prompt, cfg, stop_ids, vocab, generator, on_tokens=None)`` (no draft model)."""
+    return run_program(ar_program(job_for(target, None, *args, **kwargs)))

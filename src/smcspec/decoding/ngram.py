@@ -34,6 +34,7 @@ every token the target can produce positive probability, and a point mass does n
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 from torch.nn.functional import one_hot
@@ -44,7 +45,7 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, TokenCallback, as_prompt_tensor, cut_at_stop
+from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Prefill, Program, run_program
 from smcspec.decoding.sd import first_token, verify_block
 
@@ -221,15 +222,7 @@ def _ngram_rounds(job: Job, tcache: KVCache) -> Program:
     return DecodeOutput(tokens=out, stats=stats)
 
 
-def decode_ngram_sd(
-    target: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
-    """Run :func:`ngram_sd_program` to completion on its own, without an engine."""
-    job = job_for(target, None, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-    return run_program(ngram_sd_program(job))
+def decode_ngram_sd(target: DecoderModel, *args: Any, **kwargs: Any) -> DecodeOutput:
+    """Run :func:`ngram_sd_program` to completion on its own, without an engine; arguments
+    ``(target, prompt, cfg, stop_ids, vocab, generator, on_tokens=None)`` (no draft model)."""
+    return run_program(ngram_sd_program(job_for(target, None, *args, **kwargs)))

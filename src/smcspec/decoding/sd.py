@@ -26,17 +26,18 @@ forward, so a round costs K draft forwards.
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any
 
 import torch
 
-from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, sd_round
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, TokenCallback, as_prompt_tensor, cut_at_stop
+from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
@@ -304,16 +305,8 @@ def _masked_draft(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask_log_probs(lq, mask)
 
 
-def decode_sd(
-    target: DecoderModel,
-    draft: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-) -> DecodeOutput:
-    """Run :func:`sd_program` to completion on its own, without an engine."""
-    job = job_for(target, draft, prompt, cfg, stop_ids, vocab, generator, on_tokens)
-    return run_program(sd_program(job))
+def decode_sd(*args: Any, **kwargs: Any) -> DecodeOutput:
+    """Run :func:`sd_program` to completion on its own, without an engine; arguments
+    :func:`~smcspec.decoding.job.job_for`'s (target, draft, prompt, cfg, stop ids, vocab,
+    generator, on_tokens)."""
+    return run_program(sd_program(job_for(*args, **kwargs)))

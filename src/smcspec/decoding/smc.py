@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import smcspec.decoding.smc_potentials as smc_potentials
-from smcspec.backends.base import DecoderModel, KVCache
+from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
@@ -647,18 +648,8 @@ def _stats(
     )
 
 
-def decode_smc(
-    target: DecoderModel,
-    draft: DecoderModel,
-    prompt: list[int],
-    cfg: GenerationConfig,
-    stop_ids: frozenset[int],
-    vocab: int,
-    generator: torch.Generator,
-    on_tokens: TokenCallback | None = None,
-    truncate_draft: bool = False,
-) -> DecodeOutput:
-    """Run :func:`smc_program` to completion on its own, without an engine."""
-    job = job_for(target, draft, prompt, cfg, stop_ids, vocab, generator, on_tokens,
-                  truncate_draft=truncate_draft)  # fmt: skip
-    return run_program(smc_program(job))
+def decode_smc(*args: Any, **kwargs: Any) -> DecodeOutput:
+    """Run :func:`smc_program` to completion on its own, without an engine; arguments
+    :func:`~smcspec.decoding.job.job_for`'s (target, draft, prompt, cfg, stop ids, vocab,
+    generator, on_tokens, truncate_draft)."""
+    return run_program(smc_program(job_for(*args, **kwargs)))
