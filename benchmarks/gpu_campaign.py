@@ -522,6 +522,9 @@ def rooflines(c: Campaign, backend: str, target, draft, base: dict) -> None:
             if c.left() < args.min_step_s:
                 c.skip(f"{base['backend']}/{base['pair']} roofline n{n} k{k}: out of time")
                 return
+            for m in (target, draft):  # the step-by-step forwards (eager on torch)
+                if hasattr(m, "rounds"):
+                    m.rounds = "steps"
             costs = smc_forward_costs(target, draft, n, k)
             c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k),
                   **base)  # fmt: skip

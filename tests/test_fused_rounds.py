@@ -257,3 +257,18 @@ def test_fused_smc_error_falls_with_particles():
     # the step path measured 0.547 (N=1) and 0.096 (N=16) at 2000 runs
     assert tv[1] > 0.4
     assert tv[16] < 0.15
+
+
+def test_the_tuner_times_the_forwards_fused_rounds_run():
+    """Where rounds run fused (CUDA graphs on a GPU), the tuner's forward costs are those
+    forwards (static, replayed), not the eager ones: here uncaptured, on a static cache."""
+    from smcspec.tuning.measure import forward_timings_by_tokens
+
+    model = tiny_transformer(seed=1)
+    model.rounds = "eager"
+    try:
+        timed = forward_timings_by_tokens(model, 2, [1, 3], reps=2, context=5)
+        assert set(timed) == {1, 3} and all(len(v) == 2 and min(v) > 0 for v in timed.values())
+        assert [c.rows for c in model.static_slots.slots] == [2]  # a static cache served them
+    finally:
+        model.rounds = "auto"

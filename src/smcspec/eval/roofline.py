@@ -10,14 +10,13 @@ with ``c`` the draft/target cost ratio of single-token forwards.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from smcspec.backends.base import DecoderModel
 from smcspec.decoding.registry import DECODERS
 from smcspec.decoding.rounds import RoundCosts
-from smcspec.tuning.measure import forward_seconds_by_tokens
+from smcspec.tuning.measure import forward_seconds_by_tokens, static_timings
 
 
 def forward_seconds(
@@ -75,49 +74,14 @@ def predicted_speedup(costs: dict[str, float], n: int, k: int) -> dict[str, floa
 def static_forward_seconds(
     model: DecoderModel, rows: int, tokens: int, reps: int = 10, context: int = 128
 ) -> float:
-    """Median wall seconds of one forward of ``rows x tokens`` as a fused round runs it: the
-    static-cache forward (``decode_static``) after a ``context``-token prompt, run through
-    ``model.run_round`` (a replayed CUDA graph in ``graphs`` mode; the first, untimed call
-    captures it), the device synchronised before and after each. Logits of the last
-    position only when ``tokens <= 2``, as the decoders ask. Needs a torch model whose
-    ``round_mode`` is not ``steps``.
+    """Median wall seconds of one forward of ``rows x tokens`` as a fused round runs it
+    (:func:`smcspec.tuning.measure.static_timings`: a replayed CUDA graph on CUDA). Needs a
+    torch model whose ``round_mode`` is not ``steps``.
 
     Raises:
         ValueError: the model has no static caches (llamacpp, or ``steps`` mode).
     """
-    cache = model.new_cache(rows, tokens, static=True, prompt_len=context)
-    if getattr(cache, "graphs", None) is None:
-        cache.close()
-        raise ValueError("static forward costs need a torch model whose rounds are not 'steps'")
-    try:
-        model.prefill((torch.arange(context, device=model.device) + 1000) % model.vocab_size, cache)
-        span = cache.capacity
-        inputs = {
-            "tokens": torch.full((rows, tokens), 500 % model.vocab_size, device=model.device),
-            "start": torch.zeros((), dtype=torch.long, device=model.device),
-        }
-
-        def fn(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            logits = model.decode_static(x["tokens"], cache, x["start"], span, tokens <= 2)
-            return {"first": logits[..., :1]}
-
-        key = ("forward-cost", rows, tokens, span, cache.prompt_window)
-        times = []
-        for i in range(reps + 1):
-            _sync(model)
-            t0 = time.perf_counter()
-            model.run_round(cache, key, fn, inputs)
-            _sync(model)
-            if i:  # the first call captures
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    finally:
-        cache.close()
-
-
-def _sync(model: DecoderModel) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    return statistics.median(static_timings(model, rows, [tokens], reps, context)[tokens])
 
 
 def static_forward_costs(

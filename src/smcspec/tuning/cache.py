@@ -161,6 +161,9 @@ def cost_key(engine: TunablePair, context: int) -> dict[str, Any]:
     offload = [getattr(m.model, "offload", None) for m in (engine.target, engine.draft) if m]
     if any(offload):  # GPU layers or RPC servers: costs measured there, keyed apart
         key["offload"] = offload
+    rounds = getattr(model, "round_mode", "steps")
+    if rounds != "steps":  # fused rounds time other forwards (graph replays): keyed apart
+        key["rounds"] = rounds
     return key
 
 

@@ -152,7 +152,11 @@ def forward_timings_by_tokens(
 ) -> dict[int, list[float]]:
     """Wall seconds of ``reps`` timed forwards of ``rows x t`` for every ``t`` in
     ``tokens``, after one ``context``-token prefill shared by all of them (each ``t``: one
-    untimed warm-up forward, then the timed ones, each rolled back before the next)."""
+    untimed warm-up forward, then the timed ones, each rolled back before the next). A model
+    whose rounds run fused (a torch model on CUDA: CUDA graphs) is timed as its rounds run
+    its forwards (:func:`static_timings`)."""
+    if getattr(model, "round_mode", "steps") != "steps":
+        return static_timings(model, rows, tokens, reps, context)
     # every row computed: the forward of the full shape is what is timed (the rows here
     # all hold the same tokens, which distinct rows would compute once)
     cache = model.new_cache(rows, max(tokens), shared_rows=False)
@@ -182,6 +186,58 @@ def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, list
             cache.truncate(0)
         out[t] = times
     return out
+
+
+def static_timings(
+    model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 10, context: int = 128
+) -> dict[int, list[float]]:
+    """Wall seconds of ``reps`` forwards of ``rows x t`` for every ``t`` in ``tokens`` as a
+    fused round runs them: the static-cache forward (``decode_static``) after a
+    ``context``-token prompt, through ``model.run_round`` (a replayed CUDA graph in
+    ``graphs`` mode; each shape's first, untimed call captures it), the device synchronised
+    before and after each. Logits of the last position only when ``t <= 2``, as the decoders
+    ask.
+
+    Raises:
+        ValueError: the model gives no static cache (llamacpp, or ``steps`` mode).
+    """
+    cache = model.new_cache(rows, max(tokens), static=True, prompt_len=context)
+    if getattr(cache, "graphs", None) is None:
+        cache.close()
+        raise ValueError("static forward timings need a torch model whose rounds are not 'steps'")
+    try:
+        model.prefill((torch.arange(context, device=model.device) + 1000) % model.vocab_size, cache)
+        return {t: _replayed(model, cache, rows, t, reps) for t in tokens}
+    finally:
+        cache.close()
+
+
+def _replayed(model, cache, rows: int, t: int, reps: int) -> list[float]:
+    span = cache.capacity
+    inputs = {
+        "tokens": torch.full((rows, t), 500 % model.vocab_size, device=model.device),
+        "start": torch.zeros((), dtype=torch.long, device=model.device),
+    }
+
+    def fn(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = model.decode_static(x["tokens"], cache, x["start"], span, t <= 2)
+        return {"first": logits[..., :1]}
+
+    key = ("forward-cost", rows, t, span, cache.prompt_window)
+    times = []
+    for i in range(reps + 1):
+        _sync(model)
+        t0 = time.perf_counter()
+        model.run_round(cache, key, fn, inputs)
+        _sync(model)
+        if i:  # the first call captures
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync(model: DecoderModel) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def measurement_context(model: LoadedModel, context: int, longest: int) -> int:
