@@ -15,6 +15,7 @@ from tiny_models import make_tiny_chat_pair
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.decoding import run_program
+from smcspec.decoding.job import job_for
 from smcspec.decoding.registry import decoder_for
 from smcspec.errors import ConfigError
 from smcspec.eval import baselines
@@ -57,9 +58,7 @@ def test_best_of_n_samples_its_closed_form() -> None:
         samples = []
         for j in range(n):
             g = torch.Generator().manual_seed(i * n + j)
-            program = decoder.program(
-                target, None, prompt=PROMPT, cfg=cfg, stop_ids=frozenset(), vocab=4, generator=g
-            )
+            program = decoder.program(job_for(target, None, PROMPT, cfg, frozenset(), 4, g))
             samples.append(tuple(run_program(program).tokens))
         picks[samples[baselines.best_of_n([float(s.count(1)) for s in samples])]] += 1
     probs = {k: math.exp(v) for k, v in exact.items()}

@@ -28,6 +28,7 @@ import smcspec.decoding.sd as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_ngram_sd
 from smcspec.decoding.ngram import NgramGate, NgramIndex, next_draft_length
+from smcspec.decoding.registry import decoder_for
 from smcspec.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
@@ -235,8 +236,8 @@ def test_a_gate_that_never_opens_after_the_first_round_drafts_once(target):
 
 
 def test_smc_and_constraints_refuse_the_ngram_draft():
-    with pytest.raises(ConfigError, match="point mass"):
-        GenerationConfig(method="smc", draft="ngram").validate()
+    with pytest.raises(ConfigError, match="point mass"):  # the decoder table refuses it
+        decoder_for(GenerationConfig(method="smc", draft="ngram").validate())
     from smcspec.potentials import Regex
 
     with pytest.raises(ConfigError, match="constraints"):
