@@ -237,14 +237,8 @@ def sd_round(
     target's token after them, as :func:`~smcspec.decoding.sd.verify_block` does. Both
     caches hold the whole block afterwards; the caller rolls back what was rejected.
     Raises NumericalError after the round, ContextLengthError before it."""
-    cfg, target, draft, vocab, generator = (
-        job.config,
-        job.target,
-        job.draft,
-        job.vocab,
-        job.generator,
-    )
-    dev, k, w = job.device, cfg.draft_tokens, len(pending_d)
+    cfg, target, draft, vocab = job.config, job.target, job.draft, job.vocab
+    dev, k, w, generator = job.device, cfg.draft_tokens, len(pending_d), job.generator
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
     inputs = {
