@@ -226,7 +226,7 @@ def test_fused_sd_matches_the_target():
         fused = sum(c.rounds_run for c in target.static_slots.slots)
     finally:
         target.rounds = draft.rounds = "auto"
-    assert fused == runs  # one full round a request ran fused
+    assert fused == 2 * runs  # each request: its prefill and one full round, fused
     # fixed seeds; chi-square p-value bound 1e-3, TV at sampling-noise level (~0.07 at 3000)
     assert chisquare_p(exact, counts, runs) > 1e-3
     assert total_variation(exact, counts, runs) < 0.1
@@ -270,5 +270,27 @@ def test_the_tuner_times_the_forwards_fused_rounds_run():
         timed = forward_timings_by_tokens(model, 2, [1, 3], reps=2, context=5)
         assert set(timed) == {1, 3} and all(len(v) == 2 and min(v) > 0 for v in timed.values())
         assert [c.rows for c in model.static_slots.slots] == [2]  # a static cache served them
+    finally:
+        model.rounds = "auto"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_captured_prefill_matches_the_eager_one(tmp_path, family):
+    """The prefill a static cache gets in graphs mode (the prompt padded to its window, one
+    causal forward, no host read), here uncaptured: the eager prefill's logits and prompt
+    KV; the padding's KV lies past the prompt, where every later forward masks it."""
+    model = load_hf_dir(make_tiny_hf_model(tmp_path, family, seed=0)).model
+    prompt = torch.arange(3, 40)  # 37 tokens: padded to a window of 64
+    model.rounds = "eager"
+    try:
+        static = model.new_cache(2, 8, static=True, prompt_len=37)
+        static.begin_prefill(37)
+        got = model._prefill_captured(prompt, static)  # run_round: under the host-read guard
+        eager = model.new_cache(2, 8)
+        want = model.prefill(prompt, eager)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(static.prefix_k, eager.prefix_k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(static.prefix_v, eager.prefix_v, rtol=1e-5, atol=1e-6)
+        assert static.prompt_window == 64 and int(static.prompt_len_t) == 37
     finally:
         model.rounds = "auto"

@@ -165,3 +165,22 @@ def test_graphed_rounds_follow_the_steps_in_distribution(tmp_path):
             r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
                                                       ignore_eos=True), chat=False)  # fmt: skip
             assert r.new_tokens == 33
+
+
+def test_the_captured_prefill_matches_the_eager_one(tmp_path):
+    """A static cache's prefill replayed as a CUDA graph (the prompt padded to its window)
+    against the eager prefill of the same prompt: logits and prompt KV, bf16 tolerances."""
+    model = load_hf_dir(make_tiny_hf_model(tmp_path, "llama", seed=0), device="cuda",
+                        dtype="bfloat16").model  # fmt: skip
+    prompt = torch.arange(3, 40, device="cuda")
+    for _ in range(2):  # the second replays the graph the first captured
+        static = model.new_cache(2, 8, static=True, prompt_len=37)
+        got = model.prefill(prompt, static)
+        static.close()
+    assert static.graphs[("prefill", 64)].replays >= 1
+    eager = model.new_cache(2, 8)
+    want = model.prefill(prompt, eager)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        static.prefix_k.float(), eager.prefix_k.float(), rtol=2e-2, atol=2e-2
+    )

@@ -249,6 +249,20 @@ class Block(nn.Module):
         out = out.view(r, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)
         return self.finish(x, out.reshape(r * t, self.h * self.d))
 
+    def prefill_static(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache
+    ) -> torch.Tensor:
+        """One layer of a static prefill (:meth:`Transformer.prefill` on a captured cache):
+        ``x`` ``[Pw, hidden]`` the padded prompt; its keys and values fill the first ``Pw``
+        positions of the prompt storage (the padding's are masked by every later forward)."""
+        q, k, v = self.project(x, cos, sin)
+        pw = x.shape[0]
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, Pw, D]
+        cache.prefix_store_k[self.layer, :, :, :pw] = k
+        cache.prefix_store_v[self.layer, :, :, :pw] = v
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.finish(x, out[0].transpose(0, 1).reshape(pw, self.h * self.d))
+
     def _prefill_attention(self, q, k, v, cache: ParticleKVCache) -> torch.Tensor:
         cache.prefix_k[self.layer] = k
         cache.prefix_v[self.layer] = v
@@ -494,7 +508,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, cache: ParticleKVCache) -> torch.Tensor:
-        """Run the prompt and store its KV once in ``cache`` as the shared prefix.
+        """Run the prompt and store its KV once in ``cache`` as the shared prefix (a static
+        cache where rounds run fused: as a round of its own, a CUDA graph per padded prompt
+        length, :meth:`_prefill_captured`).
 
         Args:
             prompt: int64 ``[P]`` token ids, ``P >= 1``.
@@ -503,8 +519,36 @@ class Transformer(nn.Module):
         """
         p = prompt.shape[-1]
         cache.begin_prefill(p)
+        if isinstance(cache, StaticKVCache) and self.round_mode != "steps":
+            return self._prefill_captured(prompt.reshape(-1), cache)
         seg = Segment(cache, rows=1, tokens=p, start=None, offset=0, last_only=True)
         return self._run([seg], [prompt.reshape(-1)])[0][0, -1]
+
+    def _prefill_captured(self, prompt: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """The prefill of a static cache as a round (a CUDA graph per padded prompt length,
+        :meth:`run_round`): the prompt padded to ``cache.prompt_window`` tokens, causal
+        attention (the prompt's rows never see the padding after them), the logits of its
+        last token. float32 ``[V]``."""
+        pw = cache.prompt_window
+        padded = torch.zeros(pw, dtype=torch.long, device=self.device)
+        padded[: prompt.numel()] = prompt.to(self.device)
+        inputs = {"tokens": padded, "last": torch.full((), prompt.numel() - 1, device=self.device)}
+        return self.run_round(cache, ("prefill", pw), self._static_prefill_fn(cache), inputs)[
+            "logits"
+        ]
+
+    def _static_prefill_fn(self, cache: StaticKVCache):
+        def fn(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            pw = x["tokens"].shape[0]
+            cos = self._cos[:pw].to(self.dtype)
+            sin = self._sin[:pw].to(self.dtype)
+            h = self.embed(x["tokens"])
+            for layer in self.layers:
+                h = layer.prefill_static(h, cos, sin, cache)
+            last = self.norm(h.index_select(0, x["last"].view(1)))
+            return {"logits": linear(last, self.lm_head).float()[0]}
+
+        return fn
 
     @torch.inference_mode()
     def decode(
