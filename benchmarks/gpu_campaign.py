@@ -497,6 +497,8 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         engines["copy"] = Engine(target, copy)
     if args.roofline:
         rooflines(c, backend, target.model, draft.model, base)
+    if args.pair_stats and backend == "torch":
+        tuned(c, engines["pair"], base)
     for i, group in enumerate(systems(args, upper, backend)):
         time_group(c, engines, group, {**base, "group": i})
     if args.profile and backend == "torch" and c.left() > args.min_step_s:
@@ -538,6 +540,58 @@ def rooflines(c: Campaign, backend: str, target, draft, base: dict) -> None:
                 c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,
                       bandwidth=args.bandwidth, **physics_bound(tb, db, n, k, args.bandwidth),
                       **base)  # fmt: skip
+
+
+# settings whose answers were measured with real weights (GSM8K, first 100 or all 400 questions:
+# docs/benchmarks/gsm8k-400/, docs/benchmarks/gsm8k-gpu-settings/)
+QUALITY_MEASURED = ("ar", "smc-n8-k2", "smc-n8-k8", "smc-n2-k16", "smc-n2-k32", "smc-n4-k12")
+
+
+def tuned(c: Campaign, engine: Engine, base: dict) -> None:
+    """The tuner on this device (``smcspec.tuning.tune``): the forward costs measured here
+    (the static forwards fused rounds run, graph replays on CUDA), the pair's acceptance
+    statistics from ``--pair-stats`` (measured with real weights where they run: random weights
+    accept nothing meaningful), the fidelity floor (N >= 4, predicted ESS >= 4). A ``tuned``
+    row: the choices of ``auto`` and ``smc``, whether their answers were measured
+    (:data:`QUALITY_MEASURED`), and every setting's prediction."""
+    from smcspec.tuning import TuningGrid, tune
+    from smcspec.tuning.grid import GPU_MAX_FORWARD_TOKENS
+    from smcspec.tuning.pair_stats import read_pair_stats
+
+    args = c.args
+    if c.left() < args.min_step_s:
+        c.skip(f"{base['backend']}/{base['pair']} tuner: out of time")
+        return
+    for m in engine.models().values():
+        if hasattr(m, "rounds"):
+            m.rounds = "auto"
+    grid = TuningGrid(
+        draft_tokens=tuple(args.tune_draft_tokens), max_forward_tokens=GPU_MAX_FORWARD_TOKENS
+    )
+    os.environ["SMCSPEC_CACHE"] = str(Path(args.workdir) / "tuner-cache")  # not the user's
+    t0 = time.perf_counter()
+    tuning = tune(
+        engine, GenerationConfig(temperature=0.7), grid=grid, remeasure=True,
+        pair_stats=read_pair_stats(args.pair_stats),
+    )  # fmt: skip
+
+    def pick(p) -> dict:
+        name = p.setting.name
+        return {"setting": name, "tokens_per_s": p.tokens_per_second, "ess": p.ess,
+                "quality_measured": name in QUALITY_MEASURED}  # fmt: skip
+
+    c.row(
+        kind="tuned",
+        seconds=round(time.perf_counter() - t0, 1),
+        auto=pick(tuning.auto),
+        smc=pick(tuning.smc) if tuning.smc is not None else None,
+        min_particles=tuning.min_particles,
+        min_ess=tuning.min_ess,
+        alpha=tuning.acceptance["alpha"],
+        acceptance_source=tuning.acceptance_source,
+        predictions=[pick(p) for p in tuning.predictions if not p.setting.ngram],
+        **base,
+    )
 
 
 def profile_round(c: Campaign, engines: dict[str, Engine], base: dict) -> None:
@@ -722,6 +776,8 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         ]
         lines += [_report_line(r, ar, roof, several) for r in sel]
         lines.append("")
+    for r in (r for r in rows if r["kind"] == "tuned"):
+        lines += _tuned_lines(r)
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
         lines += [
@@ -736,6 +792,47 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
     (c.out / "report.md").write_text("\n".join(lines))
     if runs:
         plot(runs, ar, c.out / "tokens_per_s.png")
+
+
+def _tuned_lines(r: dict) -> list[str]:
+    """The report's section on a ``tuned`` row: the choices, then the fastest predictions."""
+
+    def answers(p: dict) -> str:
+        return "GSM8K measured" if p["quality_measured"] else "not measured"
+
+    def choice(name: str, p: dict | None) -> str:
+        if p is None:
+            return f"- `{name}`: none (no draft)"
+        ess = f", predicted ESS {p['ess']:.2f}" if p["ess"] is not None else ""
+        if "ngram" in p["setting"]:  # synthetic prompts: n-gram drafts find nothing to copy
+            ess = " at its gate's threshold (where text copies; prompts here are random ids)"
+        return f"- `{name}` chooses {p['setting']}: {p['tokens_per_s']:.1f} tokens/s{ess}; " + (
+            "its answers are measured" if p["quality_measured"] else "its answers are not measured"
+        )
+
+    best = sorted(r["predictions"], key=lambda p: -p["tokens_per_s"])[:12]
+    return [
+        f"## The tuner on this device: {r['backend']}, {r['target']} / {r['draft']}",
+        "",
+        f"Forward costs measured here in {r['seconds']:.0f} s (graph captures included); "
+        f"acceptance statistics (alpha {r['alpha']:.3f}, log-weights, agreement profiles) from "
+        f"{r['acceptance_source']}: the real pair's, standing in for this pair's (random weights "
+        f"accept nothing meaningful); fidelity floor N >= {r['min_particles']}, predicted ESS "
+        f">= {r['min_ess']:g}. Predicted speeds count the forwards only. Answers measured: "
+        "docs/benchmarks/gsm8k-400/ and docs/benchmarks/gsm8k-gpu-settings/.",
+        "",
+        choice("auto", r["auto"]),
+        choice("smc", r["smc"]),
+        "",
+        "| setting (fastest 12) | predicted tokens/s | predicted ESS after a round | answers |",
+        "| --- | ---: | ---: | --- |",
+        *(
+            f"| {p['setting']} | {p['tokens_per_s']:.1f} | "
+            f"{'-' if p['ess'] is None else format(p['ess'], '.2f')} | {answers(p)} |"
+            for p in best
+        ),
+        "",
+    ]
 
 
 def _ar_key(r: dict) -> tuple:
@@ -844,6 +941,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4.8e12,
         help="bytes/s of the bound rows (the H200 datasheet's 4.8 TB/s)",
     )
+    ap.add_argument(
+        "--pair-stats",
+        default=None,
+        metavar="FILE",
+        help="torch: run the tuner on this device with the pair's acceptance statistics from "
+        "FILE (measured with real weights: benchmarks/pair_stats/) after each pair's rooflines",
+    )
+    ap.add_argument("--tune-draft-tokens", default="2,4,8,12,16,32", help="the tuner's K values")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)
     ap.add_argument(
@@ -860,6 +965,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.particles = [int(x) for x in args.particles.split(",")]
     args.draft_tokens = [int(x) for x in args.draft_tokens.split(",")]
+    args.tune_draft_tokens = [int(x) for x in args.tune_draft_tokens.split(",")]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     steps = "" if args.compare_steps == "none" else args.compare_steps

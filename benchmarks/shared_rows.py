@@ -89,7 +89,8 @@ def _costs(costs_dir: Path):
         key = json.loads(path.read_text()).get("key", {})
         if key.get("backend") != "llamacpp" or key.get("machine") != machine_name("cpu"):
             continue
-        costs = read_costs(path, key).forward_costs(acc_key)
+        record = read_costs(path, key)
+        costs = record.forward_costs(record.acceptance.get(acc_key))
         if costs.draft_top_probs is not None:
             return costs, path.name
     raise SystemExit(f"no measured agreement profiles under {costs_dir}")

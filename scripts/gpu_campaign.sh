@@ -21,9 +21,11 @@
 # default, --phase all, runs both. --budget-s S: start nothing after S seconds (what the
 # benchmark has not begun by then is listed as not measured); --torch-s S: the torch
 # benchmarks start nothing after S seconds (the rest is the llamacpp backend's).
-# The torch backend runs TORCH_PAIRS (default llama: 8B/1B) with CAMPAIGN_ARGS and a cProfile
-# of one round, then BIG_PAIRS (default qwen32,llama70: 32B/0.5B and 70B/1B in bf16; empty:
-# none) with BIG_ARGS appended (default a small grid: N 4,8, K 8, no steps comparison);
+# The torch backend runs TORCH_PAIRS (default llama: 8B/1B) with CAMPAIGN_ARGS, a cProfile
+# of one round and the tuner on the device (its forward costs measured there, the real default
+# pair's acceptance statistics from PAIR_STATS, benchmarks/pair_stats/), then BIG_PAIRS
+# (default qwen32,llama70: 32B/0.5B and 70B/1B in bf16; empty: none) with BIG_ARGS appended
+# (default a small grid: N 4,8, K 8, no steps comparison);
 # --big-s S keeps S seconds of --torch-s for the large pairs. Results: DIR/results.jsonl,
 # DIR/report.md, DIR/tokens_per_s.png, logs beside them.
 set -uo pipefail
@@ -75,6 +77,7 @@ if [ "$PHASE" != llamacpp ]; then
     log "torch: benchmarks"
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$LOG"
     "${BENCH[@]}" --backends torch --pairs "${TORCH_PAIRS:-llama}" --profile \
+        --pair-stats "${PAIR_STATS:-benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json}" \
         --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - BIG_S - 30 )) >>"$LOG" 2>&1
     log "torch: benchmarks exit $?"
     if [ -n "$BIG_PAIRS" ]; then

@@ -84,12 +84,18 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     assert kinds.count("roofline") == cells + (2 * 4 if "llamacpp" in backends else 0)
     assert all(r["measured_costs"] > 0 for r in rows if r["kind"].startswith("roofline"))
     assert kinds.count("profile") == 1
+    # the tuner on the device: the main torch pair's costs, the real pair's acceptance file
+    (tuned,) = [r for r in rows if r["kind"] == "tuned"]
+    assert tuned["pair"] == "llama" and "benchmarks/pair_stats/" in tuned["acceptance_source"]
+    assert tuned["smc"]["ess"] >= tuned["min_ess"] and tuned["smc"]["setting"].startswith("smc-n")
+    assert int(tuned["smc"]["setting"].split("-")[1][1:]) >= tuned["min_particles"]
     report = (out / "report.md").read_text()
     for backend in backends:
         for pair in ("qwen2", "llama"):
             if (backend, pair) != ("torch", "qwen2"):  # torch's default pairs: no small qwen
                 assert f"## {backend}: tiny-{pair}-target / tiny-{pair}-draft" in report
     assert "## torch: tiny-llama-70-target / tiny-llama-70-draft" in report
+    assert "## The tuner on this device: torch, tiny-llama-target" in report
     assert (out / "tokens_per_s.png").stat().st_size > 1000
     # what a lent machine can bring back: at most 8 files, none in a subfolder
     assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())

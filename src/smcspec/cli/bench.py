@@ -23,6 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from smcspec.eval import throughput
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
+    if args.export_pair_stats and not args.predict:
+        from smcspec.errors import ConfigError
+
+        raise ConfigError("--export-pair-stats goes with --predict")
     base = config_from_args(args, ignore_eos=not args.stop_at_eos)
     specs = _bench_specs(args, base)  # option errors before the models load
     needs_draft = args.predict or needs_model_draft([s.config for s in specs])
@@ -30,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     if args.predict:
         from smcspec.tuning import format_table
 
-        print(format_table(tune_for(engine, args, base)), end="")
+        tuning = tune_for(engine, args, base)
+        print(format_table(tuning), end="")
+        if args.export_pair_stats:
+            _export_pair_stats(args.export_pair_stats, engine, tuning, base)
         return 0
     prompts = load_sharegpt_prompts(
         args.prompts,
@@ -57,6 +64,24 @@ def run(args: argparse.Namespace) -> int:
     report = throughput.write_bench_report(rows, roof, out, "Throughput on ShareGPT prompts", note)
     print(report.read_text())
     return 0
+
+
+def _export_pair_stats(path: str, engine, tuning, base: GenerationConfig) -> None:
+    """Write the pair's acceptance statistics the predictions used (``--export-pair-stats``)."""
+    from smcspec.errors import ConfigError
+    from smcspec.tuning.cache import sampling_key
+    from smcspec.tuning.pair_stats import write_pair_stats
+
+    if tuning.acceptance is None:
+        raise ConfigError("--export-pair-stats needs a draft model: no acceptance was measured")
+    acc_key = sampling_key(
+        base.temperature, base.draft_temperature, base.top_k, base.top_p, base.min_p
+    )
+    out = write_pair_stats(
+        path, engine.target.path, engine.draft.path, tuning.key["machine"],
+        {acc_key: tuning.acceptance},
+    )  # fmt: skip
+    print(f"\nThe pair's acceptance statistics at {acc_key}: {out}")
 
 
 def _bench_note(args: argparse.Namespace, engine, prompts: int, base, tuning) -> str:

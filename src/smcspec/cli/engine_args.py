@@ -70,7 +70,20 @@ def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
         log=note,
         remeasure=getattr(args, "remeasure", False),
         min_ess=getattr(args, "min_ess", DEFAULT_MIN_ESS),
+        pair_stats=_pair_stats(args),
     )
+
+
+def _pair_stats(args: argparse.Namespace):
+    """The ``--pair-stats`` file, read once (:func:`config_from_args` reads it first, so that
+    a bad file fails before the models load)."""
+    if getattr(args, "pair_stats", None) is None:
+        return None
+    if getattr(args, "pair_stats_read", None) is None:
+        from smcspec.tuning.pair_stats import read_pair_stats
+
+        args.pair_stats_read = read_pair_stats(args.pair_stats)
+    return args.pair_stats_read
 
 
 def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):

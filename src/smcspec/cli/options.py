@@ -218,6 +218,14 @@ def tuning_options() -> argparse.ArgumentParser:
         help="the fidelity floor: smc and auto choose only smc settings whose predicted ESS "
         f"after a round is at least this many effective particles (default {DEFAULT_MIN_ESS:g})",
     )
+    p.add_argument(
+        "--pair-stats",
+        default=None,
+        metavar="FILE",
+        help="the model pair's acceptance statistics measured elsewhere (smcspec bench "
+        "--predict --export-pair-stats FILE, where the real weights run), used instead of "
+        "measuring them here: only forward costs are measured on this machine",
+    )
     return p
 
 
@@ -229,6 +237,10 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
         check_min_particles(args.min_particles)
     if getattr(args, "min_ess", None) is not None:
         check_min_ess(args.min_ess)
+    if getattr(args, "pair_stats", None) is not None:  # a bad file fails before models load
+        from smcspec.tuning.pair_stats import read_pair_stats
+
+        args.pair_stats_read = read_pair_stats(args.pair_stats)
     if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
         if BY_METHOD[choice(args.method).method].particles:  # N would be chosen, G divides it
             raise ConfigError("--groups needs -N: the number of particles the groups divide")

@@ -212,6 +212,14 @@ def _bench(sub) -> None:
         help="measure the forward costs again, replacing the cached ones (measure on an "
         "otherwise idle machine)",
     )
+    b.add_argument(
+        "--export-pair-stats",
+        default=None,
+        metavar="FILE",
+        help="with --predict: write the pair's acceptance statistics (alpha, log-weight "
+        "quantiles, agreement profiles at these sampling settings) to FILE, for --pair-stats "
+        "on a machine without the weights",
+    )
     b.add_argument("--grid", default=None, help="sd/smc settings, e.g. 'N=2,4,8;K=4'")
     b.add_argument("--prompts", type=int, default=8, help="number of ShareGPT prompts")
     b.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt sample")

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,11 +62,11 @@ class CostRecord:
             medians[shape] = statistics.median(times)
             ranges[shape] = (min(times), max(times))
 
-    def forward_costs(self, acc_key: str | None) -> ForwardCosts:
-        """The :class:`~smcspec.tuning.predict.ForwardCosts` of this record with the
-        acceptance measurement ``acc_key`` (:func:`sampling_key`; None or missing: none)."""
-        acc = self.acceptance.get(acc_key) if acc_key is not None else None
-        acc = acc or {}
+    def forward_costs(self, acceptance: Mapping[str, Any] | None) -> ForwardCosts:
+        """The :class:`~smcspec.tuning.predict.ForwardCosts` of this record's forwards with
+        the pair's ``acceptance`` measurement (one value of :attr:`acceptance`, or one read
+        from :mod:`smcspec.tuning.pair_stats`; None: no alpha, no fidelity prediction)."""
+        acc = acceptance or {}
         alpha_range = None
         if acc.get("alpha") is not None and acc.get("rounds"):
             alpha_range = alpha_interval(

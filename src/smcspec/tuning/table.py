@@ -83,7 +83,8 @@ def _acceptance_note(tuning: Tuning) -> str:
     note = (
         f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
         f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
-        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens)"
+        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens; "
+        f"{_source(tuning.acceptance_source)})"
     )
     if acc.get("log_weight_quantiles") is not None:
         q = acc["log_weight_quantiles"]
@@ -93,6 +94,12 @@ def _acceptance_note(tuning: Tuning) -> str:
             f"simulated; fidelity floor --min-ess {tuning.min_ess:g} effective particles"
         )
     return note
+
+
+def _source(source: str | None) -> str:
+    if source in ("measured now", "cached"):
+        return f"{source} on this machine"
+    return f"from {source}" if source else "source not known"
 
 
 def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> str:

@@ -20,6 +20,7 @@ from smcspec.tuning.cache import (
 )
 from smcspec.tuning.grid import TuningGrid, default_grid, shapes
 from smcspec.tuning.measure import ACCEPTANCE_PROMPTS, measure_acceptance, measure_forwards
+from smcspec.tuning.pair_stats import PairStats, complete, find_cached_acceptance
 from smcspec.tuning.predict import (
     DEFAULT_SMC,
     ForwardCosts,
@@ -49,6 +50,9 @@ class Tuning:
         min_ess: the fidelity floor used (predicted effective particles after a round).
         costs: the measured costs the predictions come from.
         acceptance: the sd run that measured alpha (None without a draft).
+        acceptance_source: where ``acceptance`` comes from: ``"measured now"``, ``"cached"``,
+            the cache of the same files on another machine or device, or a pair-statistics
+            file (None without a draft).
         key: the cache key (machine, backend, models).
         cache_path: the JSON file the costs are cached in.
         measured_seconds: seconds spent measuring in this call (0 when all was cached).
@@ -64,6 +68,7 @@ class Tuning:
     key: dict[str, Any]
     cache_path: Path
     measured_seconds: float
+    acceptance_source: str | None = None
 
     def pick(self, method: str) -> Prediction:
         """``auto`` or ``smc``'s choice (:data:`smcspec.decoding.registry.CHOICES`). Raises
@@ -99,6 +104,7 @@ def tune(
     tie: float = 0.05,
     remeasure: bool = False,
     min_ess: float = DEFAULT_MIN_ESS,
+    pair_stats: PairStats | None = None,
 ) -> Tuning:
     """Predict tokens/s of every ar, sd(K) and smc(N, K) setting of ``engine`` on this machine
     and choose the fastest (see :mod:`smcspec.tuning.predict` for the formulas and
@@ -107,6 +113,10 @@ def tune(
     Costs are read from the cache file of this machine, backend and pair
     (:mod:`smcspec.tuning.cache`); what is not there is measured now and added to it (the
     forward costs once; alpha once per temperature and truncation setting of ``config``).
+    The acceptance statistics belong to the pair, not the machine
+    (:mod:`smcspec.tuning.pair_stats`): they come from ``pair_stats`` when given, else from
+    this machine's cache, else from the cache of the same files on another machine or device
+    (copied into this one), and are measured only when none has them.
 
     Args:
         engine: the loaded pair (a draft-less engine predicts ar only).
@@ -123,8 +133,12 @@ def tune(
         min_ess: the fidelity floor: smc settings whose predicted ESS after a round is below
             this many effective particles are not chosen
             (:func:`~smcspec.tuning.predict.choose`).
+        pair_stats: the pair's acceptance statistics measured elsewhere
+            (:func:`~smcspec.tuning.pair_stats.read_pair_stats`), used instead of measuring
+            them here (a GPU lent without the real weights); never written to the cache.
     Raises:
-        ConfigError: bad ``min_particles``, or no setting meets the restrictions.
+        ConfigError: bad ``min_particles``, no setting meets the restrictions, or
+            ``pair_stats`` holds nothing at ``config``'s sampling settings.
     """
     check_min_particles(min_particles)
     check_min_ess(min_ess)
@@ -139,11 +153,22 @@ def tune(
     path = cache_file(key)
     record = CostRecord() if remeasure else read_costs(path, key)
     acc_key = sampling_key(cfg.temperature, cfg.draft_temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-    measured = _measure_missing(engine, cfg, grid, settings, record, acc_key, path, log)
-    if measured:
+    others = None if remeasure else path.parent.parent  # remeasure: measure everything here
+    acceptance, source = (
+        _known_acceptance(record, key, acc_key, pair_stats, others) if with_draft else (None, None)
+    )
+    copied = acceptance is not None and pair_stats is None and source != "cached"
+    if copied:  # the same files' measurement on another machine: the pair's, kept here too
+        record.acceptance[acc_key] = acceptance
+    measure_acc = with_draft and acceptance is None
+    measured = _measure_missing(
+        engine, cfg, grid, settings, record, measure_acc, acc_key, path, log
+    )
+    if measured or copied:
         write_costs(path, key, record)
-    acceptance = record.acceptance.get(acc_key) if with_draft else None
-    costs = record.forward_costs(acc_key if with_draft else None)
+    if measure_acc:
+        acceptance, source = record.acceptance[acc_key], "measured now"
+    costs = record.forward_costs(acceptance)
     predictions = tuple(predict_all(settings, costs, cfg.shared_rows))
     pick = dict(
         min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
@@ -160,7 +185,31 @@ def tune(
         key=key,
         cache_path=path,
         measured_seconds=measured,
+        acceptance_source=source,
     )
+
+
+def _known_acceptance(
+    record: CostRecord,
+    key: dict[str, Any],
+    acc_key: str,
+    pair_stats: PairStats | None,
+    root: Path | None,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The pair's acceptance measurement at ``acc_key`` and where it comes from, without
+    measuring: ``pair_stats``, this machine's cache (``"cached"``), or the cache of the same
+    files elsewhere under ``root`` (None: not searched); ``(None, None)`` when none holds a
+    complete one."""
+    prompts = len(ACCEPTANCE_PROMPTS)
+    if pair_stats is not None:
+        where = f"{pair_stats.source} ({pair_stats.pair}, measured on {pair_stats.measured_on})"
+        return pair_stats.for_sampling(acc_key), where
+    if complete(record.acceptance.get(acc_key), prompts):
+        return record.acceptance[acc_key], "cached"
+    found = find_cached_acceptance(key, acc_key, prompts, root) if root is not None else None
+    if found is not None:
+        return found[0], f"the same files' cache on {found[1]}"
+    return None, None
 
 
 def _measure_missing(
@@ -169,19 +218,16 @@ def _measure_missing(
     grid: TuningGrid,
     settings: list[Setting],
     record: CostRecord,
+    missing_acceptance: bool,
     acc_key: str,
     path: Path,
     log: Callable[[str], None] | None,
 ) -> float:
-    """Measure into ``record`` what ``settings`` need and it lacks; seconds spent (0: none)."""
+    """Measure into ``record`` what ``settings`` need and it lacks (the acceptance statistics
+    at ``acc_key`` when ``missing_acceptance``); seconds spent (0: none)."""
     want_target, want_draft = shapes(settings)
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
-    had = record.acceptance.get(acc_key, {})
-    # a cache written before the log-weights, profiles or pooled prompts is completed once
-    missing_acceptance = engine.draft is not None and (
-        "draft_top_probs" not in had or had.get("prompts", 1) < len(ACCEPTANCE_PROMPTS)
-    )
     if not (missing_target or missing_draft or missing_acceptance):
         return 0.0
     if log is not None:
