@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import llama_speculative_gpu
 import torch
 
 from smcspec import Engine, GenerationConfig
@@ -503,6 +504,8 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         time_group(c, engines, group, {**base, "group": i})
     if args.profile and backend == "torch" and c.left() > args.min_step_s:
         profile_round(c, engines, base)
+    if args.llama_speculative and backend == "llamacpp" and pair_name == "llama":
+        run_llama_speculative(c, target, draft, base)
     for m in {id(x.model): x.model for x in (target, draft, copy) if x is not None}.values():
         release = getattr(m, "release", None) or getattr(m, "release_static", None)
         if release is not None:  # llamacpp: the model; torch: static caches and graphs
@@ -592,6 +595,24 @@ def tuned(c: Campaign, engine: Engine, base: dict) -> None:
         predictions=[pick(p) for p in tuning.predictions if not p.setting.ngram],
         **base,
     )
+
+
+def run_llama_speculative(c: Campaign, target, draft, base: dict) -> None:
+    """llama.cpp's ``llama-speculative`` on this pair's GGUF files
+    (:mod:`llama_speculative_gpu`), its speed predicted at ``--pair-stats``' alpha; a
+    ``skipped`` row where the binary was not built."""
+    binary = Path(c.args.llama_speculative)
+    if not binary.is_file():
+        c.skip(f"llamacpp/{base['pair']} llama-speculative: {binary} was not built")
+        return
+    alpha = None
+    if c.args.pair_stats:
+        from smcspec.tuning.cache import sampling_key
+        from smcspec.tuning.pair_stats import read_pair_stats
+
+        acc = read_pair_stats(c.args.pair_stats).for_sampling(sampling_key(0.7, 0.7, 0, 1.0, 0.0))
+        alpha = acc["alpha"]
+    llama_speculative_gpu.measure(c, binary, target.path, draft.path, base, alpha)
 
 
 def profile_round(c: Campaign, engines: dict[str, Engine], base: dict) -> None:
@@ -778,6 +799,9 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         lines.append("")
     for r in (r for r in rows if r["kind"] == "tuned"):
         lines += _tuned_lines(r)
+    ar_batch1 = {(r["phase"], r["backend"], r["pair"]): r["tokens_per_s"] for r in runs
+                 if r["method"] == "ar" and r["batch"] == 1 and r["rounds"] == "auto"}  # fmt: skip
+    lines += llama_speculative_gpu.report_lines(rows, ar_batch1)
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
         lines += [
@@ -949,6 +973,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "FILE (measured with real weights: benchmarks/pair_stats/) after each pair's rooflines",
     )
     ap.add_argument("--tune-draft-tokens", default="2,4,8,12,16,32", help="the tuner's K values")
+    ap.add_argument(
+        "--llama-speculative",
+        default=None,
+        metavar="BIN",
+        help="llamacpp, pair llama: also run llama.cpp's llama-speculative binary BIN on the "
+        "same GGUF files (scripts/build_llamacpp_libs.sh --tools); skipped if BIN is missing",
+    )
+    ap.add_argument("--speculative-k", default="4,8", help="llama-speculative's K values")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)
     ap.add_argument(
@@ -966,6 +998,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.particles = [int(x) for x in args.particles.split(",")]
     args.draft_tokens = [int(x) for x in args.draft_tokens.split(",")]
     args.tune_draft_tokens = [int(x) for x in args.tune_draft_tokens.split(",")]
+    args.speculative_k = [int(x) for x in args.speculative_k.split(",")]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     steps = "" if args.compare_steps == "none" else args.compare_steps

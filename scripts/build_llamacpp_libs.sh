@@ -16,8 +16,8 @@
 # The CMake arguments are the second line of `python scripts/llamacpp_build.py` (the
 # build planner: CUDA with the card's CMAKE_CUDA_ARCHITECTURES where nvidia-smi and nvcc are
 # found, RPC always, the CPU's instruction sets), plus, here only:
-#   LLAMA_BUILD_COMMON/APP/SERVER=OFF  libllama alone: the trimmed tree has no common/, app/,
-#                                      tools/ (llama-cpp-python needs none of them)
+#   LLAMA_BUILD_APP/SERVER/TOOLS=OFF   the trimmed tree has no app/ nor tools/ (llama-cpp-python
+#                                      needs neither); common/ and examples only for --tools
 #   GGML_CUDA_NCCL=OFF                 one GPU: no NCCL to find or link
 #   CMAKE_BUILD_RPATH_USE_ORIGIN=ON    the libraries find each other once copied together
 # The CUDA kernels are otherwise llama.cpp's defaults (docs/build.md, "Performance Tuning"):
@@ -33,9 +33,23 @@
 #
 # The build folder is $LLAMACPP_BUILD_DIR (default ${TMPDIR:-/tmp}/llamacpp-build); a second
 # run rebuilds only what changed. Prints the elapsed seconds.
+#
+#   scripts/build_llamacpp_libs.sh --tools SRC_DIR OUT_DIR
+#
+# builds llama.cpp's own llama-speculative in the same build folder (after the libraries: the
+# ggml kernels are compiled once) and copies it, with libllama-common, into OUT_DIR; its
+# RUNPATH ($ORIGIN) finds the libraries there. Where SRC_DIR has common/ and
+# examples/speculative/ both calls configure with LLAMA_BUILD_COMMON=ON and
+# LLAMA_BUILD_EXAMPLES=ON (the same cache, so the second call reconfigures nothing), no HTTPS
+# (LLAMA_OPENSSL=OFF) and no subprocess support; else as below.
 set -euo pipefail
+tools=0
+if [ "${1:-}" = --tools ]; then
+    tools=1
+    shift
+fi
 if [ $# -ne 2 ]; then
-    echo "usage: $0 SRC_DIR OUT_DIR" >&2
+    echo "usage: $0 [--tools] SRC_DIR OUT_DIR" >&2
     exit 2
 fi
 src=$(cd "$1" && pwd)
@@ -53,14 +67,27 @@ fi
 plan=$("${PYTHON:-python3}" "$repo/scripts/llamacpp_build.py")
 accelerator=$(printf '%s\n' "$plan" | sed -n 1p)
 read -r -a plan_args <<<"$(printf '%s\n' "$plan" | sed -n 2p)"
+common=OFF
+if [ -d "$src/common" ] && [ -d "$src/examples/speculative" ]; then
+    common=ON  # llama-speculative can be built (--tools)
+elif [ "$tools" = 1 ]; then
+    echo "build: $src has no common/ and examples/speculative/: no llama-speculative" >&2
+    exit 1
+fi
 args=(
     -DBUILD_SHARED_LIBS=ON
     -DCMAKE_BUILD_TYPE=Release
     -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
-    -DLLAMA_BUILD_COMMON=OFF
     -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_SERVER=OFF
     "${plan_args[@]}"
+    # after the planner's (which turns examples off): the last -D of a name wins
+    -DLLAMA_BUILD_COMMON=$common
+    -DLLAMA_BUILD_EXAMPLES=$common
+    -DLLAMA_BUILD_TESTS=OFF
+    -DLLAMA_BUILD_TOOLS=OFF
+    -DLLAMA_OPENSSL=OFF
+    -DLLAMA_SUBPROCESS=OFF
 )
 if [ "$accelerator" = cuda ]; then
     args+=(-DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA=ON)
@@ -72,7 +99,12 @@ fi
 echo "build: $accelerator build of $src in $build"
 echo "build: cmake ${args[*]}"
 cmake -S "$src" -B "$build" "${generator[@]}" "${args[@]}"
-cmake --build "$build" --config Release --target llama -j"$(nproc)"
+if [ "$tools" = 1 ]; then
+    cmake --build "$build" --config Release --target llama-speculative -j"$(nproc)"
+    cp -a "$build/bin/llama-speculative" "$out/"
+else
+    cmake --build "$build" --config Release --target llama -j"$(nproc)"
+fi
 
 # every shared library the build made (libllama needs each of them), symlinks kept
 shopt -s nullglob

@@ -15,7 +15,9 @@
 #      graph replay against the uncaptured fused rounds,
 #      every method, exact SD's distribution on the GPU), then benchmarks/gpu_campaign.py.
 #   4. The llamacpp backend, once the build is done: `pytest -m gpu tests/test_gpu_llamacpp.py`,
-#      then benchmarks/gpu_campaign.py.
+#      then benchmarks/gpu_campaign.py, with llama.cpp's own llama-speculative on the 8B/1B
+#      GGUF files where the build made it (built after the libraries, in the same folder;
+#      benchmarks/llama_speculative_gpu.py).
 # --phase torch runs 1-3 (the build keeps going after it returns), --phase llamacpp runs 4
 # (waiting for the build): two commands of under 10 minutes each on a lent machine. The
 # default, --phase all, runs both. --budget-s S: start nothing after S seconds (what the
@@ -105,7 +107,10 @@ if [ "$PHASE" != torch ]; then
         "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu_llamacpp.py 2>&1 \
             | tee "$OUT/pytest-llamacpp.log" | tail -3
         log "llamacpp: benchmarks"
-        "${BENCH[@]}" --backends llamacpp --pairs llama,qwen \
+        SPEC=()  # llama.cpp's own tool, where this run builds llama.cpp (not the rehearsal)
+        [ -f "$WORK/build.started" ] && SPEC=(--llama-speculative "$LIBS/llama-speculative")
+        "${BENCH[@]}" --backends llamacpp --pairs llama,qwen "${SPEC[@]}" \
+            --pair-stats "${PAIR_STATS:-benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json}" \
             --deadline-s $(( BUDGET_S - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
         log "llamacpp: benchmarks exit $?"
     else

@@ -31,8 +31,11 @@ elif [ -d .campaign/llama.cpp ] && [ -d .campaign/llama_cpp ]; then
     if [ "${START_BUILD:-1}" = 1 ] && [ ! -f "$WORK/build.started" ]; then
         touch "$WORK/build.started"
         log "building llama.cpp in the background (log: build.log)"
+        # then llama.cpp's own llama-speculative in the same build folder (benchmarks only)
         setsid nohup nice -n "${BUILD_NICE:-10}" bash -c "bash scripts/build_llamacpp_libs.sh .campaign/llama.cpp '$LIBS' \
-            && touch '$WORK/build.ok'; touch '$WORK/build.done'" >"$WORK/build.log" 2>&1 </dev/null &
+            && touch '$WORK/build.ok'; touch '$WORK/build.done'; \
+            bash scripts/build_llamacpp_libs.sh --tools .campaign/llama.cpp '$LIBS'; \
+            touch '$WORK/tools.done'" >"$WORK/build.log" 2>&1 </dev/null &
     fi
 else
     log "no llama_cpp and no carried source (.campaign/): the llamacpp backend is skipped"

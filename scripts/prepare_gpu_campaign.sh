@@ -5,8 +5,10 @@
 #
 #   .campaign/llama.cpp/  llama.cpp as vendored by llama-cpp-python $VERSION, trimmed to what a
 #                         CMake build of the shared libraries llama + ggml (CPU, CUDA, RPC
-#                         backends; LLAMA_BUILD_COMMON=OFF) reads: no docs, models, tests,
-#                         examples, tools, common/, nor the other ggml backends.
+#                         backends) and of llama.cpp's own `llama-speculative` (common/ and
+#                         examples/speculative/; examples/CMakeLists.txt rewritten to enter that
+#                         one example) reads: no docs, models, tests, tools, other examples,
+#                         nor the other ggml backends.
 #   .campaign/llama_cpp/  llama-cpp-python's pure-Python package (no compiled libraries; it
 #                         loads libllama.so from $LLAMA_CPP_LIB_PATH, else from llama_cpp/lib/).
 #   .campaign/wheels/     cp312 manylinux x86_64 wheels of the Python packages the GPU image
@@ -99,11 +101,20 @@ for dir in "$lc"/vendor/*/; do
     name=$(basename "$dir")
     mkdir -p "$out/vendor/$name"
     case "$name" in
-        hash) cp -a "$dir"/. "$out/vendor/$name/" ;;  # a static library: its sources
-        cpp-httplib) ;;  # entered only with LLAMA_BUILD_COMMON
-        *) cp -a "$dir/CMakeLists.txt" "$out/vendor/$name/" ;;  # header-only
+        # hash: a static library; the others: what common/ (llama-speculative) includes
+        hash|cpp-httplib|nlohmann|sheredom) cp -a "$dir"/. "$out/vendor/$name/" ;;
+        *) cp -a "$dir/CMakeLists.txt" "$out/vendor/$name/" ;;  # header-only, unused
     esac
 done
+# llama-speculative (scripts/build_llamacpp_libs.sh --tools): common/ and the one example;
+# examples/ and pocs/ are entered together with LLAMA_BUILD_EXAMPLES, so both get a
+# CMakeLists.txt of their own that enters only what was carried
+cp -a "$lc/common" "$out/"
+mkdir -p "$out/examples" "$out/pocs"
+cp -a "$lc/examples/speculative" "$out/examples/"
+printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(speculative)\n' \
+    >"$out/examples/CMakeLists.txt"
+printf '# trimmed: no proofs of concept\n' >"$out/pocs/CMakeLists.txt"
 
 # 4. the wheels
 for spec in "${WHEELS[@]}"; do

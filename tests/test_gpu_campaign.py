@@ -210,3 +210,35 @@ def test_report_only_takes_each_rows_ar_from_its_own_call(tmp_path):
     assert "| smc-n4-k12 (call 2) | 1 | 128 | 300.0 | 1.50 |" in report
     assert "| ar (call 1) | 1 | 128 | 100.0 | 1.00 |" in report
     assert "--draft-tokens 12" in report
+
+
+def test_llama_speculative_log_gives_round_cost_and_a_labelled_prediction():
+    import llama_speculative_gpu as spec
+
+    # the lines llama-speculative's main() ends with (llama.cpp as vendored), log prefixes kept
+    log = "".join(
+        f"0.00.037.7{i:02d} I {line}\n"
+        for i, line in enumerate([
+            "encoded  128 tokens in    0.050 seconds, speed: 2560.000 t/s",
+            "decoded  130 tokens in    0.650 seconds, speed:  200.000 t/s", "",
+            "n_draft   = 8", "n_predict = 130", "n_drafted = 200", "n_accept  = 105",
+            "accept    = 52.500%",
+        ])
+    )  # fmt: skip
+    run = spec.parse(log, k=8)
+    assert run["rounds"] == 25 and run["round_s"] == pytest.approx(0.026)
+    assert (run["tokens"], run["accepted"], run["prompt_s"]) == (130, 105, 0.05)
+    with pytest.raises(ValueError, match="no timings"):
+        spec.parse("error: failed to load model\n", k=8)
+    # Leviathan et al. eq. 1: alpha 0 gives the bonus token only, alpha 1 all K + 1
+    assert spec.tokens_per_round(0.0, 8) == 1.0 and spec.tokens_per_round(1.0, 8) == 9.0
+    assert spec.tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    row = {"kind": "llama-speculative", "phase": 1, "backend": "llamacpp", "pair": "llama",
+           "k": 8, "round_s": 0.026, "tokens_per_s": 185.7, "decode_tokens_per_s": 200.0,
+           "acceptance_random_weights": 0.525, "alpha": 0.76, "reps": 3, "command": "x",
+           "predicted_tokens_per_s": spec.tokens_per_round(0.76, 8) / 0.026}  # fmt: skip
+    text = "\n".join(spec.report_lines([row], {(1, "llamacpp", "llama"): 150.0}))
+    assert (
+        "| llama | 8 | 26.00 | 185.7 | 200.0 | 0.53 | 146.7 (alpha 0.760) | 0.98 predicted |"
+        in text
+    )
