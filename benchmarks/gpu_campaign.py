@@ -58,6 +58,7 @@ import torch
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.architecture import ModelConfig
+from smcspec.backends.torch.kernels import EAGER, compiled_kernels
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
 from smcspec.eval.roofline import (
@@ -346,6 +347,7 @@ class System:
     batch: int = 1
     upper_bound: bool = False  # sd with draft = target
     rounds: str = "auto"  # the torch models' round mode (ROUND_MODES): auto = graphs on CUDA
+    compiled: bool = False  # torch: the layers' small kernels through torch.compile
 
     @property
     def label(self) -> str:
@@ -355,7 +357,8 @@ class System:
             name = f"sd-k{self.k} (draft=target)"
         else:
             name = f"smc-n{self.n}-k{self.k}"
-        return name if self.rounds == "auto" else f"{name} [{self.rounds}]"
+        name = name if self.rounds == "auto" else f"{name} [{self.rounds}]"
+        return f"{name} [compiled]" if self.compiled else name
 
 
 def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> dict:
@@ -364,6 +367,8 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
     for m in engine.models().values():  # torch models: how rounds run (steps or graphs)
         if hasattr(m, "rounds"):
             m.rounds = system.rounds
+        if hasattr(m, "use_kernels"):  # and with which small kernels
+            m.use_kernels(compiled_kernels() if system.compiled else EAGER)
     cfg = GenerationConfig(
         method=system.method,
         particles=max(system.n, 1),
@@ -424,14 +429,22 @@ def _small(stats: dict) -> dict:
 def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
     """The groups of systems compared side by side (each group alternated run by run): on
     torch with ``--compare-steps`` first ``ar`` and SMC-SD N=8 K=8 with rounds step by step
-    and as graphs; then the grid (``ar``, SMC-SD at every N x K, the acceptance-1 ``sd``
-    rows); then the batches."""
+    and as graphs; with ``--compare-compiled`` ``ar`` and SMC-SD with the layers' small
+    kernels as written and through ``torch.compile`` (:mod:`smcspec.backends.torch.kernels`);
+    then the grid (``ar``, SMC-SD at every N x K, the acceptance-1 ``sd`` rows); then the
+    batches."""
     groups = []
     if backend == "torch" and args.compare_steps:
         n, k = args.compare_steps
         groups.append(
             [System("ar", rounds="steps"), System("ar"),
              System("smc", n, k, rounds="steps"), System("smc", n, k)]
+        )  # fmt: skip
+    if backend == "torch" and args.compare_compiled:
+        n, k = args.compare_compiled
+        groups.append(
+            [System("ar"), System("ar", compiled=True),
+             System("smc", n, k), System("smc", n, k, compiled=True)]
         )  # fmt: skip
     grid = [System("smc", n, k) for n in args.particles for k in args.draft_tokens]
     groups.append([System("ar"), *grid])
@@ -679,6 +692,7 @@ def time_group(c: Campaign, engines: dict[str, Engine], group: list[System], bas
             batch=s.batch,
             upper_bound=s.upper_bound,
             rounds=s.rounds,
+            compiled=s.compiled,
             reps=len(runs),
             tokens_per_s=statistics.median(tps),
             all_tokens_per_s=tps,
@@ -860,7 +874,8 @@ def _tuned_lines(r: dict) -> list[str]:
 
 
 def _ar_key(r: dict) -> tuple:
-    return (r["phase"], r["backend"], r["pair"], r["group"], r["batch"], r["rounds"])
+    keys = ("phase", "backend", "pair", "group", "batch", "rounds")
+    return (*(r[k] for k in keys), r.get("compiled", False))
 
 
 def _report_line(r: dict, ar: dict, roof: dict, several: bool) -> str:
@@ -955,6 +970,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "both ways, in a first group ('none' for none)",
     )
     ap.add_argument(
+        "--compare-compiled",
+        default="8,8",
+        help="torch: N,K of the SMC-SD setting also run with the layers' small kernels "
+        "through torch.compile, beside ar both ways, in a group of its own ('none' for none)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="torch: one SMC-SD request under cProfile after each pair's groups",
@@ -1003,6 +1024,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     steps = "" if args.compare_steps == "none" else args.compare_steps
     args.compare_steps = tuple(int(x) for x in steps.split(",") if x) or None
+    compiled = "" if args.compare_compiled == "none" else args.compare_compiled
+    args.compare_compiled = tuple(int(x) for x in compiled.split(",") if x) or None
     args.workdir = args.workdir or str(Path(args.out) / "models")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")

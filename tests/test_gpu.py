@@ -184,3 +184,30 @@ def test_the_captured_prefill_matches_the_eager_one(tmp_path):
     torch.testing.assert_close(
         static.prefix_k.float(), eager.prefix_k.float(), rtol=2e-2, atol=2e-2
     )
+
+
+def test_compiled_kernels_replay_in_graphs_like_the_written_ones(tmp_path):
+    """The layer pieces through torch.compile (Triton kernels) captured in the rounds' CUDA
+    graphs: a forward's logits within bf16 tolerance of the written kernels', and every method
+    generating to the budget with them (the campaign's `[compiled]` rows)."""
+    from smcspec.backends.torch.kernels import EAGER, compiled_kernels
+
+    d = [make_tiny_hf_model(tmp_path / str(s), "llama", seed=s) for s in (0, 1)]
+    e = Engine(load_hf_dir(d[0], device="cuda", dtype="bfloat16"),
+               load_hf_dir(d[1], device="cuda", dtype="bfloat16"))  # fmt: skip
+    target = e.target.model
+    prompt = torch.arange(3, 40, device="cuda")
+    logits = {}
+    for name, kernels in (("eager", EAGER), ("compiled", compiled_kernels())):
+        target.use_kernels(kernels)
+        cache = target.new_cache(2, 8)
+        target.prefill(prompt, cache)
+        logits[name] = target.decode(torch.tensor([[5, 6], [7, 8]], device="cuda"), cache)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=2e-2, atol=2e-2)
+    for m in e.models().values():
+        m.use_kernels(compiled_kernels())
+        m.rounds = "graphs"
+    for method in ("ar", "sd", "smc"):
+        r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
+                                                  ignore_eos=True), chat=False)  # fmt: skip
+        assert r.new_tokens == 33

@@ -70,10 +70,13 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
         backends.append("llamacpp")
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
-    # torch: llama (ar and smc-n8-k8 as steps and graphs; ar + 2x2 smc + 2 sd; ar and smc at
-    # batch 4), then qwen32 and llama70 (ar + 2 smc + 2 sd; batch 4)
-    assert len(torch_runs) == 4 + 7 + 2 + 2 * 7
+    # torch: llama (ar and smc-n8-k8 as steps and graphs, and with the written and the compiled
+    # kernels; ar + 2x2 smc + 2 sd; ar and smc at batch 4), then qwen32 and llama70 (ar + 2 smc
+    # + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 4 + 7 + 2 + 2 * 7
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
+    compiled = [r["system"] for r in torch_runs if r["compiled"]]
+    assert compiled == ["ar [compiled]", "smc-n8-k8 [compiled]"]
     # llamacpp: 2 pairs x (ar + 2x2 smc + 2 sd upper bounds + ar and smc at batch 4)
     assert len(runs) - len(torch_runs) == (2 * 9 if "llamacpp" in backends else 0)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)

@@ -35,6 +35,7 @@ from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowPlan
 from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.graphs import RoundFn, run_round
+from smcspec.backends.torch.kernels import EAGER, LayerKernels
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.backends.torch.static_cache import StaticKVCache, StaticSlots
 
@@ -88,13 +89,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = EAGER  # see Transformer.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32, cast back, times the weight: transformers'
-        # order; F.rms_norm is the same arithmetic (bit for bit on the CPU), one fused kernel
-        # on CUDA where PyTorch has it, instead of five
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -109,12 +107,6 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if layer.bias is not None:
         out = out + layer.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 @dataclass
@@ -178,6 +170,7 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.d)
+        self.kernels = EAGER  # see Transformer.use_kernels
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -188,7 +181,9 @@ class Block(nn.Module):
         qkv = linear(self.attn_norm(x), self.qkv)
         qk, v = qkv.split([(self.h + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         # queries and keys rotated together: the same elementwise arithmetic, half the kernels
-        qk = _rotate(qk.reshape(m, self.h + self.hkv, self.d), cos[:, None, :], sin[:, None, :])
+        qk = self.kernels.rotate(
+            qk.reshape(m, self.h + self.hkv, self.d), cos[:, None, :], sin[:, None, :]
+        )
         q, k = qk.split([self.h, self.hkv], dim=1)
         return q, k, v.view(m, self.hkv, self.d)
 
@@ -196,7 +191,7 @@ class Block(nn.Module):
         """The residual stream after the attention output ``attn`` ``[M, H*D]`` and the MLP."""
         x = x + linear(attn, self.o)
         gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        return x + linear(self.kernels.silu_mul(gate, up), self.down)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
@@ -297,26 +292,8 @@ class Block(nn.Module):
         mask_prefix: torch.Tensor | None,
         mask_suffix: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of grouped queries ``qg`` ``[R, Hkv, g*T, D]`` over the shared prompt's
-        keys/values ``pk``/``pv`` ``[Hkv, P, D]`` and each row's suffix ``sk``/``sv``
-        ``[R, Hkv, S, D]``; True in ``mask_prefix`` ``[P]`` (or None) and ``mask_suffix``
-        ``[g*T, S]`` hides a position. Scores and softmax in float32. Returns
-        ``[R, Hkv, g*T, D]``."""
-        r, hkv, gt, d = qg.shape
-        p_len = pk.shape[1]
-        # the prefix is shared: fold the rows into one [Hkv, R*g*T, D] product with it (a
-        # broadcast [R, ...] @ [1, ...] product would copy the prefix once per row)
-        qf = qg.transpose(0, 1).reshape(hkv, r * gt, d)
-        s_pre = (qf @ pk.transpose(-1, -2)).view(hkv, r, gt, p_len).transpose(0, 1)
-        scores = torch.cat((s_pre, qg @ sk.transpose(-1, -2)), dim=-1)
-        scores = scores.float() * self.scale
-        if mask_prefix is not None:
-            scores[..., :p_len].masked_fill_(mask_prefix, float("-inf"))
-        scores[..., p_len:].masked_fill_(mask_suffix, float("-inf"))
-        probs = scores.softmax(dim=-1).to(qg.dtype)
-        p_pre = probs[..., :p_len].transpose(0, 1).reshape(hkv, r * gt, p_len)
-        o_pre = (p_pre @ pv).view(hkv, r, gt, d).transpose(0, 1)
-        return o_pre + probs[..., p_len:] @ sv  # [R, Hkv, g*T, D]
+        """:func:`smcspec.backends.torch.kernels.attend` at this layer's scale."""
+        return self.kernels.attend(qg, pk, pv, sk, sv, mask_prefix, mask_suffix, self.scale)
 
 
 class Transformer(nn.Module):
@@ -344,6 +321,19 @@ class Transformer(nn.Module):
         self.rounds = "auto"  # see ROUND_MODES
         self.static_slots = StaticSlots(self._make_static)
         self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
+        self.kernels = EAGER  # see use_kernels
+
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Run every layer's norms, RoPE, gating and attention with ``kernels``
+        (:data:`~smcspec.backends.torch.kernels.EAGER`, the default, or
+        :func:`~smcspec.backends.torch.kernels.compiled_kernels`). Captured rounds are kept
+        per kernel set: the static caches' graphs are dropped when it changes."""
+        if kernels is self.kernels:
+            return
+        for m in self.modules():
+            if hasattr(m, "kernels"):
+                m.kernels = kernels
+        self.release_static()
 
     @property
     def round_mode(self) -> str:
