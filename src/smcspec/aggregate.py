@@ -55,8 +55,8 @@ def weighted_vote(
         weights: the particles' normalised (or any non-negative, finite) weights.
 
     Returns:
-        The winner (ties go to the answer whose first particle comes first), or None when no
-        particle with positive weight has an answer.
+        The winner (ties go to the answer whose first particle with positive weight comes
+        first), or None when no particle with positive weight has an answer.
 
     Raises:
         ValueError: lengths differ, or a weight is negative or not finite.
