@@ -120,6 +120,29 @@ def test_fused_ar_steps_draw_what_the_steps_draw(pair, temperature):
     _same(_run(decode_ar, target, "steps", cfg), _run(decode_ar, target, "eager", cfg))
 
 
+def test_pipelined_ar_rounds_stop_where_the_steps_stop(pair, monkeypatch):
+    """The fused ar rounds launch round t+1 before reading round t's token: at a stop token
+    one round more than the answer needs has run (its token dropped), and the answer is the
+    step path's, token for token."""
+    cfg = GenerationConfig(method="ar", max_new_tokens=60, temperature=1.0)
+    target = pair[:1]
+    steps = _run(decode_ar, target, "steps", cfg, stop=frozenset({3}))
+    assert steps.tokens[-1] == 3 and len(steps.tokens) < 60  # it stopped early
+    rounds = []
+    real = type(target[0]).run_round
+
+    def count(model, *args, **kwargs):
+        rounds.append(1)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(type(target[0]), "run_round", count)
+    fused = _run(decode_ar, target, "eager", cfg, stop=frozenset({3}))
+    _same(steps, fused)
+    # the prefill (a round too on a static cache), a round per token after the prefill's
+    # first one, and the round launched before the stop token was read
+    assert len(rounds) == 1 + (len(fused.tokens) - 1) + 1
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_fused_rounds_on_a_real_architecture(tmp_path, family):
     """GQA, biases, tied or untied embeddings, a prompt that is not a power of two: the

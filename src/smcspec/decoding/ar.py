@@ -11,10 +11,11 @@ from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import run_on_caches
 from smcspec.decoding.decoder_stats import ArStats
-from smcspec.decoding.fused import ar_step, fused_rounds, is_static, plain
+from smcspec.decoding.fused import HostCopy, ar_round, check_ok, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.errors import ContextLengthError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
@@ -63,8 +64,10 @@ def _ar_steps(job: Job, cache: KVCache) -> Program:
     cfg, target, vocab, generator = job.config, job.target, job.vocab, job.generator
     state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
     logits = (yield Prefill(target, as_prompt_tensor(job.ids, target.device), cache))[:vocab]
-    fused = state is None and is_static(cache)
     tok = _next_token(logits, cfg, state, vocab, generator)
+    if state is None and is_static(cache):  # each forward and draw as one round on the device
+        out = yield from _pipelined_rounds(job, cache, tok)
+        return DecodeOutput(tokens=out, stats=ArStats(len(out), None))
     out: list[int] = []
     while True:
         out.append(tok)
@@ -74,14 +77,51 @@ def _ar_steps(job: Job, cache: KVCache) -> Program:
             break
         if state is not None:
             state.consume([tok])
-        if fused:  # the forward and the next draw as one round on the device
-            tok = yield from ar_step(job, cache, tok)
-            continue
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
         tok = _next_token(logits, cfg, state, vocab, generator)
     stats = ArStats(len(out), clock.seconds if clock is not None else None)
     return DecodeOutput(tokens=out, stats=stats)
+
+
+def _pipelined_rounds(job: Job, cache: KVCache, first: int) -> Program:
+    """The tokens of fused ``ar`` rounds (:func:`~smcspec.decoding.fused.ar_round`) after
+    ``first``, pipelined: round t+1 is launched, fed round t's token on the device, before
+    round t's token is read on the host (:class:`~smcspec.decoding.fused.HostCopy`), so that
+    the host's work (the read, streaming, the stop test, the next inputs) overlaps the
+    device's forward. Where round t's token ends the answer, round t+1 was launched for
+    nothing: one forward more than the answer needs, the price of never waiting for the
+    device. The uniforms are drawn in the step path's order, so the tokens are its tokens
+    for a seed. A full cache raises ContextLengthError only when the round it refused is
+    needed."""
+    cfg, out = job.config, []
+
+    def take(tok: int) -> bool:  # True: the answer ends here
+        out.append(tok)
+        if job.on_tokens:
+            job.on_tokens([tok])
+        return tok in job.stop_ids or len(out) >= cfg.max_new_tokens
+
+    if take(first):
+        return out
+    nxt = torch.full((1, 1), first, dtype=torch.long, device=job.device)
+    inflight: HostCopy | None = None
+    while True:
+        launched, refused = None, None
+        if len(out) + (inflight is not None) < cfg.max_new_tokens:
+            try:
+                res = yield from ar_round(job, cache, nxt)
+                launched, nxt = HostCopy(res), res["token"].view(1, 1)
+            except ContextLengthError as exc:
+                refused = exc
+        if inflight is not None:
+            done = inflight.get()
+            check_ok(done)
+            if take(int(done["token"])):
+                return out
+        if launched is None:  # needed (the answer goes on) but refused
+            raise refused or AssertionError("a needed round was not launched")
+        inflight = launched
 
 
 def _next_token(

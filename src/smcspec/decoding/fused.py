@@ -13,7 +13,8 @@ runs captured as a CUDA graph (:mod:`smcspec.backends.torch.graphs`):
   target's forward over the N x (K+1) block, the drafted tokens' ``log p~``, the bonus token
   from ``∝ p~^alpha`` and its log-weight. Weights, ESS, resampling and banking stay in the
   decoder (they read a few numbers per round, once).
-* :func:`ar_step`: one target forward and the next token's draw.
+* :func:`ar_round`: one target forward and the next token's draw; the ar decoder launches
+  the next round before it reads this one's token (:class:`HostCopy`).
 * :func:`sd_round`: K draft steps, the target's forward over ``[pending, d_1..d_K]``, the
   speculative test (Leviathan et al. 2023, Alg. 1) and the token after the accepted prefix.
 
@@ -194,16 +195,17 @@ def _draft_steps(
 
 
 # ------------------------------------------------------------------------------- ar
-def ar_step(job: Job, cache: KVCache, token: int) -> Generator[Round, Tensors, int]:
-    """Feed ``token`` to the target and draw the next one (tempered, truncated by top-k and
-    min-p, a point mass when greedy) as one :class:`Round`; returns the next token.
-    Raises NumericalError (NaN logits), ContextLengthError (the cache is full)."""
+def ar_round(job: Job, cache: KVCache, token: torch.Tensor) -> Generator[Round, Tensors, Tensors]:
+    """Feed ``token`` (int64 ``[1, 1]`` on the device) to the target and draw the next one
+    (tempered, truncated by top-k and min-p, a point mass when greedy) as one :class:`Round`;
+    returns its outputs, still on the device: ``token`` int64 ``[1]`` and ``ok`` (read them
+    with :class:`HostCopy`). Raises ContextLengthError (the cache is full) before the round."""
     cfg, dev, vocab, target = job.config, job.device, job.vocab, job.target
     start = _claim(cache, 1)
     span = window(start + 1)
     trunc = cfg.truncation
     inputs = {
-        "token": torch.full((1, 1), token, dtype=torch.long, device=dev),
+        "token": token,
         "start": _scalar(start, dev),
         "u": draw_uniforms(1, job.generator, dev),
     }
@@ -218,9 +220,39 @@ def ar_step(job: Job, cache: KVCache, token: int) -> Generator[Round, Tensors, i
         nxt, valid = categorical_from_uniforms(lp.exp(), x["u"])
         return {"token": nxt, "ok": valid & ~nan_rows(lp)}
 
-    out = yield Round(target, cache, key, fn, inputs)
-    check_ok(out)
-    return int(out["token"])
+    return (yield Round(target, cache, key, fn, inputs))
+
+
+class HostCopy:
+    """A round's outputs on their way to the host while the device runs on.
+
+    On CUDA the copies go into pinned host memory without blocking and an event marks their
+    end: :meth:`get` waits for that event only, not for rounds launched after it (the host can
+    launch round t+1 before it reads round t). Elsewhere the outputs are already there.
+
+    Args:
+        outputs: the round's tensors (what :class:`Round` is answered with).
+    """
+
+    def __init__(self, outputs: Tensors) -> None:
+        self.event = None
+        if any(t.is_cuda for t in outputs.values()):
+            self.values = {
+                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                    t, non_blocking=True
+                )
+                for name, t in outputs.items()
+            }
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = outputs
+
+    def get(self) -> Tensors:
+        """The outputs on the host, once their copies are done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values
 
 
 # ------------------------------------------------------------------------------- sd
