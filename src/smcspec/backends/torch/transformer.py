@@ -237,10 +237,9 @@ class Block(nn.Module):
         sk = cache.suffix_k[self.layer, :, :, : view.suffix_window]  # [R, Hkv, Sw, D]
         sv = cache.suffix_v[self.layer, :, :, : view.suffix_window]
         g = self.h // self.hkv
-        out = self._attend(
-            q.reshape(r, self.hkv, g * t, self.d), pk, pv, sk, sv, view.mask_prefix,
-            view.mask_suffix,
-        )  # fmt: skip
+        qg = q.reshape(r, self.hkv, g * t, self.d)
+        masks = view.mask_prefix, view.mask_suffix
+        out = self.kernels.attend(qg, pk, pv, sk, sv, *masks, self.scale)
         out = out.view(r, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)
         return self.finish(x, out.reshape(r * t, self.h * self.d))
 
@@ -279,21 +278,8 @@ class Block(nn.Module):
         qpos = torch.arange(t, device=q.device).repeat(g) + start  # [g*T]
         spos = torch.arange(end, device=q.device)
         mask = spos[None, :] > qpos[:, None]  # [g*T, S]
-        out = self._attend(qg, pk[0], pv[0], sk, sv, None, mask)  # [R, Hkv, g*T, D]
+        out = self.kernels.attend(qg, pk[0], pv[0], sk, sv, None, mask, self.scale)
         return out.view(r, self.hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(r, t, self.h * d)
-
-    def _attend(
-        self,
-        qg: torch.Tensor,
-        pk: torch.Tensor,
-        pv: torch.Tensor,
-        sk: torch.Tensor,
-        sv: torch.Tensor,
-        mask_prefix: torch.Tensor | None,
-        mask_suffix: torch.Tensor,
-    ) -> torch.Tensor:
-        """:func:`smcspec.backends.torch.kernels.attend` at this layer's scale."""
-        return self.kernels.attend(qg, pk, pv, sk, sv, mask_prefix, mask_suffix, self.scale)
 
 
 class Transformer(nn.Module):
