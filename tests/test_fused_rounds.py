@@ -317,3 +317,29 @@ def test_the_captured_prefill_matches_the_eager_one(tmp_path, family):
         assert static.prompt_window == 64 and int(static.prompt_len_t) == 37
     finally:
         model.rounds = "auto"
+
+
+def test_captured_rounds_are_keyed_by_the_kernel_set(pair, monkeypatch):
+    """A graph replays the kernels it captured: rounds run with compiled kernels are kept
+    under their own keys, so switching kernel sets never replays the other set's graph."""
+    from smcspec.backends.torch import transformer
+    from smcspec.backends.torch.kernels import EAGER
+
+    keys = []
+    real = transformer.run_round
+
+    def record(mode, graphs, key, *args):
+        keys.append(key)
+        return real(mode, graphs, key, *args)
+
+    monkeypatch.setattr(transformer, "run_round", record)
+    cfg = GenerationConfig(method="ar", max_new_tokens=3, temperature=1.0)
+    model = pair[0]
+    _run(decode_ar, (model,), "eager", cfg)
+    model.use_kernels(replace(EAGER, compiled=True))  # the written functions, marked compiled
+    try:
+        _run(decode_ar, (model,), "eager", cfg)
+    finally:
+        model.use_kernels(EAGER)
+    half = len(keys) // 2
+    assert keys[half:] == [(*k, "compiled") for k in keys[:half]]

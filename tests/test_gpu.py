@@ -211,3 +211,5 @@ def test_compiled_kernels_replay_in_graphs_like_the_written_ones(tmp_path):
         r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
                                                   ignore_eos=True), chat=False)  # fmt: skip
         assert r.new_tokens == 33
+    graphs = [k for c in target.static_slots.slots for k in c.graphs]
+    assert graphs and all(k[-1] == "compiled" for k in graphs)  # captured with them

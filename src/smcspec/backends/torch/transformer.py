@@ -313,13 +313,11 @@ class Transformer(nn.Module):
         """Run every layer's norms, RoPE, gating and attention with ``kernels``
         (:data:`~smcspec.backends.torch.kernels.EAGER`, the default, or
         :func:`~smcspec.backends.torch.kernels.compiled_kernels`). Captured rounds are kept
-        per kernel set: the static caches' graphs are dropped when it changes."""
-        if kernels is self.kernels:
-            return
+        per kernel set (:meth:`run_round`), so switching back and forth captures nothing
+        again."""
         for m in self.modules():
             if hasattr(m, "kernels"):
                 m.kernels = kernels
-        self.release_static()
 
     @property
     def round_mode(self) -> str:
@@ -405,8 +403,12 @@ class Transformer(nn.Module):
         inputs: dict[str, torch.Tensor],
     ) -> dict[str, torch.Tensor]:
         """Run a decoder's round ``fn(inputs)`` as :attr:`round_mode` says, its graph kept
-        with ``cache`` under ``key`` (:func:`smcspec.backends.torch.graphs.run_round`)."""
+        with ``cache`` under ``key`` (:func:`smcspec.backends.torch.graphs.run_round`), and
+        under ``(*key, "compiled")`` when the layers run :attr:`kernels` that are compiled
+        (a graph replays the kernels it captured)."""
         cache.rounds_run += 1
+        if self.kernels.compiled:
+            key = (*key, "compiled")
         with torch.inference_mode():
             return run_round(self.round_mode, cache.graphs, key, fn, inputs, self)
 
