@@ -340,7 +340,10 @@ def test_grid_caps_large_forwards_but_keeps_the_floor():
     assert [s.name for s in grid.settings(4, with_draft=False)] == ["ar", "sd-ngram-k4"]
     assert [s.name for s in grid.settings(4, with_draft=False, ngram=False)] == ["ar"]
     gpu, cpu = default_grid("cuda:0"), default_grid("cpu")
-    assert gpu.max_forward_tokens >= 16 * 9 > cpu.max_forward_tokens
+    assert gpu.max_forward_tokens >= 16 * 33 > 16 * 9 > cpu.max_forward_tokens
+    assert max(gpu.draft_tokens) == 32 > max(cpu.draft_tokens) == 8  # long drafts on a GPU
+    big = [s.name for s in gpu.settings(4) if s.method == "smc"]
+    assert "smc-n16-k32" in big and "smc-n8-k12" in big
 
 
 # ------------------------------------------------------------------ measuring and the cache

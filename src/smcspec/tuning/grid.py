@@ -14,6 +14,10 @@ cost nearly what separate ones do; with distinct rows a forward computes about h
 them, so N=16 K=4 can be a candidate)."""
 
 GPU_MAX_FORWARD_TOKENS = 1024
+GPU_DRAFT_TOKENS = (2, 4, 8, 12, 16, 32)
+"""K values a GPU measures: long drafts were its fastest SMC-SD settings on an H200 (N=8 K=32
+1.97x `ar`, docs/benchmarks/gpu-h200-graphs/); the fidelity floor decides whether a pair can
+afford them (the default pair's predicted ESS falls below 4 from K = 8 at N <= 16)."""
 
 NGRAM_DRAFT_TOKENS = GenerationConfig().draft_tokens
 """K of the n-gram sd setting the tuner predicts: the default ``draft_tokens`` (4, the n-gram
@@ -77,9 +81,9 @@ class TuningGrid:
 
 def default_grid(device: str) -> TuningGrid:
     """The default grid for ``device`` (``cpu`` or ``cuda[:i]``): a GPU measures every N up
-    to 16 at every K (its batched rows are where SMC-SD can win)."""
+    to 16 at every K of :data:`GPU_DRAFT_TOKENS` (its batched rows are where SMC-SD can win)."""
     if str(device).startswith("cuda"):
-        return TuningGrid(max_forward_tokens=GPU_MAX_FORWARD_TOKENS)
+        return TuningGrid(draft_tokens=GPU_DRAFT_TOKENS, max_forward_tokens=GPU_MAX_FORWARD_TOKENS)
     return TuningGrid()
 
 
