@@ -1022,14 +1022,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.speculative_k = [int(x) for x in args.speculative_k.split(",")]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
-    steps = "" if args.compare_steps == "none" else args.compare_steps
-    args.compare_steps = tuple(int(x) for x in steps.split(",") if x) or None
-    compiled = "" if args.compare_compiled == "none" else args.compare_compiled
-    args.compare_compiled = tuple(int(x) for x in compiled.split(",") if x) or None
+    args.compare_steps = _n_k(args.compare_steps)
+    args.compare_compiled = _n_k(args.compare_compiled)
     args.workdir = args.workdir or str(Path(args.out) / "models")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     return args
+
+
+def _n_k(text: str) -> tuple[int, ...] | None:
+    """``"N,K"`` as ``(N, K)``; ``"none"`` or empty as None."""
+    text = "" if text == "none" else text
+    return tuple(int(x) for x in text.split(",") if x) or None
 
 
 def main(argv: list[str] | None = None) -> int:
