@@ -620,10 +620,12 @@ def run_llama_speculative(c: Campaign, target, draft, base: dict) -> None:
         return
     alpha = None
     if c.args.pair_stats:
+        from smcspec.config import GenerationConfig
         from smcspec.tuning.cache import sampling_key
         from smcspec.tuning.pair_stats import read_pair_stats
 
-        acc = read_pair_stats(c.args.pair_stats).for_sampling(sampling_key(0.7, 0.7, 0, 1.0, 0.0))
+        t07 = sampling_key(GenerationConfig(temperature=0.7, draft_temperature=0.7))
+        acc = read_pair_stats(c.args.pair_stats).for_sampling(t07)
         alpha = acc["alpha"]
     llama_speculative_gpu.measure(c, binary, target.path, draft.path, base, alpha)
 

@@ -82,9 +82,10 @@ def run(out: Path, threads: int | None) -> None:
 def _costs(costs_dir: Path):
     """The cost file of this machine with the agreement profiles at T = 0.7 (written by the
     tuner: run ``smcspec bench --predict`` once): (ForwardCosts, file name)."""
+    from smcspec.config import GenerationConfig
     from smcspec.tuning.cache import machine_name, read_costs, sampling_key
 
-    acc_key = sampling_key(0.7, 0.7, 0, 1.0, 0.0)
+    acc_key = sampling_key(GenerationConfig(temperature=0.7, draft_temperature=0.7))
     for path in sorted(costs_dir.glob("*.json")):
         key = json.loads(path.read_text()).get("key", {})
         if key.get("backend") != "llamacpp" or key.get("machine") != machine_name("cpu"):

@@ -6,12 +6,14 @@ clear error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import test_tuning
 
 from smcspec import ConfigError
 from smcspec.cli import main
+from smcspec.config import GenerationConfig
 from smcspec.models.loading import cache_root
 from smcspec.tuning import tune
 from smcspec.tuning import tuner as tuner_module
@@ -19,7 +21,8 @@ from smcspec.tuning.cache import read_costs, sampling_key
 from smcspec.tuning.pair_stats import read_pair_stats, write_pair_stats
 
 gguf_pair, engine, own_cache = test_tuning.gguf_pair, test_tuning.engine, test_tuning.own_cache
-ACC_KEY = sampling_key(0.7, 0.7, 0, 1.0, 0.0)  # GenerationConfig()'s
+ACC_KEY = sampling_key(GenerationConfig())
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _refuse(*args, **kwargs):
@@ -143,3 +146,12 @@ def test_the_cli_exports_the_pair_stats_and_tunes_from_them(gguf_pair, own_cache
     assert "not a valid pair-statistics file" in capsys.readouterr().err
     assert main(["bench", *model, "--export-pair-stats", str(out)]) != 0
     assert "--export-pair-stats goes with --predict" in capsys.readouterr().err
+
+
+def test_the_sampling_key_of_a_config_reads_the_committed_pair_file():
+    """The key is spelled once, from a config; the committed file (written under the
+    defaults) is found under it, and another temperature is another key."""
+    committed = read_pair_stats(REPO / "benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json")
+    assert committed.for_sampling(ACC_KEY)["alpha"] == pytest.approx(0.76, abs=0.005)
+    assert sampling_key(GenerationConfig(temperature=1.0)) != ACC_KEY
+    assert sampling_key(GenerationConfig(top_k=40)) != ACC_KEY

@@ -74,9 +74,7 @@ def _export_pair_stats(path: str, engine, tuning, base: GenerationConfig) -> Non
 
     if tuning.acceptance is None:
         raise ConfigError("--export-pair-stats needs a draft model: no acceptance was measured")
-    acc_key = sampling_key(
-        base.temperature, base.draft_temperature, base.top_k, base.top_p, base.min_p
-    )
+    acc_key = sampling_key(base)
     out = write_pair_stats(
         path, engine.target.path, engine.draft.path, tuning.key["machine"],
         {acc_key: tuning.acceptance},

@@ -28,6 +28,7 @@ from smcspec.models.loading import cache_root
 from smcspec.tuning.predict import ForwardCosts, Shape, alpha_interval
 
 if TYPE_CHECKING:
+    from smcspec.config import GenerationConfig
     from smcspec.tuning.tunable import TunablePair
 
 FORMAT_VERSION = 1
@@ -174,10 +175,13 @@ def cache_file(key: dict[str, Any], root: Path | None = None) -> Path:
     return (root or cache_root()) / "costs" / f"{digest}.json"
 
 
-def sampling_key(temperature: float, draft_temperature: float, top_k: int, top_p: float,
-                 min_p: float) -> str:  # fmt: skip
-    """The key of an acceptance measurement: alpha depends on the temperatures and filters."""
-    return f"T={temperature},Td={draft_temperature},top_k={top_k},top_p={top_p},min_p={min_p}"
+def sampling_key(config: GenerationConfig) -> str:
+    """The key of an acceptance measurement: alpha depends on the temperatures and filters
+    of ``config``. ``GenerationConfig()`` (the defaults) gives
+    ``"T=0.7,Td=0.7,top_k=0,top_p=1.0,min_p=0.0"``, the key of the committed pair files."""
+    c = config
+    filters = f"top_k={c.top_k},top_p={c.top_p},min_p={c.min_p}"
+    return f"T={c.temperature},Td={c.draft_temperature},{filters}"
 
 
 def _shape_key(shape: Shape) -> str:

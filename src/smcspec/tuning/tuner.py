@@ -152,7 +152,7 @@ def tune(
     key = cost_key(engine, grid.context)
     path = cache_file(key)
     record = CostRecord() if remeasure else read_costs(path, key)
-    acc_key = sampling_key(cfg.temperature, cfg.draft_temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    acc_key = sampling_key(cfg)
     others = None if remeasure else path.parent.parent  # remeasure: measure everything here
     acceptance, source = (
         _known_acceptance(record, key, acc_key, pair_stats, others) if with_draft else (None, None)
