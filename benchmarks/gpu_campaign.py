@@ -58,6 +58,7 @@ import torch
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.architecture import ModelConfig
+from smcspec.backends.torch.fp8 import convert_to_fp8
 from smcspec.backends.torch.kernels import EAGER, compiled_kernels
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
@@ -305,8 +306,14 @@ def load_pair(
 
     if backend == "torch":
         dtype = torch.bfloat16 if gpu else torch.float32
+        # FP8: the projections only (smcspec.backends.torch.fp8); the target converted before
+        # the draft is made (70B: 131.4 GiB in bf16 leaves too little beside a bf16 draft)
         t = torch_model(target_shape, args.device, dtype, seed=1)
+        if args.weights == "fp8":
+            convert_to_fp8(t)
         d = torch_model(draft_shape, args.device, dtype, seed=2)
+        if args.weights == "fp8":
+            convert_to_fp8(d)
         return (
             wrap(t, target_shape, workdir),
             wrap(d, draft_shape, workdir),
@@ -495,7 +502,9 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     t0 = time.perf_counter()
     upper = pair_name in args.upper_bound_pairs or backend == "torch"  # torch: no second copy
     target, draft, copy = load_pair(backend, pair, args, workdir, upper)
-    base = dict(backend=backend, pair=pair_name, target=pair[0].name, draft=pair[1].name)
+    fp8 = backend == "torch" and args.weights == "fp8"
+    label = f"{pair_name}-fp8" if fp8 else pair_name  # its rows are compared among themselves
+    base = dict(backend=backend, pair=label, target=pair[0].name, draft=pair[1].name)
     c.row(
         kind="load",
         seconds=round(time.perf_counter() - t0, 2),
@@ -504,6 +513,7 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         # what llama.cpp's CUDA backend saw (smcspec sets it where layers are offloaded)
         ggml_cuda_disable_graphs=os.environ.get("GGML_CUDA_DISABLE_GRAPHS"),
         logits_device=str(target.model.device),
+        weights="fp8" if fp8 else "native",
         **base,
     )
     engines = {"pair": Engine(target, draft)}
@@ -517,6 +527,8 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         time_group(c, engines, group, {**base, "group": i})
     if args.profile and backend == "torch" and c.left() > args.min_step_s:
         profile_round(c, engines, base)
+    if args.compare_fp8 and backend == "torch" and args.weights != "fp8":
+        fp8_group(c, engines, target.model, draft.model, base)  # last: it converts the models
     if args.llama_speculative and backend == "llamacpp" and pair_name == "llama":
         run_llama_speculative(c, target, draft, base)
     for m in {id(x.model): x.model for x in (target, draft, copy) if x is not None}.values():
@@ -529,33 +541,36 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         torch.cuda.empty_cache()
 
 
-def rooflines(c: Campaign, backend: str, target, draft, base: dict) -> None:
-    """Per (N, K): the roofline from measured forward costs (``roofline`` rows: the step
-    forwards; on torch also ``roofline-fused``, the static forwards fused rounds run, graph
-    replays on CUDA) and the bound from weight bytes over ``--bandwidth`` (``bound`` rows)."""
+def rooflines(
+    c: Campaign, backend: str, target, draft, base: dict, settings: list | None = None
+) -> None:
+    """Per (N, K) of ``settings`` (default: the grid): the roofline from measured forward costs
+    (``roofline`` rows: the step forwards; on torch also ``roofline-fused``, the static
+    forwards fused rounds run, graph replays on CUDA) and the bound from weight bytes over
+    ``--bandwidth`` (``bound`` rows)."""
     args = c.args
     fused = backend == "torch"  # on a CPU the fused forwards run uncaptured (the rehearsal)
-    for n in args.particles:
-        for k in args.draft_tokens:
-            if c.left() < args.min_step_s:
-                c.skip(f"{base['backend']}/{base['pair']} roofline n{n} k{k}: out of time")
-                return
-            for m in (target, draft):  # the step-by-step forwards (eager on torch)
-                if hasattr(m, "rounds"):
-                    m.rounds = "steps"
-            costs = smc_forward_costs(target, draft, n, k)
-            c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k),
+    grid = [(n, k) for n in args.particles for k in args.draft_tokens]
+    for n, k in settings or grid:
+        if c.left() < args.min_step_s:
+            c.skip(f"{base['backend']}/{base['pair']} roofline n{n} k{k}: out of time")
+            return
+        for m in (target, draft):  # the step-by-step forwards (eager on torch)
+            if hasattr(m, "rounds"):
+                m.rounds = "steps"
+        costs = smc_forward_costs(target, draft, n, k)
+        c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k),
+              **base)  # fmt: skip
+        if fused:
+            target.rounds = draft.rounds = "graphs"
+            costs = static_forward_costs(target, draft, n, k)
+            c.row(kind="roofline-fused", n=n, k=k, costs_s=costs,
+                  **predicted_speedup(costs, n, k), **base)  # fmt: skip
+        if backend == "torch":
+            tb, db = weight_bytes_read(target), weight_bytes_read(draft)
+            c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,
+                  bandwidth=args.bandwidth, **physics_bound(tb, db, n, k, args.bandwidth),
                   **base)  # fmt: skip
-            if fused:
-                target.rounds = draft.rounds = "graphs"
-                costs = static_forward_costs(target, draft, n, k)
-                c.row(kind="roofline-fused", n=n, k=k, costs_s=costs,
-                      **predicted_speedup(costs, n, k), **base)  # fmt: skip
-            if backend == "torch":
-                tb, db = weight_bytes_read(target), weight_bytes_read(draft)
-                c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,
-                      bandwidth=args.bandwidth, **physics_bound(tb, db, n, k, args.bandwidth),
-                      **base)  # fmt: skip
 
 
 # settings whose answers were measured with real weights (GSM8K, first 100 or all 400 questions:
@@ -628,6 +643,26 @@ def run_llama_speculative(c: Campaign, target, draft, base: dict) -> None:
         acc = read_pair_stats(c.args.pair_stats).for_sampling(t07)
         alpha = acc["alpha"]
     llama_speculative_gpu.measure(c, binary, target.path, draft.path, base, alpha)
+
+
+def fp8_group(c: Campaign, engines: dict[str, Engine], target, draft, base: dict) -> None:
+    """``--compare-fp8 N,K``: the pair's projections converted to FP8 in place
+    (:func:`~smcspec.backends.torch.fp8.convert_to_fp8`; nothing runs on the bf16 models after
+    it), then the roofline and bound of N, K and a group of ``ar`` and SMC-SD N, K, under the
+    pair label ``PAIR-fp8`` (an ``fp8`` row: the seconds and bytes the conversion took and
+    saved)."""
+    args = c.args
+    if c.left() < args.min_step_s:
+        c.skip(f"{base['backend']}/{base['pair']} FP8 group: out of time")
+        return
+    t0 = time.perf_counter()
+    saved = convert_to_fp8(target) + convert_to_fp8(draft)
+    fp8 = {**base, "pair": f"{base['pair']}-fp8"}
+    c.row(kind="fp8", seconds=round(time.perf_counter() - t0, 2), bytes_saved=saved, **fp8)
+    n, k = args.compare_fp8
+    if args.roofline:
+        rooflines(c, "torch", target, draft, fp8, [(n, k)])
+    time_group(c, engines, [System("ar"), System("smc", n, k)], {**fp8, "group": 0})
 
 
 def profile_round(c: Campaign, engines: dict[str, Engine], base: dict) -> None:
@@ -805,7 +840,8 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         sel = [r for r in runs if (r["backend"], r["pair"]) == (backend, pair)]
         several = len({r["phase"] for r in sel}) > 1
         lines += [
-            f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}",
+            f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}"
+            + (" with FP8 projections" if pair.endswith("-fp8") else ""),
             "",
             "| system | batch | new | tokens/s | x ar | roofline (measured costs) | "
             "memory-bound | bound tokens/s | of bound | runs |",
@@ -978,6 +1014,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through torch.compile, beside ar both ways, in a group of its own ('none' for none)",
     )
     ap.add_argument(
+        "--compare-fp8",
+        default="8,8",
+        help="torch: after the pair's other groups, convert its projections to FP8 and run ar "
+        "and SMC-SD at N,K (rows under PAIR-fp8; 'none' for none)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="torch: one SMC-SD request under cProfile after each pair's groups",
@@ -1004,6 +1046,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "same GGUF files (scripts/build_llamacpp_libs.sh --tools); skipped if BIN is missing",
     )
     ap.add_argument("--speculative-k", default="4,8", help="llama-speculative's K values")
+    ap.add_argument(
+        "--weights",
+        choices=("native", "fp8"),
+        default="native",
+        help="torch: the layers' projections in FP8 (e4m3, a scale per output channel; "
+        "rows under PAIR-fp8); llamacpp runs its GGUF files as written",
+    )
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what starts later")
     ap.add_argument("--min-step-s", type=float, default=20.0)
     ap.add_argument(
@@ -1026,6 +1075,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     args.compare_steps = _n_k(args.compare_steps)
     args.compare_compiled = _n_k(args.compare_compiled)
+    args.compare_fp8 = _n_k(args.compare_fp8)
     args.workdir = args.workdir or str(Path(args.out) / "models")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")

@@ -26,15 +26,16 @@
 # The torch backend runs TORCH_PAIRS (default llama: 8B/1B) with CAMPAIGN_ARGS, a cProfile
 # of one round and the tuner on the device (its forward costs measured there, the real default
 # pair's acceptance statistics from PAIR_STATS, benchmarks/pair_stats/), then BIG_PAIRS
-# (default qwen32,llama70: 32B/0.5B and 70B/1B in bf16; empty: none) with BIG_ARGS appended
-# (default a small grid: N 4,8, K 8, no steps or compiled-kernels comparison);
+# (default qwen32,llama70: 32B/0.5B and 70B/1B; empty: none) with BIG_ARGS appended (default
+# a small grid, N 4,8 and K 8, with FP8 projections, the sixth lending having run them in bf16;
+# no steps or compiled-kernels comparison);
 # --big-s S keeps S seconds of --torch-s for the large pairs. Results: DIR/results.jsonl,
 # DIR/report.md, DIR/tokens_per_s.png, logs beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" BIG_S=0 PY=${PYTHON:-python3}
 BIG_PAIRS=${BIG_PAIRS-qwen32,llama70}
-BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-compiled none}
+BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-compiled none --compare-fp8 none --weights fp8}
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;

@@ -119,6 +119,13 @@ def test_generate_with_truncation(pair, capsys, method):
     assert out["method"] == method and 1 <= out["new_tokens"] <= 6
 
 
+def test_generate_with_fp8_projections(pair, capsys):
+    args = _generate(pair, "-m", "6", "--seed", "2", "--json", "-N", "3", "-K", "2", "--fp8")
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "smc" and 1 <= out["new_tokens"] <= 6
+
+
 def test_plain_output_streams_then_prints_one_stats_line(pair, capsys):
     code = main(_generate(pair, "-m", "6", "--seed", "1", "-N", "3", "-K", "2"))
     assert code == 0

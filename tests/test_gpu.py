@@ -213,3 +213,35 @@ def test_compiled_kernels_replay_in_graphs_like_the_written_ones(tmp_path):
         assert r.new_tokens == 33
     graphs = [k for c in target.static_slots.slots for k in c.graphs]
     assert graphs and all(k[-1] == "compiled" for k in graphs)  # captured with them
+
+
+def test_fp8_weights_run_in_captured_rounds(tmp_path):
+    """FP8 projections (CUTLASS's row-wise scaled GEMM on sm_90) against the bf16 model, and
+    every method generating to the budget with them captured in graphs (the campaign's FP8
+    rows). Skips on a GPU without FP8 GEMMs (compute capability below 8.9)."""
+    from smcspec.backends.torch.fp8 import convert_to_fp8, fp8_supported
+
+    if not fp8_supported("cuda"):
+        pytest.skip("this GPU has no FP8 GEMM")
+    d = [make_tiny_hf_model(tmp_path / str(s), "llama", seed=s) for s in (0, 1)]
+    e = Engine(load_hf_dir(d[0], device="cuda", dtype="bfloat16"),
+               load_hf_dir(d[1], device="cuda", dtype="bfloat16"))  # fmt: skip
+    target = e.target.model
+    prompt = torch.arange(3, 40, device="cuda")
+
+    def logits() -> torch.Tensor:
+        cache = target.new_cache(2, 8)
+        target.prefill(prompt, cache)
+        return target.decode(torch.tensor([[5, 6], [7, 8]], device="cuda"), cache).float()
+
+    bf16 = logits()
+    for m in e.models().values():
+        assert convert_to_fp8(m) > 0
+        m.rounds = "graphs"
+    fp8 = logits()
+    assert (fp8 - bf16).abs().max() < 0.2 * (bf16.max() - bf16.min())  # CPU test: 0.085
+    for method in ("ar", "sd", "smc"):
+        r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
+                                                  ignore_eos=True), chat=False)  # fmt: skip
+        assert r.new_tokens == 33
+    assert any(c.graphs for c in target.static_slots.slots)

@@ -71,9 +71,11 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
     # torch: llama (ar and smc-n8-k8 as steps and graphs, and with the written and the compiled
-    # kernels; ar + 2x2 smc + 2 sd; ar and smc at batch 4), then qwen32 and llama70 (ar + 2 smc
-    # + 2 sd; batch 4)
-    assert len(torch_runs) == 4 + 4 + 7 + 2 + 2 * 7
+    # kernels; ar + 2x2 smc + 2 sd; ar and smc at batch 4; ar and smc-n8-k8 with FP8
+    # projections), then qwen32 and llama70 with FP8 projections (ar + 2 smc + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 4 + 7 + 2 + 2 + 2 * 7
+    fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 7, "llama70-fp8": 7}
+    assert {p: sum(r["pair"] == p for r in torch_runs) for p in fp8_pairs} == fp8_pairs
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
     compiled = [r["system"] for r in torch_runs if r["compiled"]]
     assert compiled == ["ar [compiled]", "smc-n8-k8 [compiled]"]
@@ -82,7 +84,7 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
     assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["method"] == "sd")
     kinds = [r["kind"] for r in rows]
-    cells = 4 + 2 + 2  # (N, K) cells of the three torch pairs
+    cells = 4 + 1 + 2 + 2  # (N, K) cells of the torch pairs (llama-fp8: its group's one)
     assert kinds.count("roofline-fused") == kinds.count("bound") == cells
     assert kinds.count("roofline") == cells + (2 * 4 if "llamacpp" in backends else 0)
     assert all(r["measured_costs"] > 0 for r in rows if r["kind"].startswith("roofline"))
@@ -97,7 +99,13 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
         for pair in ("qwen2", "llama"):
             if (backend, pair) != ("torch", "qwen2"):  # torch's default pairs: no small qwen
                 assert f"## {backend}: tiny-{pair}-target / tiny-{pair}-draft" in report
-    assert "## torch: tiny-llama-70-target / tiny-llama-70-draft" in report
+    assert "## torch: tiny-llama-70-target / tiny-llama-70-draft with FP8 projections" in report
+    assert "## torch: tiny-llama-target / tiny-llama-draft with FP8 projections" in report
+    (converted,) = [r for r in rows if r["kind"] == "fp8"]
+    assert converted["pair"] == "llama-fp8" and converted["bytes_saved"] > 0
+    torch_loads = [r for r in rows if r["kind"] == "load" and r["backend"] == "torch"]
+    loads = {r["pair"]: r["weights"] for r in torch_loads}
+    assert loads == {"llama": "native", "qwen32-fp8": "fp8", "llama70-fp8": "fp8"}
     assert "## The tuner on this device: torch, tiny-llama-target" in report
     assert (out / "tokens_per_s.png").stat().st_size > 1000
     # what a lent machine can bring back: at most 8 files, none in a subfolder

@@ -131,7 +131,7 @@ class Engine:
     def load(cls, *args: Any, **kwargs: Any) -> Engine:
         """Load a pair and make its engine: :func:`smcspec.models.pair.load_pair`'s arguments
         (target, draft, device, dtype, with_draft, backend, threads, quantize_draft, log,
-        gpu_layers, rpc, fair_share) and errors. ``None`` selects the default model."""
+        gpu_layers, rpc, fair_share, fp8) and errors. ``None`` selects the default model."""
         return cls(*load_pair(*args, **kwargs))
 
     def _stop_ids(self) -> set[int]:

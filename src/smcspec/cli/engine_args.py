@@ -41,6 +41,7 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
         gpu_layers=args.gpu_layers,
         rpc=args.rpc,
         fair_share=not args.fixed_threads,
+        fp8=args.fp8,
     )
     args.resolved_backend = engine.target.backend  # what --backend auto chose, for reports
     return engine
@@ -155,4 +156,5 @@ def machine_line(args: argparse.Namespace) -> str:
     else:
         cores = f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
         machine = f"{cpu_model()} CPU, {cores}"
-    return f"{machine}; torch {torch.__version__}; {args.dtype}"
+    fp8 = ", FP8 projections" if getattr(args, "fp8", False) else ""
+    return f"{machine}; torch {torch.__version__}; {args.dtype}{fp8}"

@@ -137,6 +137,12 @@ def _model_group(g: argparse._ArgumentGroup) -> None:
         help="torch backend weights and compute (llamacpp uses the file's types)",
     )
     g.add_argument(
+        "--fp8",
+        action="store_true",
+        help="torch backend: the layers' projections in FP8 (e4m3), half of bf16's weight "
+        "bytes; GPUs of compute capability 8.9+ (H100, H200, L40S); CPUs run it slowly",
+    )
+    g.add_argument(
         "--quantize-draft",
         metavar="TYPE",
         default=None,

@@ -30,6 +30,7 @@ def load_pair(
     gpu_layers: int | None = None,
     rpc: str | list[str] | None = None,
     fair_share: bool = True,
+    fp8: bool = False,
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """The target and draft :class:`LoadedModel` (draft None without ``with_draft``), each
     on the backend that runs it. ``None`` selects the default model (installed from PyPI
@@ -56,9 +57,12 @@ def load_pair(
         fair_share: llamacpp on the CPU: before each forward, use only the cores other
             processes leave free (:mod:`smcspec.backends.cpu_share`); False keeps
             ``threads`` whatever else runs.
+        fp8: store the layers' projections of both models in FP8 (e4m3, a scale per output
+            channel; :mod:`smcspec.backends.torch.fp8`): half the weight bytes of bf16 on a
+            GPU of compute capability 8.9+ (torch backend only).
     Raises:
         ModelFileError, ConfigError (an RPC server that cannot be reached, a build
-        without RPC).
+        without RPC, ``fp8`` on the llamacpp backend or a device without FP8 GEMMs).
     """
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -103,7 +107,24 @@ def load_pair(
     # the target's tokenizer serves the pair; a llamacpp pair checks its vocabulary there
     opts["tokenizer"] = tgt.backend != "llamacpp"
     drf = _load(draft, DEFAULT_DRAFT, **opts) if with_draft else None
+    if fp8:
+        _to_fp8(tgt, drf)
     return tgt, drf
+
+
+def _to_fp8(*models: LoadedModel | None) -> None:
+    """Convert the torch models' projections to FP8 (see :func:`load_pair`)."""
+    from smcspec.backends.torch.fp8 import convert_to_fp8
+
+    for m in models:
+        if m is None:
+            continue
+        if m.backend != "torch":
+            raise ConfigError(
+                f"--fp8 needs the torch backend; {m.name} runs on {m.backend}, which computes "
+                "with the GGUF file's own types (a Q8_0 file is its 8-bit form)"
+            )
+        convert_to_fp8(m.model)
 
 
 def _fallback_notice(target, device: str, log: Callable[[str], None] | None) -> None:

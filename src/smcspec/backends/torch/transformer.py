@@ -95,13 +95,16 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """``layer(x)`` computed as ``(W @ x^T)^T`` over ``x`` flattened to ``[M, in]``.
 
     Same result as ``F.linear``; on CPU BLAS (MKL, fp32) this form is 1.2-4x faster on the
     large projections for the 2-20 rows of speculative and particle decoding, and within
     a fraction of a millisecond on the small ones (docs/benchmarks/linear-layout.md).
+    Any other layer (:class:`~smcspec.backends.torch.fp8.Fp8Linear`) runs its own forward.
     """
+    if not isinstance(layer, nn.Linear):
+        return layer(x)
     flat = x.reshape(-1, x.shape[-1])
     out = (layer.weight @ flat.t()).t()
     if layer.bias is not None:
