@@ -1,8 +1,8 @@
 """FP8 weights for the torch backend: a layer's projections read half the bytes of bf16.
 
 Decoding at batch 1 is bound by reading the weights, so weights stored in one byte instead of
-two halve the bound of every forward (issue 64's item 4: the 70B target at 8B/1B-like cost
-ratios, and a 70B that leaves room for the KV caches on one H200). :class:`Fp8Linear` keeps
+two halve the bound of every forward (issue 64's item 4: the 32B and 70B targets in FP8; a
+70B in FP8 also leaves an H200 room for KV caches). :class:`Fp8Linear` keeps
 a projection's weight ``W`` (``[out, in]``) as float8 e4m3 with one float32 scale per output
 channel, ``W ~= s_w[:, None] * Q_w``, and computes ``y = x W^T`` as one scaled FP8 GEMM
 (:func:`torch._scaled_mm`, CUTLASS's row-wise kernel on sm_90): the activations are
@@ -18,8 +18,10 @@ and the output layer (whose logits set every sampling probability) stay in the m
 Accuracy: e4m3 keeps 3 mantissa bits, a relative rounding error of up to 2^-4 per element
 of each operand; over a dot product the roundings partly average out (``tests/test_fp8.py``:
 4.2% of the largest output of a 256-wide projection, 8.5% of the logits' spread of a 16-wide
-model, random weights). What FP8 costs real models' answers is not measured here: none of
-the committed evaluations ran it.
+model, random weights). With the real default pair, teacher-forced on 16 GSM8K answers
+(``benchmarks/fp8_fidelity.py``, ``docs/benchmarks/fp8-fidelity/``): KL to the float32
+distributions 0.0023 (target) and 0.0034 (draft) nats per token, the greedy token the same at
+99.1% and 98.7% of positions. GSM8K accuracy with FP8 is not measured.
 """
 
 from __future__ import annotations
