@@ -119,3 +119,26 @@ def test_fp8_on_a_llamacpp_model_is_a_clear_error():
     gguf = SimpleNamespace(backend="llamacpp", name="draft.gguf", model=None)
     with pytest.raises(ConfigError, match="--fp8 needs the torch backend; draft.gguf runs on"):
         _to_fp8(None, gguf)
+
+
+def test_the_fidelity_measures_are_zero_for_identical_logits_and_grow_with_noise():
+    """``benchmarks/fp8_fidelity.py``'s comparison, on logits whose answer is known."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fp8_fidelity import compare
+
+    g = torch.Generator().manual_seed(2)
+    ref = torch.randn(5, 11, generator=g) * 3
+    answer = [0, 3, 3, 7, 10]
+    same = compare(ref, ref.clone(), answer)
+    assert same["kl_nats_mean"] == pytest.approx(0, abs=1e-6)
+    assert same["tv_t07_mean"] == pytest.approx(0, abs=1e-6)
+    assert same["top1_agreement"] == 1 and same["nll_ref"] == same["nll_fp8"]
+    want_nll = -ref.log_softmax(-1)[torch.arange(5), answer].mean().item()
+    assert same["nll_ref"] == pytest.approx(want_nll) and same["tokens"] == 5
+    small = compare(ref, ref + 0.05 * torch.randn(5, 11, generator=g), answer)
+    large = compare(ref, ref + 2.0 * torch.randn(5, 11, generator=g), answer)
+    assert 0 < small["kl_nats_mean"] < large["kl_nats_mean"]
+    assert 0 < small["tv_t07_mean"] < large["tv_t07_mean"] <= 1
