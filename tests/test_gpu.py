@@ -218,7 +218,7 @@ def test_compiled_kernels_replay_in_graphs_like_the_written_ones(tmp_path):
 def test_fp8_weights_run_in_captured_rounds(tmp_path):
     """FP8 projections (CUTLASS's row-wise scaled GEMM on sm_90) against the bf16 model, and
     every method generating to the budget with them captured in graphs (the campaign's FP8
-    rows). Skips on a GPU without FP8 GEMMs (compute capability below 8.9)."""
+    rows). Skips on a GPU without FP8 GEMMs here (compute capability below 9.0)."""
     from smcspec.backends.torch.fp8 import convert_to_fp8, fp8_supported
 
     if not fp8_supported("cuda"):

@@ -140,7 +140,7 @@ def _model_group(g: argparse._ArgumentGroup) -> None:
         "--fp8",
         action="store_true",
         help="torch backend: the layers' projections in FP8 (e4m3), half of bf16's weight "
-        "bytes; GPUs of compute capability 8.9+ (H100, H200, L40S); CPUs run it slowly",
+        "bytes; GPUs of compute capability 9.0+ (H100, H200, B200); CPUs run it slowly",
     )
     g.add_argument(
         "--quantize-draft",

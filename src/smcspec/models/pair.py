@@ -59,7 +59,7 @@ def load_pair(
             ``threads`` whatever else runs.
         fp8: store the layers' projections of both models in FP8 (e4m3, a scale per output
             channel; :mod:`smcspec.backends.torch.fp8`): half the weight bytes of bf16 on a
-            GPU of compute capability 8.9+ (torch backend only).
+            GPU of compute capability 9.0+ (torch backend only).
     Raises:
         ModelFileError, ConfigError (an RPC server that cannot be reached, a build
         without RPC, ``fp8`` on the llamacpp backend or a device without FP8 GEMMs).

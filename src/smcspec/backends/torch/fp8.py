@@ -119,12 +119,14 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 def fp8_supported(device: torch.device | str) -> bool:
     """Whether FP8 GEMMs run on ``device``: CPUs (PyTorch's reference kernel) and CUDA
-    devices of compute capability 8.9 or later (Ada, Hopper, Blackwell)."""
+    devices of compute capability 9.0 or later (Hopper, Blackwell: PyTorch's row-wise scaled
+    GEMM is a CUTLASS kernel for sm_90; Ada's 8.9 has FP8 but not that kernel in every
+    PyTorch build, so it is refused rather than left to fail at the first forward)."""
     device = torch.device(device)
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+        return torch.cuda.get_device_capability(device) >= (9, 0)
     return False
 
 
@@ -143,7 +145,7 @@ def convert_to_fp8(model: nn.Module) -> int:
         ConfigError: the device has no FP8 GEMM, or a dimension is not a multiple of 16.
     """
     if not fp8_supported(model.device):
-        raise ConfigError(f"{model.device} has no FP8 GEMM (CUDA needs compute capability 8.9+)")
+        raise ConfigError(f"{model.device} has no FP8 GEMM here (CUDA: compute capability 9.0+)")
     saved = 0
     for block in model.layers:
         for name in PROJECTIONS:
