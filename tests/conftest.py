@@ -47,6 +47,38 @@ def test_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("smcspec-cache")
 
 
+# the cache the suite was started with
+_USER_CACHE = os.environ.get("SMCSPEC_CACHE")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """The real pair's tests read the user's cache whatever an earlier test may have left in
+    ``os.environ`` (they must never unpack and convert GBs of weights into a temporary folder):
+    restored before any of their fixtures, module-scoped ones included, is set up."""
+    if item.get_closest_marker("real_pair") is None:
+        return
+    if _USER_CACHE is None:
+        os.environ.pop("SMCSPEC_CACHE", None)
+    else:
+        os.environ["SMCSPEC_CACHE"] = _USER_CACHE
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test (or a fixture it set up) that leaves ``$SMCSPEC_CACHE`` changed in ``os.environ``
+    errors here, named, instead of silently moving every later test's cache."""
+    result = yield
+    if os.environ.get("SMCSPEC_CACHE") != _USER_CACHE:
+        leaked = os.environ.get("SMCSPEC_CACHE")
+        if _USER_CACHE is None:
+            os.environ.pop("SMCSPEC_CACHE", None)
+        else:
+            os.environ["SMCSPEC_CACHE"] = _USER_CACHE
+        raise RuntimeError(f"$SMCSPEC_CACHE left set to {leaked!r}: use monkeypatch")
+    return result
+
+
 @pytest.fixture(autouse=True)
 def _test_cache_and_small_tuning_grid(request, monkeypatch, test_cache_dir):
     if request.node.get_closest_marker("real_pair") is not None:

@@ -42,7 +42,7 @@ def files(tmp_path_factory):
         for name, q8 in (("f32", False), ("q8_0", True)):
             path, _ = make_tiny_gguf(root, "qwen2", V, seed=5, q8_0=q8)
             out[name] = (path, load_model(path, backend="torch").model)
-        yield out
+    return out
 
 
 def _llama(path, **settings) -> LlamaCppModel:

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 EOS_TOKEN = "<|im_end|>"
@@ -302,13 +303,18 @@ def make_tiny_gguf_chat_engine(tmp_path: Path, llamacpp=None, **overrides):
     from smcspec.backends.llamacpp import LlamaCppSettings
     from smcspec.models import load_model
 
-    os.environ.setdefault("SMCSPEC_CACHE", str(Path(tmp_path) / "cache"))
     settings = llamacpp or LlamaCppSettings(threads=1, kv_cells=131072)
     paths = [
         make_tiny_gguf(tmp_path, "qwen2", 96, seed=s, chat_template=CHAT_TEMPLATE, **overrides)[0]
         for s in (0, 1)
     ]
-    target = load_model(paths[0], backend="llamacpp", llamacpp=settings)
-    # as Engine.load does: the draft without a tokenizer, the vocabulary checked in llama.cpp
-    draft = load_model(paths[1], backend="llamacpp", llamacpp=settings, tokenizer=False)
+    # a module-scoped fixture runs before the per-test cache is set: the tokenizer goes to a
+    # cache under tmp_path for the load only (a lasting os.environ change once sent the real
+    # pair's tests, later in the session, to convert multi-GB models into a temporary folder)
+    with pytest.MonkeyPatch.context() as mp:
+        if "SMCSPEC_CACHE" not in os.environ:
+            mp.setenv("SMCSPEC_CACHE", str(Path(tmp_path) / "cache"))
+        target = load_model(paths[0], backend="llamacpp", llamacpp=settings)
+        # as Engine.load does: the draft without a tokenizer, the vocabulary checked in llama.cpp
+        draft = load_model(paths[1], backend="llamacpp", llamacpp=settings, tokenizer=False)
     return Engine(target, draft)
