@@ -503,7 +503,7 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
     upper = pair_name in args.upper_bound_pairs or backend == "torch"  # torch: no second copy
     target, draft, copy = load_pair(backend, pair, args, workdir, upper)
     fp8 = backend == "torch" and args.weights == "fp8"
-    label = f"{pair_name}-fp8" if fp8 else pair_name  # its rows are compared among themselves
+    label = fp8_label(pair_name) if fp8 else pair_name  # its rows are compared among themselves
     base = dict(backend=backend, pair=label, target=pair[0].name, draft=pair[1].name)
     c.row(
         kind="load",
@@ -645,6 +645,11 @@ def run_llama_speculative(c: Campaign, target, draft, base: dict) -> None:
     llama_speculative_gpu.measure(c, binary, target.path, draft.path, base, alpha)
 
 
+def fp8_label(pair: str) -> str:
+    """The pair label of rows measured with FP8 projections (``PAIR-fp8``)."""
+    return f"{pair}-fp8"
+
+
 def fp8_group(c: Campaign, engines: dict[str, Engine], target, draft, base: dict) -> None:
     """``--compare-fp8 N,K``: the pair's projections converted to FP8 in place
     (:func:`~smcspec.backends.torch.fp8.convert_to_fp8`; nothing runs on the bf16 models after
@@ -657,7 +662,7 @@ def fp8_group(c: Campaign, engines: dict[str, Engine], target, draft, base: dict
         return
     t0 = time.perf_counter()
     saved = convert_to_fp8(target) + convert_to_fp8(draft)
-    fp8 = {**base, "pair": f"{base['pair']}-fp8"}
+    fp8 = {**base, "pair": fp8_label(base["pair"])}
     c.row(kind="fp8", seconds=round(time.perf_counter() - t0, 2), bytes_saved=saved, **fp8)
     n, k = args.compare_fp8
     if args.roofline:
@@ -841,7 +846,7 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         several = len({r["phase"] for r in sel}) > 1
         lines += [
             f"## {backend}: {sel[0]['target']} / {sel[0]['draft']}"
-            + (" with FP8 projections" if pair.endswith("-fp8") else ""),
+            + (" with FP8 projections" if pair.endswith(fp8_label("")) else ""),
             "",
             "| system | batch | new | tokens/s | x ar | roofline (measured costs) | "
             "memory-bound | bound tokens/s | of bound | runs |",
