@@ -51,28 +51,16 @@ def test_cache_dir(tmp_path_factory):
 _USER_CACHE = os.environ.get("SMCSPEC_CACHE")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item) -> None:
-    """The real pair's tests read the user's cache whatever an earlier test may have left in
-    ``os.environ`` (they must never unpack and convert GBs of weights into a temporary folder):
-    restored before any of their fixtures, module-scoped ones included, is set up."""
-    if item.get_closest_marker("real_pair") is None:
-        return
-    if _USER_CACHE is None:
-        os.environ.pop("SMCSPEC_CACHE", None)
-    else:
-        os.environ["SMCSPEC_CACHE"] = _USER_CACHE
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """A test (or a fixture it set up) that leaves ``$SMCSPEC_CACHE`` changed in ``os.environ``
-    errors here, named, instead of silently moving every later test's cache."""
+    errors here, named, and the user's cache is put back: no later test (the real pair's least
+    of all, which would unpack and convert GBs of weights) runs with a moved cache."""
     result = yield
-    if os.environ.get("SMCSPEC_CACHE") != _USER_CACHE:
-        leaked = os.environ.get("SMCSPEC_CACHE")
+    leaked = os.environ.get("SMCSPEC_CACHE")
+    if leaked != _USER_CACHE:
         if _USER_CACHE is None:
-            os.environ.pop("SMCSPEC_CACHE", None)
+            del os.environ["SMCSPEC_CACHE"]
         else:
             os.environ["SMCSPEC_CACHE"] = _USER_CACHE
         raise RuntimeError(f"$SMCSPEC_CACHE left set to {leaked!r}: use monkeypatch")
