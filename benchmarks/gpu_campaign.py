@@ -399,8 +399,11 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
 def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b: int) -> dict:
     """``b`` requests submitted at once to a :class:`BatchScheduler` (continuous batching);
     tokens/s is all their new tokens over the wall time from the first submit to the last
-    result."""
+    result. ``joined_calls``/``joined_rounds``: the target's batched calls over a bank of
+    static caches and the requests' rounds they ran (rounds not counted ran alone)."""
     done, results, lock = threading.Event(), [], threading.Lock()
+    target = engine.target.model
+    joined0 = getattr(target, "joined_calls", 0), getattr(target, "joined_rounds", 0)
 
     def on_done(outcome) -> None:
         with lock:
@@ -425,7 +428,11 @@ def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise errors[0]
-    return {"tokens": sum(r.new_tokens for r in results), "seconds": seconds}
+    joined = {
+        "joined_calls": getattr(target, "joined_calls", 0) - joined0[0],
+        "joined_rounds": getattr(target, "joined_rounds", 0) - joined0[1],
+    }
+    return {"tokens": sum(r.new_tokens for r in results), "seconds": seconds, "stats": joined}
 
 
 def _small(stats: dict) -> dict:
@@ -944,6 +951,9 @@ def _report_line(r: dict, ar: dict, roof: dict, several: bool) -> str:
     share = f"{r['tokens_per_s'] / tps:.0%}" if tps else "-"
     each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
     name = f"{r['system']} (call {r['phase']})" if several else r["system"]
+    st = r.get("stats") or {}
+    if r["batch"] > 1 and "joined_calls" in st:  # the last rep's rounds batched across requests
+        name += f" [{st['joined_rounds']} rounds joined in {st['joined_calls']} calls]"
     return (
         f"| {name} | {r['batch']} | {r.get('tokens', 0) // r['batch']} | "
         f"{r['tokens_per_s']:.1f} | {ratio} | {pred} | {mb} | {b_txt} | {share} | {each} |"

@@ -183,8 +183,10 @@ def test_without_a_free_static_cache_a_request_runs_step_by_step():
     pair = (target, draft)
     target.rounds = draft.rounds = "eager"
     try:
-        held = [target.new_cache(8, 40, static=True, prompt_len=3) for _ in range(8)]
+        slots = target.static_slots.max_slots
+        held = [target.new_cache(8, 40, static=True, prompt_len=3) for _ in range(slots)]
         assert all(isinstance(c, StaticKVCache) for c in held)
+        assert len({c.bank for c in held}) == 1  # one bank, grown to hold them all
         cache = target.new_cache(8, 40, static=True, prompt_len=3)  # the slots are full
         assert not isinstance(cache, StaticKVCache)
         steps = _run(decode_smc, pair, "steps", SMC, frozenset({0}))

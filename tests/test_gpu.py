@@ -149,6 +149,27 @@ def test_graph_replay_equals_the_uncaptured_fused_rounds(tmp_path, method, dtype
     assert caches and replays > len([g for c in caches for g in c.graphs.values()])
 
 
+@pytest.mark.parametrize("method", ["ar", "smc"])
+def test_concurrent_requests_replay_one_joined_graph(tmp_path, method):
+    """Requests run together through the scheduler: their ``ar`` rounds (SMC-SD proposals)
+    run as one graph over the bank(s) of their static caches, and each draws what it draws
+    alone (float32: the batched forward's sums may differ from one request's in the last
+    place only)."""
+    from scheduling import run_concurrently
+
+    d = [make_tiny_hf_model(tmp_path / str(s), "qwen2", seed=s) for s in (0, 1)]
+    e = Engine(load_hf_dir(d[0], device="cuda"), load_hf_dir(d[1], device="cuda"))
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(10, 30)), [9] * 12]
+    settings = dict(method=method, temperature=0.8, particles=4, draft_tokens=4, ignore_eos=True)
+    cfgs = [GenerationConfig(max_new_tokens=40 + 5 * i, seed=i, **settings) for i in range(4)]
+    alone = [e.generate(p, c).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+    together = run_concurrently(e, [e.prepare(p, c) for p, c in zip(prompts, cfgs, strict=True)])
+    assert [o.token_ids for o in together] == alone
+    banks = e.target.model.static_slots.banks
+    joined = [g for b in banks for k, g in b.graphs.items() if k[0] == "joined"]
+    assert joined and sum(g.replays for g in joined) >= (40 if method == "ar" else 8)
+
+
 def test_graphed_rounds_follow_the_steps_in_distribution(tmp_path):
     """On CUDA the fused rounds draw their uniforms in one call where the steps draw them one
     by one (Philox offsets differ), so tokens differ from ``steps``; what must agree is what

@@ -43,7 +43,7 @@ import torch
 
 from smcspec.backends.pool import Reservation
 from smcspec.decoding.job import Job
-from smcspec.decoding.program import Forward, Prefill, Program, Round, execute
+from smcspec.decoding.program import Forward, Prefill, Program, Round, execute, execute_rounds
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ContextLengthError, SmcspecError
 
@@ -78,7 +78,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     program: Program | None = None
-    pending: Prefill | Forward | None = None
+    pending: Prefill | Forward | Round | None = None
     tokens: int = 0
     reservation: Reservation | None = None
 
@@ -371,20 +371,31 @@ class BatchScheduler:
         return stats
 
     def _run_prefills(self, live: list[Request]) -> dict[int, torch.Tensor]:
-        """Each pending prefill and fused round, one at a time (their lengths differ; a round
-        runs on its own request's static caches): ``{id(request): result}``. One that raises
-        (e.g. out of memory) fails its request only."""
+        """Each pending prefill, one at a time (their lengths differ), and the pending fused
+        rounds (:func:`~smcspec.decoding.program.execute_rounds`: those of one kind on one
+        bank as one batched call, the others on their own): ``{id(request): result}``. One
+        that raises (e.g. out of memory) fails its requests only."""
         results: dict[int, torch.Tensor] = {}
         for req in live:
-            if isinstance(req.pending, Prefill | Round):
+            if isinstance(req.pending, Prefill):
                 try:
                     results[id(req)] = execute(req.pending)
                 except Exception as exc:
-                    if not isinstance(exc, SmcspecError):
-                        log.exception("prefill or fused round failed")
-                    req.pending = None
-                    self._finish(req, exc)
+                    self._fail(req, exc, "prefill")
+        rounds = [r for r in live if isinstance(r.pending, Round)]
+        for req, out in zip(rounds, execute_rounds([r.pending for r in rounds]), strict=True):
+            if isinstance(out, Exception):
+                self._fail(req, out, "fused round")
+            else:
+                results[id(req)] = out
         return results
+
+    def _fail(self, req: Request, exc: Exception, what: str) -> None:
+        """End ``req`` with ``exc`` (logged with its traceback unless a user's error)."""
+        if not isinstance(exc, SmcspecError):
+            log.error("%s failed", what, exc_info=exc)
+        req.pending = None
+        self._finish(req, exc)
 
     def _run_forward_batch(
         self, members: list[Request], rows: dict[str, int], distinct: dict[str, int]

@@ -43,7 +43,7 @@ import torch
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.config import GenerationConfig
 from smcspec.decoding.job import Job
-from smcspec.decoding.program import Round
+from smcspec.decoding.program import Join, Round
 from smcspec.errors import NumericalError
 from smcspec.sampling.distributions import (
     categorical_from_uniforms,
@@ -117,10 +117,11 @@ def smc_block(
     tcache: KVCache,
     dcache: KVCache,
 ) -> Generator[Round, Tensors, Tensors]:
-    """One SMC-SD proposal as a :class:`Round`: returns ``drafted`` int64 ``[N, K]``,
-    ``draft_lp`` float32 ``[N, K]`` (log q of each drafted token), ``target_lp`` float32
-    ``[N, K]`` (log p~), ``bonus`` int64 ``[N]`` and, at alpha != 1 or with truncation,
-    ``bonus_norm`` float64 ``[N]``.
+    """One SMC-SD proposal as a :class:`Round`, which the scheduler may run batched with
+    other requests' proposals of the same shape (:class:`Join`, :func:`smc_joined`):
+    returns ``drafted`` int64 ``[N, K]``, ``draft_lp`` float32 ``[N, K]`` (log q of each
+    drafted token), ``target_lp`` float32 ``[N, K]`` (log p~), ``bonus`` int64 ``[N]`` and,
+    at alpha != 1 or with truncation, ``bonus_norm`` float64 ``[N]``.
 
     ``pending_d`` int64 ``[N, 1 or 2]`` (not yet fed to the draft), ``pending_t`` int64
     ``[N, 1]``; ``host`` int64 ``[N]``: the row each ended particle follows (None: itself).
@@ -133,61 +134,114 @@ def smc_block(
     w = pending_d.shape[1]
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
-    u = draw_uniforms((k + 1) * n, job.generator, dev).view(k + 1, n, 1)
     inputs = {
         "pending_d": pending_d,
         "pending_t": pending_t,
         "host": host if host is not None else torch.arange(n, device=dev),
-        "u": u,
+        "u": draw_uniforms((k + 1) * n, job.generator, dev).view(k + 1, n, 1),
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
-    t_t, trunc = cfg.temperature, cfg.truncation
-    consts = (t_t, cfg.draft_temperature, cfg.alpha, trunc, job.draft_truncation, job.vocab)
-    key = ("smc", n, k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
+    consts = (n, k, w, cfg.temperature, cfg.draft_temperature, cfg.alpha, cfg.truncation)
+    consts += (job.draft_truncation, job.vocab)
+    key = ("smc", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
-        drafted, draft_lp, bad = _draft_steps(job, dcache, x, span)
-        block = torch.cat((x["pending_t"], drafted), 1)
-        logits = job.target.decode_static(block, tcache, x["t_start"], span)[:, :, : job.vocab]
-        lp = truncate_log_probs(tempered_log_probs(logits[:, :k], t_t, False), *trunc)
-        target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
-        probs, norm = power_target_probs(logits[:, k], t_t, cfg.alpha, trunc, check=False)
-        bonus, valid = categorical_from_uniforms(probs, x["u"][k])
-        bad = bad | nan_rows(lp).any() | ~valid.all() | torch.isnan(probs[:, 0]).any()
-        out = {
-            "drafted": drafted,
-            "draft_lp": draft_lp,
-            "target_lp": target_lp,
-            "bonus": bonus[x["host"]],
-            "ok": ~bad,
-        }
-        if norm is not None:
-            out["bonus_norm"] = norm
-        return out
+        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.draft.decode_static(feed, dcache, start, span, last_only=True)
 
-    out = yield Round(job.target, tcache, key, fn, inputs)
+        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.target.decode_static(block, tcache, start, span)
+
+        out = _smc_rounds(job, x, 1, draft, target)
+        return {name: t[0] if name == "ok" else t for name, t in out.items()}
+
+    join = Join(("smc", *consts), smc_joined(job), span, (tcache, dcache))
+    out = yield Round(job.target, tcache, key, fn, inputs, join)
     check_ok(out)
     return out
 
 
+def smc_joined(job: Job):
+    """The SMC-SD proposals of every slot of a pair of banks at once (:class:`Join`; the
+    target's bank first, the draft's second, slot ``b`` of both one request's): the inputs
+    of :func:`smc_block` stacked over ``B`` slots (``pending_d`` ``[B, N, w]``, ``host``
+    ``[B, N]``, ``u`` ``[B, K+1, N, 1]``, the starts ``[B]``) and ``keep`` ``[B]``; the
+    outputs of :func:`smc_block` with a leading ``[B]`` (``ok`` bool ``[B]``). Only the
+    request's constants are taken from ``job`` (the join key names them)."""
+    n = job.config.particles
+
+    def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int, int]) -> Tensors:
+        (tbank, dbank), (t_window, d_window) = banks, prompt_windows
+        b, keep = x["keep"].shape[0], x["keep"]
+        flat = {
+            "pending_d": x["pending_d"].reshape(b * n, -1),
+            "pending_t": x["pending_t"].reshape(b * n, 1),
+            # each slot's rows follow rows of the same slot
+            "host": (x["host"] + n * torch.arange(b, device=keep.device)[:, None]).reshape(-1),
+            "u": x["u"].transpose(0, 1).reshape(x["u"].shape[1], b * n, 1),
+            "d_start": x["d_start"],
+            "t_start": x["t_start"],
+        }
+
+        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.draft.decode_bank(feed, dbank, start, keep, span, d_window, True)
+
+        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.target.decode_bank(block, tbank, start, keep, span, t_window)
+
+        out = _smc_rounds(job, flat, b, draft, target)
+        return {name: t if name == "ok" else t.view(b, n, *t.shape[1:]) for name, t in out.items()}
+
+    return fn
+
+
+def _smc_rounds(job: Job, x: Tensors, slots: int, draft, target) -> Tensors:
+    """Steps 3a, 3b and 3d for ``slots`` requests' N particles each, rows slot-major:
+    ``pending_d`` ``[S*N, w]``, ``pending_t`` ``[S*N, 1]``, ``host`` ``[S*N]`` (rows of
+    the whole batch), ``u`` ``[K+1, S*N, 1]``; ``draft(feed, start)`` and ``target(block,
+    start)`` are the models' static forwards. Outputs per row, and ``ok`` bool ``[S]``."""
+    cfg, k = job.config, job.config.draft_tokens
+    t_t, trunc = cfg.temperature, cfg.truncation
+    drafted, draft_lp, bad = _draft_steps(job, x, slots, draft)
+    block = torch.cat((x["pending_t"], drafted), 1)
+    logits = target(block, x["t_start"])[:, :, : job.vocab]
+    lp = truncate_log_probs(tempered_log_probs(logits[:, :k], t_t, False), *trunc)
+    target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
+    probs, norm = power_target_probs(logits[:, k], t_t, cfg.alpha, trunc, check=False)
+    bonus, valid = categorical_from_uniforms(probs, x["u"][k])
+    bad_rows = nan_rows(lp).any(-1) | ~valid | torch.isnan(probs[:, 0])
+    bad = bad | bad_rows.view(slots, -1).any(1)
+    out = {
+        "drafted": drafted,
+        "draft_lp": draft_lp,
+        "target_lp": target_lp,
+        "bonus": bonus[x["host"]],
+        "ok": ~bad,
+    }
+    if norm is not None:
+        out["bonus_norm"] = norm
+    return out
+
+
 def _draft_steps(
-    job: Job, dcache: KVCache, x: Tensors, span: int
+    job: Job, x: Tensors, slots: int, draft
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K draft forwards of the N particles inside a round: drafted tokens ``[N, K]``, their
-    ``log q`` ``[N, K]`` and a bool 0-dim flag of NaN logits or an unsampleable row."""
+    """K draft forwards of every row inside a round: drafted tokens ``[S*N, K]``, their
+    ``log q`` ``[S*N, K]`` and a bool ``[S]`` flag per slot of NaN logits or an
+    unsampleable row."""
     cfg = job.config
     feed, start = x["pending_d"], x["d_start"]
-    bad = torch.zeros((), dtype=torch.bool, device=feed.device)
+    bad = torch.zeros(slots, dtype=torch.bool, device=feed.device)
     tokens, lps = [], []
     for j in range(cfg.draft_tokens):
-        logits = job.draft.decode_static(feed, dcache, start, span, last_only=True)
+        logits = draft(feed, start)
         start = start + feed.shape[1]
         lq = tempered_log_probs(logits[:, -1, : job.vocab], cfg.draft_temperature, False)
         lq = truncate_log_probs(lq, *job.draft_truncation)
         d, valid = categorical_from_uniforms(lq.exp(), x["u"][j])
         d = d[x["host"]]  # ended rows draft what their host drafts
-        bad = bad | nan_rows(lq).any() | ~valid.all()
+        bad = bad | (nan_rows(lq) | ~valid).view(slots, -1).any(1)
         tokens.append(d)
         lps.append(lq.gather(-1, d[:, None])[:, 0])
         feed = d[:, None]
@@ -197,30 +251,59 @@ def _draft_steps(
 # ------------------------------------------------------------------------------- ar
 def ar_round(job: Job, cache: KVCache, token: torch.Tensor) -> Generator[Round, Tensors, Tensors]:
     """Feed ``token`` (int64 ``[1, 1]`` on the device) to the target and draw the next one
-    (tempered, truncated by top-k and min-p, a point mass when greedy) as one :class:`Round`;
-    returns its outputs, still on the device: ``token`` int64 ``[1]`` and ``ok`` (read them
-    with :class:`HostCopy`). Raises ContextLengthError (the cache is full) before the round."""
+    (tempered, truncated by top-k and min-p, a point mass when greedy) as one :class:`Round`,
+    which the scheduler may run batched with other requests' ``ar`` rounds (:class:`Join`,
+    :func:`ar_joined`); returns its outputs, still on the device: ``token`` int64 0-dim and
+    ``ok`` (read them with :class:`HostCopy`). Raises ContextLengthError (the cache is full)
+    before the round."""
     cfg, dev, vocab, target = job.config, job.device, job.vocab, job.target
     start = _claim(cache, 1)
     span = window(start + 1)
-    trunc = cfg.truncation
     inputs = {
         "token": token,
         "start": _scalar(start, dev),
         "u": draw_uniforms(1, job.generator, dev),
     }
-    key = ("ar", span, cfg.temperature, cfg.greedy, trunc, vocab, cache.prompt_window)
+    consts = (cfg.temperature, cfg.greedy, cfg.truncation, vocab)
+    key = ("ar", span, *consts, cache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
         logits = target.decode_static(x["token"], cache, x["start"], span, last_only=True)
-        lp = step_log_probs(logits[0, -1, :vocab], cfg.temperature, False)
-        lp = truncate_log_probs(lp, *trunc)
-        if cfg.greedy:
-            lp = point_mass_log_probs(lp)
-        nxt, valid = categorical_from_uniforms(lp.exp(), x["u"])
-        return {"token": nxt, "ok": valid & ~nan_rows(lp)}
+        nxt, ok = _ar_draw(job, logits[0, -1], x["u"])
+        return {"token": nxt, "ok": ok}
 
-    return (yield Round(target, cache, key, fn, inputs))
+    join = Join(("ar", *consts), ar_joined(job), span, (cache,))
+    return (yield Round(target, cache, key, fn, inputs, join))
+
+
+def ar_joined(job: Job):
+    """The ``ar`` round of every slot of a bank at once (:class:`Join`): inputs ``token``
+    ``[B, 1, 1]``, ``start`` ``[B]``, ``u`` ``[B, 1, 1]``, ``keep`` ``[B]``; outputs
+    ``token`` int64 ``[B]`` and ``ok`` bool ``[B]``. Only the request's constants are
+    taken from ``job`` (the join key names them)."""
+    target = job.target
+
+    def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int]) -> Tensors:
+        b = x["token"].shape[0]
+        tokens = x["token"].view(b, 1)
+        keep, p_window = x["keep"], prompt_windows[0]
+        logits = target.decode_bank(tokens, banks[0], x["start"], keep, span, p_window, True)
+        nxt, ok = _ar_draw(job, logits[:, -1], x["u"].view(b, 1))
+        return {"token": nxt, "ok": ok}
+
+    return fn
+
+
+def _ar_draw(job: Job, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ar``'s draw from the target's ``logits`` ``[..., V']`` with uniforms ``u``: the
+    tokens int64 ``[...]`` and bool ``[...]`` (False: NaN logits or no mass)."""
+    cfg = job.config
+    lp = step_log_probs(logits[..., : job.vocab], cfg.temperature, False)
+    lp = truncate_log_probs(lp, *cfg.truncation)
+    if cfg.greedy:
+        lp = point_mass_log_probs(lp)
+    nxt, valid = categorical_from_uniforms(lp.exp(), u)
+    return nxt, valid & ~nan_rows(lp)
 
 
 class HostCopy:

@@ -39,6 +39,28 @@ class Forward:
 
 
 @dataclass
+class Join:
+    """How a :class:`Round` may run together with the rounds of other requests as one
+    batched call (``model.run_joined``: the torch backend, whose static caches of one shape
+    share a bank of slots).
+
+    ``caches``: the caches the round runs on (the target's first). Rounds whose ``key`` is
+    equal (it names every constant ``fn`` depends on) and whose caches lie in the same banks,
+    at the same slot in each (``model.joinable``), run as ``fn(banks, inputs,
+    suffix_window, prompt_windows) -> outputs``: each input is the members'
+    :attr:`Round.inputs` stacked along a new first dimension, one entry per slot (zeros for
+    slots no member holds), plus ``keep`` (bool ``[slots]``, True for a member's slot); row
+    ``b`` of each output belongs to slot ``b``. ``suffix_window``: the suffix positions this
+    round attends (the call takes the members' largest); ``prompt_windows``: per bank, the
+    members' largest."""
+
+    key: tuple
+    fn: Callable
+    suffix_window: int
+    caches: tuple[KVCache, ...]
+
+
+@dataclass
 class Round:
     """A whole round as one function of device tensors, ``fn(inputs) -> outputs`` (dicts of
     tensors; no host read inside, its random numbers among the inputs), on static caches;
@@ -47,13 +69,15 @@ class Round:
     ``cache`` under ``key``, which names every shape and constant ``fn`` depends on.
     Decoders yield one only where :func:`smcspec.decoding.fused.fused_rounds` says the
     models run rounds fused; elsewhere the same round is a sequence of :class:`Forward`
-    requests with host work between them."""
+    requests with host work between them. ``join``: how it may run batched with other
+    requests' rounds (:func:`execute_rounds`); None: always alone."""
 
     model: DecoderModel
     cache: KVCache
     key: tuple
     fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     inputs: dict[str, torch.Tensor]
+    join: Join | None = None
 
 
 Step = Prefill | Forward | Round
@@ -67,6 +91,36 @@ def execute(step: Step):
     if isinstance(step, Round):
         return step.model.run_round(step.cache, step.key, step.fn, step.inputs)
     return step.model.decode(step.tokens, step.cache, step.last_only)
+
+
+def execute_rounds(rounds: list[Round]) -> list[dict[str, torch.Tensor] | Exception]:
+    """Run the pending rounds of several requests: those that may join (same model and
+    :attr:`Join.key`, caches where ``model.joinable`` puts them together, at least two) as
+    one batched call each, the others alone. Returns each round's outputs, or the exception
+    that failed it (a joined call that raises fails its members only)."""
+    results: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(rounds)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rounds):
+        joinable = getattr(r.model, "joinable", None)  # backends that run rounds batched
+        place = joinable(r.join) if r.join is not None and joinable is not None else None
+        if place is not None:
+            groups.setdefault((id(r.model), r.join.key, place), []).append(i)
+    joins = [g for g in groups.values() if len(g) > 1]
+    joined_rounds = {i for g in joins for i in g}
+    for i in (i for i in range(len(rounds)) if i not in joined_rounds):
+        try:
+            results[i] = execute(rounds[i])
+        except Exception as exc:
+            results[i] = exc
+    for members in joins:
+        joined = [rounds[i] for i in members]
+        try:
+            outs: list = joined[0].model.run_joined([(r.join, r.inputs) for r in joined])
+        except Exception as exc:
+            outs = [exc] * len(members)
+        for i, out in zip(members, outs, strict=True):
+            results[i] = out
+    return results  # type: ignore[return-value]
 
 
 def run_program(program: Program) -> DecodeOutput:

@@ -58,26 +58,41 @@ def attend(
     mask_suffix: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of grouped queries ``qg`` ``[R, Hkv, g*T, D]`` over the shared prompt's
-    keys/values ``pk``/``pv`` ``[Hkv, P, D]`` and each row's suffix ``sk``/``sv``
-    ``[R, Hkv, S, D]``; True in ``mask_prefix`` ``[P]`` (or None) and ``mask_suffix``
-    ``[g*T, S]`` hides a position. Scores (times ``scale``) and softmax in float32. Returns
+    """Attention of grouped queries ``qg`` ``[R, Hkv, g*T, D]`` over a prompt's keys/values
+    ``pk``/``pv`` and each row's suffix ``sk``/``sv`` ``[R, Hkv, S, D]``. The prompt is
+    ``[Hkv, P, D]``, shared by every row, or ``[B, Hkv, P, D]``, one per slot of ``R / B``
+    consecutive rows (the requests of a batched static forward). True in ``mask_prefix``
+    (``[P]``, ``[B, P]`` or None) and ``mask_suffix`` (``[g*T, S]`` or ``[B, g*T, S]``) hides
+    a position. Scores (times ``scale``) and softmax in float32. Returns
     ``[R, Hkv, g*T, D]`` in ``qg``'s dtype."""
+    if pk.dim() == 3:
+        pk, pv = pk[None], pv[None]
     r, hkv, gt, d = qg.shape
-    p_len = pk.shape[1]
-    # the prefix is shared: fold the rows into one [Hkv, R*g*T, D] product with it (a
-    # broadcast [R, ...] @ [1, ...] product would copy the prefix once per row)
-    qf = qg.transpose(0, 1).reshape(hkv, r * gt, d)
-    s_pre = (qf @ pk.transpose(-1, -2)).view(hkv, r, gt, p_len).transpose(0, 1)
+    b, p_len = pk.shape[0], pk.shape[2]
+    n = r // b
+    # a slot's prompt is shared by its rows: fold them into one [B, Hkv, n*g*T, D] product
+    # with it (a broadcast [R, ...] @ [1, ...] product would copy the prompt once per row)
+    qf = qg.view(b, n, hkv, gt, d).transpose(1, 2).reshape(b, hkv, n * gt, d)
+    s_pre = (qf @ pk.transpose(-1, -2)).view(b, hkv, n, gt, p_len).transpose(1, 2)
+    s_pre = s_pre.reshape(r, hkv, gt, p_len)
     scores = torch.cat((s_pre, qg @ sk.transpose(-1, -2)), dim=-1)
     scores = scores.float() * scale
+    per_slot = scores.view(b, n, hkv, gt, -1)
     if mask_prefix is not None:
-        scores[..., :p_len].masked_fill_(mask_prefix, float("-inf"))
-    scores[..., p_len:].masked_fill_(mask_suffix, float("-inf"))
+        per_slot[..., :p_len].masked_fill_(_slot_mask(mask_prefix, 1), float("-inf"))
+    per_slot[..., p_len:].masked_fill_(_slot_mask(mask_suffix, 2), float("-inf"))
     probs = scores.softmax(dim=-1).to(qg.dtype)
-    p_pre = probs[..., :p_len].transpose(0, 1).reshape(hkv, r * gt, p_len)
-    o_pre = (p_pre @ pv).view(hkv, r, gt, d).transpose(0, 1)
-    return o_pre + probs[..., p_len:] @ sv
+    p_pre = probs[..., :p_len].reshape(b, n, hkv, gt, p_len).transpose(1, 2)
+    o_pre = (p_pre.reshape(b, hkv, n * gt, p_len) @ pv).view(b, hkv, n, gt, d).transpose(1, 2)
+    return o_pre.reshape(r, hkv, gt, d) + probs[..., p_len:] @ sv
+
+
+def _slot_mask(mask: torch.Tensor, dims: int) -> torch.Tensor:
+    """``mask`` (``[(B,) P]`` for ``dims`` 1, ``[(B,) g*T, S]`` for 2) shaped to broadcast
+    over scores viewed as ``[B, n, Hkv, g*T, positions]``."""
+    if mask.dim() == dims:
+        mask = mask[None]
+    return mask.view(mask.shape[0], 1, 1, -1 if dims == 2 else 1, mask.shape[-1])
 
 
 @dataclass(frozen=True)

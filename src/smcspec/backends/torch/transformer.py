@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.kernels import EAGER, LayerKernels
 from smcspec.backends.torch.kv_cache import ParticleKVCache
-from smcspec.backends.torch.static_cache import StaticKVCache, StaticSlots
+from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots
 
 ROUND_MODES = ("auto", "steps", "eager", "graphs")
 """How the decoders' rounds run on a :class:`Transformer` (:attr:`Transformer.rounds`):
@@ -142,20 +143,41 @@ class Segment:
 
 @dataclass
 class StaticView:
-    """What every layer of one static-cache forward reads (built once per forward, all on the
-    device): ``rows`` x ``tokens`` new tokens written at suffix positions ``write_at``
-    (int64 ``[T]``) of ``cache``; attention over the first ``prefix_window`` prompt
-    positions and ``suffix_window`` suffix positions, True in ``mask_prefix`` ``[Pw]`` and
-    ``mask_suffix`` ``[g*T, Sw]`` (queries ordered (head in group, token)) hiding one."""
+    """What every layer of one static forward reads (built once per forward, all on the
+    device): ``slots`` x ``rows`` x ``tokens`` new tokens, rows slot-major, over the suffix
+    storage ``suffix_k/v`` ``[layers, slots * rows, Hkv, capacity, D]`` and the prompt
+    storage ``prefix_k/v`` ``[layers, slots, Hkv, prefix_capacity, D]`` (one cache: one
+    slot; a bank: every slot). Keys and values go to suffix positions ``write_at``: int64
+    ``[T]`` for every row, or ``scatter_at`` (int64 ``[slots * rows, Hkv, T, D]``, each
+    slot's positions) with ``keep`` (bool ``[slots * rows, 1, 1, 1]``, False: the row's
+    stored values are written back unchanged). Attention covers the first ``prefix_window``
+    prompt and ``suffix_window`` suffix positions; True in ``mask_prefix`` (``[Pw]`` or
+    ``[slots, Pw]``) and ``mask_suffix`` (``[g*T, Sw]`` or ``[slots, g*T, Sw]``; queries
+    ordered (head in group, token)) hides one."""
 
-    cache: StaticKVCache
+    suffix_k: torch.Tensor
+    suffix_v: torch.Tensor
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
     rows: int
     tokens: int
-    write_at: torch.Tensor
     prefix_window: int
     suffix_window: int
     mask_prefix: torch.Tensor
     mask_suffix: torch.Tensor
+    write_at: torch.Tensor | None = None
+    scatter_at: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's new keys and values ``[slots * rows, Hkv, T, D]``."""
+        for store, new in ((self.suffix_k[layer], k), (self.suffix_v[layer], v)):
+            if self.write_at is not None:
+                store.index_copy_(2, self.write_at, new)
+                continue
+            if self.keep is not None:
+                new = torch.where(self.keep, new, store.gather(2, self.scatter_at))
+            store.scatter_(2, self.scatter_at, new)
 
 
 class Block(nn.Module):
@@ -225,20 +247,20 @@ class Block(nn.Module):
     def forward_static(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: StaticView
     ) -> torch.Tensor:
-        """One layer over every row of a static-cache forward (:meth:`Transformer.decode_static`):
-        ``x`` ``[R*T, hidden]``, rows row-major; no host read, fixed shapes."""
+        """One layer over every row of a static forward (:meth:`Transformer.decode_static`,
+        :meth:`Transformer.decode_bank`): ``x`` ``[R*T, hidden]``, rows row-major; no host
+        read, fixed shapes."""
         q, k, v = self.project(x, cos, sin)
-        r, t = view.rows, view.tokens
+        t = view.tokens
+        r = x.shape[0] // t
         q = q.view(r, t, self.h, self.d).transpose(1, 2)
         k = k.view(r, t, self.hkv, self.d).transpose(1, 2)
         v = v.view(r, t, self.hkv, self.d).transpose(1, 2)
-        cache = view.cache
-        cache.suffix_k[self.layer].index_copy_(2, view.write_at, k)
-        cache.suffix_v[self.layer].index_copy_(2, view.write_at, v)
-        pk = cache.prefix_store_k[self.layer, 0, :, : view.prefix_window]  # [Hkv, Pw, D]
-        pv = cache.prefix_store_v[self.layer, 0, :, : view.prefix_window]
-        sk = cache.suffix_k[self.layer, :, :, : view.suffix_window]  # [R, Hkv, Sw, D]
-        sv = cache.suffix_v[self.layer, :, :, : view.suffix_window]
+        view.write(self.layer, k, v)
+        pk = view.prefix_k[self.layer, :, :, : view.prefix_window]  # [slots, Hkv, Pw, D]
+        pv = view.prefix_v[self.layer, :, :, : view.prefix_window]
+        sk = view.suffix_k[self.layer, :, :, : view.suffix_window]  # [R, Hkv, Sw, D]
+        sv = view.suffix_v[self.layer, :, :, : view.suffix_window]
         g = self.h // self.hkv
         qg = q.reshape(r, self.hkv, g * t, self.d)
         masks = view.mask_prefix, view.mask_suffix
@@ -311,6 +333,7 @@ class Transformer(nn.Module):
         self.static_slots = StaticSlots(self._make_static)
         self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
         self.kernels = EAGER  # see use_kernels
+        self.joined_calls = self.joined_rounds = 0  # run_joined: calls, rounds they ran
 
     def use_kernels(self, kernels: LayerKernels) -> None:
         """Run every layer's norms, RoPE, gating and attention with ``kernels``
@@ -415,18 +438,74 @@ class Transformer(nn.Module):
         with torch.inference_mode():
             return run_round(self.round_mode, cache.graphs, key, fn, inputs, self)
 
+    def joinable(self, join: Any) -> tuple | None:
+        """Where a round's :class:`~smcspec.decoding.program.Join` may run batched: the
+        identities of its caches' banks, when every cache is static, all at one slot of
+        banks of one size, and the rounds run fused; else None (it runs alone)."""
+        banks = [getattr(c, "bank", None) for c in join.caches]
+        if self.round_mode == "steps" or any(b is None for b in banks):
+            return None
+        if len({c.slot for c in join.caches}) > 1 or len({b.slots for b in banks}) > 1:
+            return None
+        return tuple(id(b) for b in banks)
+
+    def run_joined(self, rounds: Sequence[tuple[Any, dict[str, torch.Tensor]]]) -> list:
+        """Run the rounds of several requests as one call over every slot of their banks:
+        ``rounds`` are ``(join, inputs)`` pairs (:class:`~smcspec.decoding.program.Join`,
+        :attr:`~smcspec.decoding.program.Round.inputs`) with one key, whose caches
+        :meth:`joinable` puts in the same banks. Their inputs are stacked per slot (zeros
+        where no member is; ``keep`` marks the members), and the call is captured with the
+        first bank under ``("joined", key, slots, suffix window, prompt windows, bank
+        serials)``. Returns each round's outputs (its slot's row of each output). Raises
+        ValueError for rounds that cannot join."""
+        joins = [j for j, _ in rounds]
+        places = {self.joinable(j) for j in joins}
+        if len(places) > 1 or None in places or len({j.key for j in joins}) > 1:
+            raise ValueError("joined rounds need one key and caches in the same banks")
+        banks = tuple(c.bank for c in joins[0].caches)
+        slots = [j.caches[0].slot for j in joins]
+        by_slot = dict(zip(slots, (x for _, x in rounds), strict=True))
+        stacked = {}
+        for name, first in rounds[0][1].items():
+            absent = torch.zeros_like(first)
+            stacked[name] = torch.stack(
+                [by_slot[b][name] if b in by_slot else absent for b in range(banks[0].slots)]
+            )
+        on = torch.ones((), dtype=torch.bool, device=self.device)  # no host-to-device copy
+        off = torch.zeros_like(on)
+        stacked["keep"] = torch.stack([on if b in by_slot else off for b in range(banks[0].slots)])
+        span = max(j.suffix_window for j in joins)
+        p_windows = tuple(max(j.caches[i].prompt_window for j in joins) for i in range(len(banks)))
+        key = ("joined", joins[0].key, banks[0].slots, span, p_windows)
+        key += tuple(b.serial for b in banks)
+        if self.kernels.compiled:
+            key = (*key, "compiled")
+        fn = joins[0].fn
+        for j in joins:
+            j.caches[0].rounds_run += 1
+        self.joined_calls += 1
+        self.joined_rounds += len(joins)
+        with torch.inference_mode():
+            out = run_round(
+                self.round_mode, banks[0].graphs, key, lambda x: fn(banks, x, span, p_windows),
+                stacked, self,
+            )  # fmt: skip
+        return [{name: t[b] for name, t in out.items()} for b in slots]
+
     def release_static(self) -> None:
         """Drop the static caches kept for reuse and their CUDA graphs (their memory goes
         back to PyTorch's allocator once nothing else holds it); caches in use stay valid."""
-        for cache in self.static_slots.slots:
-            cache.graphs.clear()
+        for bank in self.static_slots.banks:
+            bank.graphs.clear()
+            for cache in bank.caches:
+                cache.graphs.clear()
         self.static_slots = StaticSlots(self._make_static)
         self.graph_pool = None
 
-    def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> StaticKVCache:
+    def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> SlotBank:
         c = self.cfg
         self._rope_table(prefix_capacity + capacity)  # a captured forward cannot grow it
-        return StaticKVCache(
+        return SlotBank(
             c.num_layers,
             c.num_kv_heads,
             c.head_dim,
@@ -611,8 +690,7 @@ class Transformer(nn.Module):
         """
         r, t = tokens.shape
         dev = tokens.device
-        steps = torch.arange(t, device=dev)
-        write_at = start + steps  # [T]
+        write_at = start + torch.arange(t, device=dev)  # [T]
         positions = cache.prompt_len_t + write_at
         cos = self._cos[positions].to(self.dtype).repeat(r, 1)  # rows row-major: [R*T, D]
         sin = self._sin[positions].to(self.dtype).repeat(r, 1)
@@ -620,15 +698,84 @@ class Transformer(nn.Module):
         p_window = cache.prompt_window
         spos = torch.arange(suffix_window, device=dev)
         view = StaticView(
-            cache=cache,
+            suffix_k=cache.suffix_k,
+            suffix_v=cache.suffix_v,
+            prefix_k=cache.prefix_store_k,
+            prefix_v=cache.prefix_store_v,
             rows=r,
             tokens=t,
-            write_at=write_at,
             prefix_window=p_window,
             suffix_window=suffix_window,
             mask_prefix=torch.arange(p_window, device=dev) >= cache.prompt_len_t,
             mask_suffix=spos[None, :] > write_at.repeat(g)[:, None],  # [g*T, Sw]
+            write_at=write_at,
         )
+        return self._static_logits(tokens, cos, sin, view, last_only)
+
+    @torch.inference_mode()
+    def decode_bank(
+        self,
+        tokens: torch.Tensor,
+        bank: SlotBank,
+        starts: torch.Tensor,
+        keep: torch.Tensor,
+        suffix_window: int,
+        prompt_window: int,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`decode_static` for every slot of ``bank`` at once (the rounds of several
+        requests as one forward: each weight read once for all of them); no host read.
+
+        Args:
+            tokens: int64 ``[slots * rows, T]``, rows slot-major (slot ``b``'s rows first
+                at ``b * rows``).
+            starts: int64 ``[slots]``, the suffix position of each slot's first token.
+            keep: bool ``[slots]``: False for a slot no round of this forward belongs to
+                (its rows are computed on whatever they hold, and its stored keys and values
+                written back unchanged).
+            suffix_window, prompt_window: positions attended (``>= starts + T`` and ``>=``
+                every kept slot's prompt length; powers of two within the bank's sizes).
+            last_only: return only the logits after the last token.
+        Returns:
+            float32 logits ``[slots * rows, T, V]`` (``[slots * rows, 1, V]``).
+        """
+        n, t = tokens.shape
+        b, dev = bank.slots, tokens.device
+        r = n // b
+        write_at = starts[:, None] + torch.arange(t, device=dev)  # [B, T]
+        positions = bank.prompt_len_t[:, None] + write_at
+        cos = self._cos[positions].to(self.dtype)[:, None].expand(b, r, t, -1).reshape(n * t, -1)
+        sin = self._sin[positions].to(self.dtype)[:, None].expand(b, r, t, -1).reshape(n * t, -1)
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        hkv, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        spos = torch.arange(suffix_window, device=dev)
+        view = StaticView(
+            suffix_k=bank.suffix_k,
+            suffix_v=bank.suffix_v,
+            prefix_k=bank.prefix_k,
+            prefix_v=bank.prefix_v,
+            rows=r,
+            tokens=t,
+            prefix_window=prompt_window,
+            suffix_window=suffix_window,
+            mask_prefix=torch.arange(prompt_window, device=dev) >= bank.prompt_len_t[:, None],
+            mask_suffix=spos > write_at.repeat(1, g)[:, :, None],  # [B, g*T, Sw]
+            scatter_at=write_at[:, None, None, :, None]
+            .expand(b, r, hkv, t, d)
+            .reshape(n, hkv, t, -1),
+            keep=keep[:, None].expand(b, r).reshape(n, 1, 1, 1),
+        )
+        return self._static_logits(tokens, cos, sin, view, last_only)
+
+    def _static_logits(
+        self,
+        tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        view: StaticView,
+        last_only: bool,
+    ) -> torch.Tensor:
+        r, t = tokens.shape
         x = self.embed(tokens.reshape(-1))
         for layer in self.layers:
             x = layer.forward_static(x, cos, sin, view)

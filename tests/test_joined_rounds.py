@@ -1,0 +1,154 @@
+"""Fused rounds of several requests run as one batched call over a bank of static caches.
+
+The static caches of one shape live in one bank (``backends/torch/static_cache.py``); the
+scheduler runs the pending ``ar`` rounds of the requests on one bank as one forward over
+every slot (``Transformer.decode_bank``, ``decoding/fused.ar_joined``), captured as one CUDA
+graph on a GPU. On the CPU they run uncaptured under the host-read guard (``rounds="eager"``).
+Checked here: the bank keeps what its caches hold when it grows; the batched forward gives
+each slot the logits its own static forward gives, and leaves the slots outside the call
+untouched; requests run concurrently through the scheduler draw the tokens they draw alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from enumerable import tiny_transformer
+from scheduling import run_concurrently
+from tiny_models import make_tiny_chat_pair
+
+from smcspec import Engine, GenerationConfig
+from smcspec.backends.torch import load_hf_dir
+from smcspec.backends.torch.graphs import HostReadGuard
+
+
+def _filled(model, prompt: list[int], steps: int):
+    """A static cache holding ``prompt`` and ``steps`` generated tokens (eager forwards)."""
+    cache = model.new_cache(1, 40, static=True, prompt_len=len(prompt))
+    model.prefill(torch.tensor(prompt), cache)
+    for i in range(steps):
+        model.decode(torch.tensor([[3 + i]]), cache)
+    return cache
+
+
+def test_a_growing_bank_keeps_its_caches():
+    model = tiny_transformer(seed=1, vocab=8)
+    model.rounds = "eager"
+    try:
+        a = _filled(model, [1, 2, 0, 4], 3)
+        before = model.decode(torch.tensor([[5]]), a)[0, -1]
+        a.truncate(3)
+        serial, bank = a.serial, a.bank
+        a.graphs["x"] = object()
+        b = _filled(model, [2, 2], 1)  # the bank doubles to hold it
+        assert b.bank is bank and bank.slots == 2 and (a.slot, b.slot) == (0, 1)
+        assert a.serial != serial and not a.graphs  # graphs of the old tensors dropped
+        assert a.suffix_k.data_ptr() == bank.suffix_k.data_ptr()  # a's views moved
+        after = model.decode(torch.tensor([[5]]), a)[0, -1]
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+    finally:
+        model.rounds = "auto"
+
+
+def test_a_bank_forward_gives_each_slot_its_own_logits():
+    model = tiny_transformer(seed=1, vocab=8)
+    model.rounds = "eager"
+    try:
+        caches = [_filled(model, p, s) for p, s in (([1, 2, 0], 2), ([4] * 9, 0), ([2, 1], 5))]
+        bank = caches[0].bank
+        assert all(c.bank is bank for c in caches) and bank.slots == 4
+        tokens = torch.tensor([[3], [6], [7], [0]])  # slot 3: no cache holds it
+        starts = torch.tensor([c.length for c in caches] + [0])
+        keep = torch.tensor([True, False, True, False])
+        untouched = caches[1].suffix_k.clone(), caches[1].suffix_v.clone()
+        with HostReadGuard():
+            joined = model.decode_bank(tokens, bank, starts, keep, 64, 64, last_only=True)
+        assert torch.equal(caches[1].suffix_k, untouched[0])
+        assert torch.equal(caches[1].suffix_v, untouched[1])
+        for b in (0, 2):
+            cache = caches[b]
+            alone = model.decode_static(tokens[b : b + 1], cache, starts[b], 64, last_only=True)
+            torch.testing.assert_close(joined[b], alone[0], rtol=1e-5, atol=1e-5)
+    finally:
+        model.rounds = "auto"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    dirs = make_tiny_chat_pair(tmp_path_factory.mktemp("joined"), max_position_embeddings=512)
+    return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_concurrent_ar_requests_join_and_draw_what_they_draw_alone(engine, greedy, monkeypatch):
+    target, draft = engine.target.model, engine.draft.model
+    prompts = ["ab cd", "ef", "ab ab ab cd ef gh", "cd"]
+    cfgs = [
+        GenerationConfig(
+            method="ar",
+            max_new_tokens=12 + 3 * i,
+            seed=i,
+            ignore_eos=True,
+            temperature=0.0 if greedy else 0.9,
+            top_k=0 if greedy else 20,
+        )  # fmt: skip
+        for i in range(len(prompts))
+    ]
+    joined_sizes: list[int] = []
+    run_joined = type(target).run_joined
+
+    def counted(model, rounds):
+        joined_sizes.append(len(rounds))
+        return run_joined(model, rounds)
+
+    monkeypatch.setattr(type(target), "run_joined", counted)
+    target.rounds = draft.rounds = "eager"
+    try:
+        alone = [engine.generate(p, c).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+        assert not joined_sizes  # one request at a time: nothing to join
+        jobs = [engine.prepare(p, c) for p, c in zip(prompts, cfgs, strict=True)]
+        together = run_concurrently(engine, jobs)
+    finally:
+        target.rounds = draft.rounds = "auto"
+    assert [o.token_ids for o in together] == alone
+    assert [len(t) for t in alone] == [12, 15, 18, 21]
+    assert max(joined_sizes) == 4 and min(joined_sizes) >= 2  # all four, then the rest
+    steps = [engine.generate(p, c).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+    assert steps == alone  # and the step-by-step path draws them too
+
+
+def test_concurrent_smc_requests_join_and_draw_what_they_draw_alone(engine, monkeypatch):
+    """SMC-SD proposals of four requests as one call over the target's and the draft's
+    banks (resampling and banking stay per request, on the host), beside an ``ar`` and an
+    ``sd`` request whose rounds run alone: every request's tokens and particle weights are
+    those it gets alone."""
+    target, draft = engine.target.model, engine.draft.model
+    prompts = ["ab cd", "ef gh ab", "cd", "ab ab ab cd ef gh", "ef", "gh ab"]
+    smc = dict(method="smc", particles=4, draft_tokens=3, ignore_eos=True, return_particles=True)
+    cfgs = [GenerationConfig(max_new_tokens=10 + 4 * i, seed=i, **smc) for i in range(4)]
+    cfgs += [
+        GenerationConfig(method="ar", max_new_tokens=9, seed=7, ignore_eos=True),
+        GenerationConfig(method="sd", max_new_tokens=9, draft_tokens=3, seed=8, ignore_eos=True),
+    ]
+    joined_keys: list[tuple] = []
+    run_joined = type(target).run_joined
+
+    def counted(model, rounds):
+        joined_keys.append((rounds[0][0].key[0], len(rounds)))
+        return run_joined(model, rounds)
+
+    monkeypatch.setattr(type(target), "run_joined", counted)
+    target.rounds = draft.rounds = "eager"
+    try:
+        alone = [engine.generate(p, c) for p, c in zip(prompts, cfgs, strict=True)]
+        jobs = [engine.prepare(p, c) for p, c in zip(prompts, cfgs, strict=True)]
+        together = run_concurrently(engine, jobs)
+    finally:
+        target.rounds = draft.rounds = "auto"
+    for a, b in zip(alone, together, strict=True):
+        assert b.token_ids == a.token_ids
+        if a.particles:
+            wa = torch.tensor([p["weight"] for p in a.particles])
+            wb = torch.tensor([p["weight"] for p in b.particles])
+            torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-7)
+    assert ("smc", 4) in joined_keys and {k for k, _ in joined_keys} == {"smc"}
