@@ -372,8 +372,8 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
     """One timed run of ``system``: returns tokens, seconds and tokens/s."""
     engine = engines["copy" if system.upper_bound else "pair"]
     for m in engine.models().values():  # torch models: how rounds run (steps or graphs)
-        if hasattr(m, "rounds"):
-            m.rounds = system.rounds
+        if hasattr(m, "rounds"):  # auto: graphs, which a CPU runs uncaptured (the rehearsal)
+            m.rounds = "graphs" if system.rounds == "auto" else system.rounds
         if hasattr(m, "use_kernels"):  # and with which small kernels
             m.use_kernels(compiled_kernels() if system.compiled else EAGER)
     cfg = GenerationConfig(
@@ -836,7 +836,8 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         "tokens per request); median of the runs listed, systems alternated run by run within "
         "a group. tokens/s = new tokens / wall seconds (prefill included; a batch: all its "
         "requests' tokens / its wall time). torch rows run their rounds as CUDA graphs "
-        "(`decoding/fused.py`) unless marked `[steps]` (one forward at a time, sampling on the "
+        "(`decoding/fused.py`; on a CPU the same functions uncaptured) unless marked `[steps]` "
+        "(one forward at a time, sampling on the "
         "host between). `x ar`: ratio to the `ar` of the same group, rounds mode and batch, "
         "measured by the same command. Roofline: the speed-up predicted from measured forward "
         "costs ((K+1) target 1x1 forwards over one round's K draft forwards + one target "
