@@ -80,12 +80,18 @@ def engine(tmp_path_factory):
 
 
 @pytest.mark.parametrize("greedy", [False, True])
-def test_concurrent_ar_requests_join_and_draw_what_they_draw_alone(engine, greedy, monkeypatch):
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_concurrent_requests_join_and_draw_what_they_draw_alone(
+    engine, method, greedy, monkeypatch
+):
+    """Four ``ar`` (``sd``) requests at once: their rounds run as one call while at least
+    two are running, and each draws the tokens it draws alone, and on the step path."""
     target, draft = engine.target.model, engine.draft.model
     prompts = ["ab cd", "ef", "ab ab ab cd ef gh", "cd"]
     cfgs = [
         GenerationConfig(
-            method="ar",
+            method=method,
+            draft_tokens=3,
             max_new_tokens=12 + 3 * i,
             seed=i,
             ignore_eos=True,

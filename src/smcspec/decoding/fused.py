@@ -342,69 +342,127 @@ class HostCopy:
 def sd_round(
     job: Job, tcache: KVCache, dcache: KVCache, pending_d: list[int], pending_t: int
 ) -> Generator[Round, Tensors, tuple[list[int], int, int]]:
-    """One round of exact speculative sampling as a :class:`Round`: K = ``cfg.draft_tokens``
-    draft steps after feeding ``pending_d`` (1 or 2 tokens the draft has not seen), the
-    target's forward over ``[pending_t, d_1..d_K]``, the test ``u q(d_j) < p(d_j)`` and the
-    token after the accepted prefix (from the residual ``norm(max(p - q, 0))`` at the first
-    rejection, ``p`` itself where that is empty, the bonus from ``p`` at position K+1).
+    """One round of exact speculative sampling as a :class:`Round`, which the scheduler may
+    run batched with other requests' rounds of the same shape (:class:`Join`,
+    :func:`sd_joined`): K = ``cfg.draft_tokens`` draft steps after feeding ``pending_d`` (1
+    or 2 tokens the draft has not seen), the target's forward over ``[pending_t,
+    d_1..d_K]``, the test ``u q(d_j) < p(d_j)`` and the token after the accepted prefix
+    (from the residual ``norm(max(p - q, 0))`` at the first rejection, ``p`` itself where
+    that is empty, the bonus from ``p`` at position K+1).
 
     Returns ``(drafted, n, next)``: the K drafted tokens, how many were accepted and the
     target's token after them, as :func:`~smcspec.decoding.sd.verify_block` does. Both
     caches hold the whole block afterwards; the caller rolls back what was rejected.
     Raises NumericalError after the round, ContextLengthError before it."""
-    cfg, target, draft, vocab = job.config, job.target, job.draft, job.vocab
-    dev, k, w, generator = job.device, cfg.draft_tokens, len(pending_d), job.generator
+    cfg, dev, k, w, generator = (
+        job.config,
+        job.device,
+        job.config.draft_tokens,
+        len(pending_d),
+        job.generator,
+    )
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
     inputs = {
         "pending_d": torch.tensor([pending_d], dtype=torch.long, device=dev),
         "pending_t": torch.full((1, 1), pending_t, dtype=torch.long, device=dev),
         "u_draft": draw_uniforms(k, generator, dev).view(k, 1, 1),  # as k draws of one
-        "u_accept": torch.rand(k, generator=generator, device=dev),  # speculative_verify's
+        "u_accept": torch.rand(k, generator=generator, device=dev).view(
+            1, k
+        ),  # speculative_verify's
         "u_next": draw_uniforms(1, generator, dev),
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
-    trunc = cfg.truncation
     t_d = 0.0 if cfg.greedy else cfg.draft_temperature
-    consts = (cfg.temperature, t_d, cfg.greedy, trunc, vocab)
-    key = ("sd", k, w, span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
-
-    def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        lp = truncate_log_probs(step_log_probs(logits, temperature, False), *trunc)
-        return (point_mass_log_probs(lp) if cfg.greedy else lp).exp()
+    consts = (k, w, cfg.temperature, t_d, cfg.greedy, cfg.truncation, job.vocab)
+    key = ("sd", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
-        feed, start = x["pending_d"], x["d_start"]
-        bad = torch.zeros((), dtype=torch.bool, device=dev)
-        tokens, q_rows = [], []
-        for j in range(k):
-            logits = draft.decode_static(feed, dcache, start, span, last_only=True)
-            start = start + feed.shape[1]
-            q = probs(logits[0, -1, :vocab], t_d)
-            d, valid = categorical_from_uniforms(q, x["u_draft"][j])
-            bad = bad | ~valid.all() | torch.isnan(q[..., 0]).any()
-            tokens.append(d.view(1))
-            q_rows.append(q)
-            feed = d.view(1, 1)
-        drafted = torch.cat(tokens)  # [K]
-        block = torch.cat((x["pending_t"], drafted[None]), 1)
-        p_all = probs(
-            target.decode_static(block, tcache, x["t_start"], span)[0, :, :vocab], cfg.temperature
-        )  # fmt: skip  [K+1, V]
-        q_all = torch.stack(q_rows)  # [K, V]
-        rows = torch.arange(k, device=dev)
-        rejected = x["u_accept"] * q_all[rows, drafted] >= p_all[rows, drafted]
-        n = torch.where(rejected.any(), rejected.int().argmax(), k)  # the first rejection
-        q_ext = torch.cat((q_all, torch.zeros_like(q_all[:1])))  # q = 0 after the block
-        p_n = p_all.index_select(0, n.view(1))[0]
-        residual = (p_n - q_ext.index_select(0, n.view(1))[0]).clamp_min(0)
-        residual = torch.where(residual.sum() > 0, residual, p_n)  # p == q up to rounding
-        nxt, valid = categorical_from_uniforms(residual, x["u_next"])
-        bad = bad | ~valid.all() | torch.isnan(p_all[:, 0]).any()
-        return {"result": torch.cat((drafted, n.view(1), nxt.view(1))), "ok": ~bad}
+        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.draft.decode_static(feed, dcache, start, span, last_only=True)
 
-    out = yield Round(target, tcache, key, fn, inputs)
+        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.target.decode_static(block, tcache, start, span)
+
+        return {name: t[0] for name, t in _sd_rounds(job, x, draft, target).items()}
+
+    join = Join(("sd", *consts), sd_joined(job), span, (tcache, dcache))
+    out = yield Round(job.target, tcache, key, fn, inputs, join)
     check_ok(out)
     *drafted, n, nxt = out["result"].tolist()
     return drafted, n, nxt
+
+
+def sd_joined(job: Job):
+    """The sd rounds of every slot of a pair of banks at once (:class:`Join`; the target's
+    bank first, the draft's second, slot ``b`` of both one request's): the inputs of
+    :func:`sd_round` stacked over ``B`` slots and ``keep`` ``[B]``; outputs ``result`` int64
+    ``[B, K+2]`` and ``ok`` bool ``[B]``. Only the request's constants are taken from
+    ``job`` (the join key names them)."""
+
+    def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int, int]) -> Tensors:
+        (tbank, dbank), (t_window, d_window), keep = banks, prompt_windows, x["keep"]
+        b = keep.shape[0]
+        flat = {
+            "pending_d": x["pending_d"].view(b, -1),
+            "pending_t": x["pending_t"].view(b, 1),
+            "u_draft": x["u_draft"].transpose(0, 1).reshape(-1, b, 1),
+            "u_accept": x["u_accept"].view(b, -1),
+            "u_next": x["u_next"].view(b, 1),
+            "d_start": x["d_start"],
+            "t_start": x["t_start"],
+        }
+
+        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.draft.decode_bank(feed, dbank, start, keep, span, d_window, True)
+
+        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            return job.target.decode_bank(block, tbank, start, keep, span, t_window)
+
+        return _sd_rounds(job, flat, draft, target)
+
+    return fn
+
+
+def _sd_rounds(job: Job, x: Tensors, draft, target) -> Tensors:
+    """The sd round of ``B`` requests of one row each: ``pending_d`` ``[B, w]``,
+    ``pending_t`` ``[B, 1]``, ``u_draft`` ``[K, B, 1]``, ``u_accept`` ``[B, K]``, ``u_next``
+    ``[B, 1]``; ``draft(feed, start)`` and ``target(block, start)`` are the models' static
+    forwards. Returns ``result`` int64 ``[B, K+2]`` (the drafted tokens, how many were
+    accepted, the next token) and ``ok`` bool ``[B]``."""
+    cfg, vocab, k = job.config, job.vocab, job.config.draft_tokens
+    t_d = 0.0 if cfg.greedy else cfg.draft_temperature
+
+    def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        lp = truncate_log_probs(step_log_probs(logits, temperature, False), *cfg.truncation)
+        return (point_mass_log_probs(lp) if cfg.greedy else lp).exp()
+
+    feed, start = x["pending_d"], x["d_start"]
+    bad = torch.zeros(feed.shape[0], dtype=torch.bool, device=feed.device)
+    tokens, q_rows = [], []
+    for j in range(k):
+        logits = draft(feed, start)
+        start = start + feed.shape[1]
+        q = probs(logits[:, -1, :vocab], t_d)  # [B, V]
+        d, valid = categorical_from_uniforms(q, x["u_draft"][j])
+        bad = bad | ~valid | torch.isnan(q[:, 0])
+        tokens.append(d)
+        q_rows.append(q)
+        feed = d[:, None]
+    drafted = torch.stack(tokens, 1)  # [B, K]
+    block = torch.cat((x["pending_t"], drafted), 1)
+    p_all = probs(target(block, x["t_start"])[:, :, :vocab], cfg.temperature)  # [B, K+1, V]
+    q_all = torch.stack(q_rows, 1)  # [B, K, V]
+    q_d = q_all.gather(-1, drafted[..., None])[..., 0]
+    p_d = p_all[:, :k].gather(-1, drafted[..., None])[..., 0]
+    rejected = x["u_accept"] * q_d >= p_d  # [B, K]
+    n = torch.where(rejected.any(1), rejected.int().argmax(1), k)  # the first rejection
+    q_ext = torch.cat((q_all, torch.zeros_like(q_all[:, :1])), 1)  # q = 0 after the block
+    at_n = n[:, None, None].expand(-1, 1, p_all.shape[-1])
+    p_n = p_all.gather(1, at_n)[:, 0]
+    residual = (p_n - q_ext.gather(1, at_n)[:, 0]).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)  # p == q
+    nxt, valid = categorical_from_uniforms(residual, x["u_next"])
+    bad = bad | ~valid | torch.isnan(p_all[:, :, 0]).any(1)
+    return {"result": torch.cat((drafted, n[:, None], nxt[:, None]), 1), "ok": ~bad}
