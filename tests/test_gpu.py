@@ -152,9 +152,9 @@ def test_graph_replay_equals_the_uncaptured_fused_rounds(tmp_path, method, dtype
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_concurrent_requests_replay_one_joined_graph(tmp_path, method):
     """Requests run together through the scheduler: their rounds (``ar``, ``sd``, SMC-SD's
-    proposals) run as one graph over the bank(s) of their static caches, and each draws what it draws
-    alone (float32: the batched forward's sums may differ from one request's in the last
-    place only)."""
+    proposals) run as one graph over the bank(s) of their static caches, and each draws what
+    it draws alone (float32: the batched forward's sums may differ from one request's in the
+    last place only)."""
     from scheduling import run_concurrently
 
     d = [make_tiny_hf_model(tmp_path / str(s), "qwen2", seed=s) for s in (0, 1)]

@@ -11,6 +11,8 @@ untouched; requests run concurrently through the scheduler draw the tokens they 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from enumerable import tiny_transformer
@@ -158,3 +160,36 @@ def test_concurrent_smc_requests_join_and_draw_what_they_draw_alone(engine, monk
             wb = torch.tensor([p["weight"] for p in b.particles])
             torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-7)
     assert ("smc", 4) in joined_keys and {k for k, _ in joined_keys} == {"smc"}
+
+
+def test_a_request_takes_the_same_slot_in_both_banks(engine, monkeypatch):
+    """Two ``ar`` requests hold target slots 0 and 1; three ``sd`` requests then take target
+    slots 2-4, and their draft caches the same slots (the draft's bank grows to reach
+    them), so that the three sd rounds join as the two ar rounds do."""
+    target, draft = engine.target.model, engine.draft.model
+    prompts = ["ab cd", "ef", "ab ab ab cd ef gh", "cd", "gh gh"]
+    base = GenerationConfig(max_new_tokens=10, draft_tokens=3, ignore_eos=True)
+    cfgs = [replace(base, method="ar", seed=i) for i in range(2)]
+    cfgs += [replace(base, method="sd", seed=i) for i in (2, 3, 4)]
+    keys: list[tuple] = []
+    run_joined = type(target).run_joined
+
+    def counted(model, rounds):
+        keys.append((rounds[0][0].key[0], tuple(j.caches[0].slot for j, _ in rounds)))
+        return run_joined(model, rounds)
+
+    monkeypatch.setattr(type(target), "run_joined", counted)
+    target.release_static()
+    draft.release_static()
+    target.rounds = draft.rounds = "eager"
+    try:
+        alone = [engine.generate(p, c).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+        target.release_static()
+        draft.release_static()
+        keys.clear()
+        jobs = [engine.prepare(p, c) for p, c in zip(prompts, cfgs, strict=True)]
+        together = run_concurrently(engine, jobs)
+    finally:
+        target.rounds = draft.rounds = "auto"
+    assert [o.token_ids for o in together] == alone
+    assert ("ar", (0, 1)) in keys and ("sd", (2, 3, 4)) in keys

@@ -32,6 +32,9 @@ def open_caches(
             lease = reservation.lease(need.role) if reservation is not None else None
             model = models[need.role]
             extra = {"static": True, "prompt_len": need.prompt_len} if need.static else {}
+            slot = next((c.slot for c in caches if getattr(c, "slot", None) is not None), None)
+            if need.static and slot is not None:  # the same slot in every bank: rounds join
+                extra["slot"] = slot
             caches.append(
                 model.new_cache(
                     need.rows, need.capacity, lease=lease, shared_rows=need.shared_rows, **extra

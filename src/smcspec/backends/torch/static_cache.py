@@ -234,37 +234,52 @@ class StaticSlots:
         return [c for bank in self.banks for c in bank.caches]
 
     def take(
-        self, rows: int, capacity: int, prompt_len: int, lease: Lease | None = None
+        self,
+        rows: int,
+        capacity: int,
+        prompt_len: int,
+        lease: Lease | None = None,
+        slot: int | None = None,
     ) -> StaticKVCache | None:
         """A free cache for ``rows`` x ``capacity`` after ``prompt_len`` tokens, reset: a free
         slot of a bank that fits; else a fitting bank doubled (up to the room left), else a
         new bank (sizes bucketed), dropping a bank no request holds when the slots are full;
-        else None. ``lease``: accounting only (the request's reservation)."""
-        cache = self._find(rows, capacity, prompt_len)
+        else None. ``slot``: the slot to prefer (the one the request's other model's cache
+        took, so that their rounds can join others'; a bank grows to reach it where there
+        is room). ``lease``: accounting only (the request's reservation)."""
+        cache = self._find(rows, capacity, prompt_len, slot)
         if cache is None:
             return None
         cache.reset()
         cache.in_use = True
         return cache
 
-    def _find(self, rows: int, capacity: int, prompt_len: int) -> StaticKVCache | None:
+    def _find(
+        self, rows: int, capacity: int, prompt_len: int, slot: int | None
+    ) -> StaticKVCache | None:
         fitting = [b for b in self.banks if b.fits(rows, capacity, prompt_len)]
-        for bank in fitting:
-            if bank.free():
-                return bank.free()[0]
         room = self.max_slots - len(self.slots)
-        for bank in fitting:
-            if room > 0:
-                bank.grow(bank.slots + min(bank.slots, room))
-                return bank.free()[0]
-        if room <= 0:
+        bank = next((b for b in fitting if b.free()), None)
+        if bank is None and fitting and room > 0:
+            bank = fitting[0]
+            grown = min(bank.slots, room)
+            bank.grow(bank.slots + grown)
+            room -= grown
+        elif bank is None:
             idle = [b for b in self.banks if len(b.free()) == b.slots]
-            if not idle:
+            if room <= 0 and not idle:
                 return None
-            self.banks.remove(idle[0])  # its memory goes back before the new one's
-            idle[0].graphs.clear()
-            for c in idle[0].caches:
-                c.graphs.clear()
-        bank = self._make(rows, bucket(capacity), bucket(prompt_len))
-        self.banks.append(bank)
-        return bank.caches[0]
+            if room <= 0:
+                self.banks.remove(idle[0])  # its memory goes back before the new one's
+                room += idle[0].slots
+                idle[0].graphs.clear()
+                for c in idle[0].caches:
+                    c.graphs.clear()
+            bank = self._make(rows, bucket(capacity), bucket(prompt_len))
+            self.banks.append(bank)
+            room -= 1
+        while slot is not None and slot >= bank.slots and room >= bank.slots:
+            room -= bank.slots  # doubled to reach the preferred slot
+            bank.grow(2 * bank.slots)
+        free = bank.free()
+        return next((c for c in free if c.slot == slot), free[0])

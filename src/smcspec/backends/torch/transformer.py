@@ -393,6 +393,7 @@ class Transformer(nn.Module):
         shared_rows: bool = True,
         static: bool = False,
         prompt_len: int = 0,
+        slot: int | None = None,
     ) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
 
@@ -401,12 +402,13 @@ class Transformer(nn.Module):
         ``shared_rows``: compute each distinct row of a forward once (the module notes).
         ``static``: a :class:`StaticKVCache` from :attr:`static_slots` for a prompt of up to
         ``prompt_len`` tokens (what graph-captured rounds need), where the round mode is not
-        ``steps`` and a slot is free; otherwise an ordinary cache."""
+        ``steps`` and a slot is free; otherwise an ordinary cache. ``slot``: the static slot
+        to prefer (:meth:`StaticSlots.take`)."""
         if static and self.round_mode != "steps":
             held = self.static_slots.slots
             if held and held[0].suffix_k.device != self.device:  # the model moved (.to)
                 self.release_static()
-            cache = self.static_slots.take(rows, capacity, prompt_len, lease)
+            cache = self.static_slots.take(rows, capacity, prompt_len, lease, slot)
             if cache is not None:
                 return cache
         c = self.cfg
