@@ -63,11 +63,13 @@ from smcspec.backends.torch.kernels import EAGER, compiled_kernels
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
 from smcspec.eval.roofline import (
+    batch_bound,
     physics_bound,
     predicted_speedup,
     smc_forward_costs,
     static_forward_costs,
     weight_bytes_read,
+    weight_params,
 )
 from smcspec.scheduler import BatchScheduler, Request
 from smcspec.tuning.cache import cpu_model
@@ -440,6 +442,9 @@ def _small(stats: dict) -> dict:
     return {k: stats[k] for k in keep if k in stats}
 
 
+BATCH_NK = (8, 8)  # the SMC-SD setting of the batch groups, beside ar
+
+
 def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
     """The groups of systems compared side by side (each group alternated run by run): on
     torch with ``--compare-steps`` first ``ar`` and SMC-SD N=8 K=8 with rounds step by step
@@ -467,7 +472,7 @@ def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
     for b in args.batches:
         if b == 1:  # the grid above is the batch-1 group: a second one would repeat it
             continue
-        groups.append([System("ar", batch=b), System("smc", 8, 8, batch=b)])
+        groups.append([System("ar", batch=b), System("smc", *BATCH_NK, batch=b)])
     return groups
 
 
@@ -577,6 +582,14 @@ def rooflines(
             tb, db = weight_bytes_read(target), weight_bytes_read(draft)
             c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,
                   bandwidth=args.bandwidth, **physics_bound(tb, db, n, k, args.bandwidth),
+                  **base)  # fmt: skip
+    if backend == "torch" and settings is None:  # the batch groups' bounds (batch_bound)
+        weights = weight_bytes_read(target), weight_bytes_read(draft)
+        params = weight_params(target), weight_params(draft)
+        for b in (b for b in args.batches if b > 1):
+            bound = batch_bound(weights, params, *BATCH_NK, b, args.bandwidth, args.peak_flops)
+            c.row(kind="bound-batch", n=BATCH_NK[0], k=BATCH_NK[1], batch=b, weight_bytes=weights,
+                  params=params, bandwidth=args.bandwidth, peak_flops=args.peak_flops, **bound,
                   **base)  # fmt: skip
 
 
@@ -819,6 +832,11 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         for r in rows
         if r["kind"] in ("roofline", "roofline-fused", "bound")
     }
+    roof |= {
+        ("bound-batch", r["phase"], r["backend"], r["pair"], r["batch"]): r
+        for r in rows
+        if r["kind"] == "bound-batch"
+    }
     ar = {_ar_key(r): r["tokens_per_s"] for r in runs if r["method"] == "ar"}
     lines = [
         "# GPU campaign report" + (" (CPU rehearsal, tiny shapes)" if env["tiny"] else ""),
@@ -845,7 +863,11 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         "`smcspec.eval.roofline.static_forward_costs`) and the memory-bound bound "
         "(K+1)/((K+1)c+1). `bound`: tokens/s if every forward only read its weights at the "
         "command's bandwidth (ar: one target read a token; SMC-SD: K draft reads and one "
-        "target read for K+1 tokens). `sd (draft=target)` has acceptance 1: an upper bound on "
+        "target read for K+1 tokens; a batch of B requests: per forward the longer of one read "
+        "of its weights and 2 FLOPs per parameter per row at the command's peak FLOP/s, ar's "
+        "forward B rows, SMC-SD's K draft forwards B*N rows and its target forward "
+        "B*N*(K+1), `smcspec.eval.roofline.batch_bound`). `sd (draft=target)` has acceptance "
+        "1: an upper bound on "
         "sd, not a real pair.",
         "",
     ]
@@ -948,6 +970,12 @@ def _report_line(r: dict, ar: dict, roof: dict, several: bool) -> str:
             b for (kd, *k), b in roof.items() if kd == "bound" and tuple(k[:3]) == key[:3]
         ]
         tps = pair_bounds[0]["ar_bound_tps"] if pair_bounds else None
+    elif r["batch"] > 1:  # weights or compute, the longer, per forward (batch_bound)
+        bb = roof.get(("bound-batch", *key[:3], r["batch"]))
+        if bb and r["method"] == "ar":
+            tps = bb["ar_bound_tps"]
+        elif bb and (r["n"], r["k"]) == (bb["n"], bb["k"]):
+            tps = bb["smc_bound_tps"]
     b_txt = f"{tps:.0f}" if tps else "-"
     share = f"{r['tokens_per_s'] / tps:.0%}" if tps else "-"
     each = ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
@@ -1045,6 +1073,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=4.8e12,
         help="bytes/s of the bound rows (the H200 datasheet's 4.8 TB/s)",
+    )
+    ap.add_argument(
+        "--peak-flops",
+        type=float,
+        default=989e12,
+        help="FLOP/s of the batch bounds (the H200 datasheet's dense bf16: 989 TFLOP/s)",
     )
     ap.add_argument(
         "--pair-stats",

@@ -102,6 +102,16 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
+def weight_params(model: torch.nn.Module) -> int:
+    """Parameters one forward multiplies each token row by (2 FLOPs each): every parameter,
+    except an input embedding that the output layer does not share (a lookup)."""
+    total = sum(p.numel() for p in model.parameters())
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is not embed.weight:
+        total -= embed.weight.numel()
+    return total
+
+
 def physics_bound(
     target_bytes: int, draft_bytes: int, n: int, k: int, bandwidth: float
 ) -> dict[str, float]:
@@ -111,4 +121,34 @@ def physics_bound(
     "the roofline model"."""
     ar = bandwidth / target_bytes
     smc = (k + 1) * bandwidth / (k * draft_bytes + target_bytes)
+    return {"ar_bound_tps": ar, "smc_bound_tps": smc, "bound_speedup": smc / ar}
+
+
+def batch_bound(
+    weights: tuple[int, int],
+    params: tuple[int, int],
+    n: int,
+    k: int,
+    batch: int,
+    bandwidth: float,
+    flops: float,
+) -> dict[str, float]:
+    """Aggregate tokens/s of ``batch`` concurrent requests if every forward took the longer of
+    reading its weights once (``weights``: target and draft bytes, at ``bandwidth``
+    bytes/s) and computing its token rows (2 FLOPs per parameter per row, ``params``: target
+    and draft parameters, at ``flops`` FLOP/s): ``ar`` (one target forward of ``batch`` rows
+    per ``batch`` tokens) and an SMC-SD round at (N, K) (K draft forwards of ``batch * N``
+    rows and one target forward of ``batch * N * (K+1)`` rows, every particle row computed,
+    for ``batch * (K+1)`` tokens; the first draft step's deferred token, KV caches,
+    attention and logits ignored). At batch 1 and small N the weights set both (as
+    :func:`physics_bound`); with many requests the target's rows make SMC-SD compute-bound
+    N times sooner than ``ar``. ``docs/smc-sd.md``, "the roofline model"."""
+    (tb, db), (tp, dp) = weights, params
+
+    def seconds(nbytes: int, nparams: int, rows: int) -> float:
+        return max(nbytes / bandwidth, 2 * nparams * rows / flops)
+
+    ar = batch / seconds(tb, tp, batch)
+    rnd = k * seconds(db, dp, batch * n) + seconds(tb, tp, batch * n * (k + 1))
+    smc = batch * (k + 1) / rnd
     return {"ar_bound_tps": ar, "smc_bound_tps": smc, "bound_speedup": smc / ar}
