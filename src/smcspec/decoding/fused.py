@@ -27,6 +27,11 @@ weights and resampling for a seed (``tests/test_fused_rounds.py``). Errors that 
 step-by-step round raises at once (NaN logits, a distribution with no mass) come back as an
 ``ok`` flag, read with the round's outputs and raised then.
 
+Each round also carries a :class:`~smcspec.decoding.program.Join`: the same body over the
+rows of every slot of a bank of static caches (:func:`ar_joined`, :func:`sd_joined`,
+:func:`smc_joined`), which the scheduler runs as one call for the rounds of concurrent
+requests of one kind (``docs/architecture.md``, "Where a round runs").
+
 Fused rounds run where every model of the request runs rounds fused
 (:func:`fused_rounds`), its caches are static, and the request needs no host work inside a
 round (:func:`plain`: no constraint, no reward, no top-p, whose cut has a data-dependent
@@ -36,7 +41,7 @@ step by step, as on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -108,6 +113,40 @@ def _scalar(value: int, dev: torch.device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.long, device=dev)
 
 
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _cache_forwards(
+    job: Job, tcache: KVCache, dcache: KVCache, span: int
+) -> tuple[Forward, Forward]:
+    """A round's static forwards on one request's caches: ``draft(feed, start)`` (the last
+    position's logits) and ``target(block, start)``, attending ``span`` suffix positions."""
+
+    def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return job.draft.decode_static(feed, dcache, start, span, last_only=True)
+
+    def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return job.target.decode_static(block, tcache, start, span)
+
+    return draft, target
+
+
+def _bank_forwards(
+    job: Job, banks: tuple, keep: torch.Tensor, span: int, prompt_windows: tuple[int, int]
+) -> tuple[Forward, Forward]:
+    """:func:`_cache_forwards` over every slot of the target's and the draft's banks
+    (``banks``, ``prompt_windows``: target first), the slots outside ``keep`` padded."""
+    (tbank, dbank), (t_window, d_window) = banks, prompt_windows
+
+    def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return job.draft.decode_bank(feed, dbank, start, keep, span, d_window, True)
+
+    def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return job.target.decode_bank(block, tbank, start, keep, span, t_window)
+
+    return draft, target
+
+
 # --------------------------------------------------------------------------- SMC-SD
 def smc_block(
     job: Job,
@@ -147,13 +186,7 @@ def smc_block(
     key = ("smc", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
-        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.draft.decode_static(feed, dcache, start, span, last_only=True)
-
-        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.target.decode_static(block, tcache, start, span)
-
-        out = _smc_rounds(job, x, 1, draft, target)
+        out = _smc_rounds(job, x, 1, *_cache_forwards(job, tcache, dcache, span))
         return {name: t[0] if name == "ok" else t for name, t in out.items()}
 
     join = Join(("smc", *consts), smc_joined(job), span, (tcache, dcache))
@@ -172,7 +205,6 @@ def smc_joined(job: Job):
     n = job.config.particles
 
     def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int, int]) -> Tensors:
-        (tbank, dbank), (t_window, d_window) = banks, prompt_windows
         b, keep = x["keep"].shape[0], x["keep"]
         flat = {
             "pending_d": x["pending_d"].reshape(b * n, -1),
@@ -184,19 +216,13 @@ def smc_joined(job: Job):
             "t_start": x["t_start"],
         }
 
-        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.draft.decode_bank(feed, dbank, start, keep, span, d_window, True)
-
-        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.target.decode_bank(block, tbank, start, keep, span, t_window)
-
-        out = _smc_rounds(job, flat, b, draft, target)
+        out = _smc_rounds(job, flat, b, *_bank_forwards(job, banks, keep, span, prompt_windows))
         return {name: t if name == "ok" else t.view(b, n, *t.shape[1:]) for name, t in out.items()}
 
     return fn
 
 
-def _smc_rounds(job: Job, x: Tensors, slots: int, draft, target) -> Tensors:
+def _smc_rounds(job: Job, x: Tensors, slots: int, draft: Forward, target: Forward) -> Tensors:
     """Steps 3a, 3b and 3d for ``slots`` requests' N particles each, rows slot-major:
     ``pending_d`` ``[S*N, w]``, ``pending_t`` ``[S*N, 1]``, ``host`` ``[S*N]`` (rows of
     the whole batch), ``u`` ``[K+1, S*N, 1]``; ``draft(feed, start)`` and ``target(block,
@@ -225,7 +251,7 @@ def _smc_rounds(job: Job, x: Tensors, slots: int, draft, target) -> Tensors:
 
 
 def _draft_steps(
-    job: Job, x: Tensors, slots: int, draft
+    job: Job, x: Tensors, slots: int, draft: Forward
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K draft forwards of every row inside a round: drafted tokens ``[S*N, K]``, their
     ``log q`` ``[S*N, K]`` and a bool ``[S]`` flag per slot of NaN logits or an
@@ -379,13 +405,8 @@ def sd_round(
     key = ("sd", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
-        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.draft.decode_static(feed, dcache, start, span, last_only=True)
-
-        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.target.decode_static(block, tcache, start, span)
-
-        return {name: t[0] for name, t in _sd_rounds(job, x, draft, target).items()}
+        out = _sd_rounds(job, x, *_cache_forwards(job, tcache, dcache, span))
+        return {name: t[0] for name, t in out.items()}
 
     join = Join(("sd", *consts), sd_joined(job), span, (tcache, dcache))
     out = yield Round(job.target, tcache, key, fn, inputs, join)
@@ -402,7 +423,7 @@ def sd_joined(job: Job):
     ``job`` (the join key names them)."""
 
     def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int, int]) -> Tensors:
-        (tbank, dbank), (t_window, d_window), keep = banks, prompt_windows, x["keep"]
+        keep = x["keep"]
         b = keep.shape[0]
         flat = {
             "pending_d": x["pending_d"].view(b, -1),
@@ -414,18 +435,12 @@ def sd_joined(job: Job):
             "t_start": x["t_start"],
         }
 
-        def draft(feed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.draft.decode_bank(feed, dbank, start, keep, span, d_window, True)
-
-        def target(block: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            return job.target.decode_bank(block, tbank, start, keep, span, t_window)
-
-        return _sd_rounds(job, flat, draft, target)
+        return _sd_rounds(job, flat, *_bank_forwards(job, banks, keep, span, prompt_windows))
 
     return fn
 
 
-def _sd_rounds(job: Job, x: Tensors, draft, target) -> Tensors:
+def _sd_rounds(job: Job, x: Tensors, draft: Forward, target: Forward) -> Tensors:
     """The sd round of ``B`` requests of one row each: ``pending_d`` ``[B, w]``,
     ``pending_t`` ``[B, 1]``, ``u_draft`` ``[K, B, 1]``, ``u_accept`` ``[B, K]``, ``u_next``
     ``[B, 1]``; ``draft(feed, start)`` and ``target(block, start)`` are the models' static

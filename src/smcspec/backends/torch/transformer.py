@@ -153,7 +153,8 @@ class StaticView:
     stored values are written back unchanged). Attention covers the first ``prefix_window``
     prompt and ``suffix_window`` suffix positions; True in ``mask_prefix`` (``[Pw]`` or
     ``[slots, Pw]``) and ``mask_suffix`` (``[g*T, Sw]`` or ``[slots, g*T, Sw]``; queries
-    ordered (head in group, token)) hides one."""
+    ordered (head in group, token)) hides one. ``cos``/``sin``: RoPE of every row's
+    positions ``[slots * rows * T, D]``."""
 
     suffix_k: torch.Tensor
     suffix_v: torch.Tensor
@@ -165,6 +166,8 @@ class StaticView:
     suffix_window: int
     mask_prefix: torch.Tensor
     mask_suffix: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
     write_at: torch.Tensor | None = None
     scatter_at: torch.Tensor | None = None
     keep: torch.Tensor | None = None
@@ -244,13 +247,11 @@ class Block(nn.Module):
             outs.append(out)
         return self.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def forward_static(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: StaticView
-    ) -> torch.Tensor:
+    def forward_static(self, x: torch.Tensor, view: StaticView) -> torch.Tensor:
         """One layer over every row of a static forward (:meth:`Transformer.decode_static`,
         :meth:`Transformer.decode_bank`): ``x`` ``[R*T, hidden]``, rows row-major; no host
         read, fixed shapes."""
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, view.cos, view.sin)
         t = view.tokens
         r = x.shape[0] // t
         q = q.view(r, t, self.h, self.d).transpose(1, 2)
@@ -690,29 +691,12 @@ class Transformer(nn.Module):
         Returns:
             float32 logits ``[R, T, V]`` (``[R, 1, V]`` with ``last_only``).
         """
-        r, t = tokens.shape
-        dev = tokens.device
-        write_at = start + torch.arange(t, device=dev)  # [T]
-        positions = cache.prompt_len_t + write_at
-        cos = self._cos[positions].to(self.dtype).repeat(r, 1)  # rows row-major: [R*T, D]
-        sin = self._sin[positions].to(self.dtype).repeat(r, 1)
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        p_window = cache.prompt_window
-        spos = torch.arange(suffix_window, device=dev)
-        view = StaticView(
-            suffix_k=cache.suffix_k,
-            suffix_v=cache.suffix_v,
-            prefix_k=cache.prefix_store_k,
-            prefix_v=cache.prefix_store_v,
-            rows=r,
-            tokens=t,
-            prefix_window=p_window,
-            suffix_window=suffix_window,
-            mask_prefix=torch.arange(p_window, device=dev) >= cache.prompt_len_t,
-            mask_suffix=spos[None, :] > write_at.repeat(g)[:, None],  # [g*T, Sw]
-            write_at=write_at,
-        )
-        return self._static_logits(tokens, cos, sin, view, last_only)
+        t = tokens.shape[1]
+        write_at = (start + torch.arange(t, device=tokens.device))[None]  # [1, T]
+        stores = (cache.suffix_k, cache.suffix_v, cache.prefix_store_k, cache.prefix_store_v)
+        lengths = cache.prompt_len_t.view(1)
+        view = self._static_view(stores, lengths, write_at, suffix_window, cache.prompt_window)
+        return self._static_logits(tokens, view, last_only)
 
     @torch.inference_mode()
     def decode_bank(
@@ -741,46 +725,64 @@ class Transformer(nn.Module):
         Returns:
             float32 logits ``[slots * rows, T, V]`` (``[slots * rows, 1, V]``).
         """
-        n, t = tokens.shape
-        b, dev = bank.slots, tokens.device
-        r = n // b
-        write_at = starts[:, None] + torch.arange(t, device=dev)  # [B, T]
-        positions = bank.prompt_len_t[:, None] + write_at
-        cos = self._cos[positions].to(self.dtype)[:, None].expand(b, r, t, -1).reshape(n * t, -1)
-        sin = self._sin[positions].to(self.dtype)[:, None].expand(b, r, t, -1).reshape(n * t, -1)
+        write_at = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        stores = (bank.suffix_k, bank.suffix_v, bank.prefix_k, bank.prefix_v)
+        view = self._static_view(
+            stores, bank.prompt_len_t, write_at, suffix_window, prompt_window, keep
+        )
+        return self._static_logits(tokens, view, last_only)
+
+    def _static_view(
+        self,
+        stores: tuple[torch.Tensor, ...],
+        prompt_lens: torch.Tensor,
+        write_at: torch.Tensor,
+        suffix_window: int,
+        prompt_window: int,
+        keep: torch.Tensor | None = None,
+    ) -> StaticView:
+        """What the layers of a static forward read: ``stores`` the suffix and prompt
+        storage (``suffix_k, suffix_v, prefix_k, prefix_v``) of ``B`` slots, their prompt
+        lengths ``[B]`` and the suffix positions written ``[B, T]``; one slot without
+        ``keep`` writes every row at the same positions (``index_copy_``), several
+        scatter per slot."""
+        b, t = write_at.shape
+        rows = stores[0].shape[1] // b
+        n, dev = b * rows, write_at.device
+        positions = prompt_lens[:, None] + write_at  # [B, T]; rows slot-major, then tokens
+        cos = self._cos[positions].to(self.dtype)[:, None].expand(b, rows, t, -1).reshape(n * t, -1)
+        sin = self._sin[positions].to(self.dtype)[:, None].expand(b, rows, t, -1).reshape(n * t, -1)
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         hkv, d = self.cfg.num_kv_heads, self.cfg.head_dim
         spos = torch.arange(suffix_window, device=dev)
-        view = StaticView(
-            suffix_k=bank.suffix_k,
-            suffix_v=bank.suffix_v,
-            prefix_k=bank.prefix_k,
-            prefix_v=bank.prefix_v,
-            rows=r,
+        per_slot = {}
+        if b > 1 or keep is not None:
+            at = write_at[:, None, None, :, None].expand(b, rows, hkv, t, d)
+            per_slot["scatter_at"] = at.reshape(n, hkv, t, d)
+            if keep is not None:
+                per_slot["keep"] = keep[:, None].expand(b, rows).reshape(n, 1, 1, 1)
+        else:
+            per_slot["write_at"] = write_at[0]
+        return StaticView(
+            *stores,
+            rows=rows,
             tokens=t,
             prefix_window=prompt_window,
             suffix_window=suffix_window,
-            mask_prefix=torch.arange(prompt_window, device=dev) >= bank.prompt_len_t[:, None],
+            mask_prefix=torch.arange(prompt_window, device=dev) >= prompt_lens[:, None],
             mask_suffix=spos > write_at.repeat(1, g)[:, :, None],  # [B, g*T, Sw]
-            scatter_at=write_at[:, None, None, :, None]
-            .expand(b, r, hkv, t, d)
-            .reshape(n, hkv, t, -1),
-            keep=keep[:, None].expand(b, r).reshape(n, 1, 1, 1),
+            cos=cos,
+            sin=sin,
+            **per_slot,
         )
-        return self._static_logits(tokens, cos, sin, view, last_only)
 
     def _static_logits(
-        self,
-        tokens: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        view: StaticView,
-        last_only: bool,
+        self, tokens: torch.Tensor, view: StaticView, last_only: bool
     ) -> torch.Tensor:
         r, t = tokens.shape
         x = self.embed(tokens.reshape(-1))
         for layer in self.layers:
-            x = layer.forward_static(x, cos, sin, view)
+            x = layer.forward_static(x, view)
         if last_only:
             x = x.view(r, t, -1)[:, -1]
         logits = linear(self.norm(x), self.lm_head).float()
