@@ -130,6 +130,12 @@ class SlotBank:
             cache.attach()
         self.caches += [StaticKVCache(self, b) for b in range(n, slots)]
 
+    def drop_graphs(self) -> None:
+        """Drop every graph captured on this bank: its batched rounds and its caches'."""
+        self.graphs.clear()
+        for cache in self.caches:
+            cache.graphs.clear()
+
     def free(self) -> list[StaticKVCache]:
         """The caches no request holds."""
         return [c for c in self.caches if not c.in_use]
@@ -272,9 +278,7 @@ class StaticSlots:
             if room <= 0:
                 self.banks.remove(idle[0])  # its memory goes back before the new one's
                 room += idle[0].slots
-                idle[0].graphs.clear()
-                for c in idle[0].caches:
-                    c.graphs.clear()
+                idle[0].drop_graphs()
             bank = self._make(rows, bucket(capacity), bucket(prompt_len))
             self.banks.append(bank)
             room -= 1

@@ -151,16 +151,15 @@ class StaticView:
     ``[T]`` for every row, or ``scatter_at`` (int64 ``[slots * rows, Hkv, T, D]``, each
     slot's positions) with ``keep`` (bool ``[slots * rows, 1, 1, 1]``, False: the row's
     stored values are written back unchanged). Attention covers the first ``prefix_window``
-    prompt and ``suffix_window`` suffix positions; True in ``mask_prefix`` (``[Pw]`` or
-    ``[slots, Pw]``) and ``mask_suffix`` (``[g*T, Sw]`` or ``[slots, g*T, Sw]``; queries
-    ordered (head in group, token)) hides one. ``cos``/``sin``: RoPE of every row's
+    prompt and ``suffix_window`` suffix positions; True in ``mask_prefix`` ``[slots, Pw]``
+    and ``mask_suffix`` ``[slots, g*T, Sw]`` (queries ordered (head in group, token)) hides
+    one. ``cos``/``sin``: RoPE of every row's
     positions ``[slots * rows * T, D]``."""
 
     suffix_k: torch.Tensor
     suffix_v: torch.Tensor
     prefix_k: torch.Tensor
     prefix_v: torch.Tensor
-    rows: int
     tokens: int
     prefix_window: int
     suffix_window: int
@@ -499,9 +498,7 @@ class Transformer(nn.Module):
         """Drop the static caches kept for reuse and their CUDA graphs (their memory goes
         back to PyTorch's allocator once nothing else holds it); caches in use stay valid."""
         for bank in self.static_slots.banks:
-            bank.graphs.clear()
-            for cache in bank.caches:
-                cache.graphs.clear()
+            bank.drop_graphs()
         self.static_slots = StaticSlots(self._make_static)
         self.graph_pool = None
 
@@ -765,7 +762,6 @@ class Transformer(nn.Module):
             per_slot["write_at"] = write_at[0]
         return StaticView(
             *stores,
-            rows=rows,
             tokens=t,
             prefix_window=prompt_window,
             suffix_window=suffix_window,
