@@ -20,8 +20,8 @@ from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_
 from tiny_models import make_tiny_hf_model
 
 from smcspec import Engine, GenerationConfig
-from smcspec.backends.torch import load_hf_dir
-from smcspec.backends.torch.graphs import HostReadError, run_round
+from smcspec.backends.torch import load_hf_dir, transformer
+from smcspec.backends.torch.graphs import HOST_READS, HostReadError, run_round
 from smcspec.backends.torch.static_cache import StaticKVCache
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.decoding.fused import fused_rounds, plain
@@ -99,6 +99,49 @@ def test_fused_smc_rounds_draw_what_the_steps_draw(pair, variant):
 def test_the_smc_runs_compared_resample_and_bank(pair):
     out = _run(decode_smc, pair, "eager", SMC, frozenset({7}))
     assert out.stats.resamples >= 1 and out.stats.banked >= 1
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the host reads (graphs.HOST_READS) made outside rounds while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = self.in_round = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += not self.in_round and getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads(pair, cfg: GenerationConfig, monkeypatch) -> tuple[int, int]:
+    """(host reads between the fused rounds, rounds) of one SMC-SD request."""
+    mode = _HostReads()
+
+    def marked(*args, **kwargs):
+        mode.in_round += 1
+        try:
+            return run_round(*args, **kwargs)
+        finally:
+            mode.in_round -= 1
+
+    monkeypatch.setattr(transformer, "run_round", marked)
+    with mode:
+        out = _run(decode_smc, pair, "eager", cfg)
+    return mode.reads, out.stats.rounds
+
+
+def test_smc_host_reads_a_few_values_a_round(pair, monkeypatch):
+    """On a GPU each host read between rounds waits for the device and copies back. In the
+    middle of a request (the difference of a 4- and an 8-round request of one seed: the first
+    and last rounds' work cancels) a round's host work reads 6 times, here with a resampling
+    every round: the round's ``ok`` flag, the loop's end test, the ESS, the groups' flags,
+    the streamed prefix with its tokens, the resampling's log mean weight (before the
+    resamplers read none and a reorder one a cache: 10)."""
+    cfg = replace(SMC, ignore_eos=True, draft_tokens=3, ess_threshold=1.0)
+    short, r1 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 4 * 4), monkeypatch)
+    long, r2 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 8 * 4), monkeypatch)
+    assert (r1, r2) == (4, 8)
+    assert (long - short) / 4 <= 6
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -11,9 +11,11 @@ import math
 import pytest
 import torch
 
+from smcspec.backends.torch.graphs import HOST_READS, HostReadGuard
 from smcspec.sampling.resampling import (
     RESAMPLERS,
     effective_sample_size,
+    effective_sample_sizes,
     log_mean_weight,
     normalized_weights,
     residual_resample,
@@ -198,6 +200,45 @@ def test_normalized_weights_degenerate_is_uniform(lw):
     assert degenerate is True
     assert w.dtype == torch.float64
     assert torch.equal(w, torch.full((len(lw),), 1.0 / len(lw), dtype=torch.float64))
+
+
+def test_plus_inf_log_weights_share_all_the_weight():
+    lw = torch.tensor([0.0, math.inf, -1.0, math.inf, -math.inf], dtype=torch.float64)
+    w, degenerate = normalized_weights(lw)
+    assert degenerate is False
+    assert torch.equal(w, torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0], dtype=torch.float64))
+
+
+class _CountReads(torch.overrides.TorchFunctionMode):
+    """Counts the host reads (graphs.HOST_READS) made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["systematic", "stratified", "multinomial"])
+def test_resamplers_read_nothing_back(name):
+    """On a GPU each host read waits for the device: these schemes need none (residual's
+    deterministic copies have a data-dependent count and read it)."""
+    g = torch.Generator().manual_seed(3)
+    for lw in (_log_weights(), torch.full((4,), -math.inf), torch.tensor([0.0, math.inf])):
+        with HostReadGuard():
+            idx = RESAMPLERS[name](lw, generator=g)
+        assert idx.shape == lw.shape
+
+
+def test_group_ess_read_at_once():
+    groups = [_log_weights(), torch.zeros(8, dtype=torch.float64), torch.full((8,), -math.inf)]
+    with _CountReads() as mode:
+        ess = effective_sample_sizes(groups)
+    assert mode.reads == 1
+    assert ess == [effective_sample_size(lw) for lw in groups]
+    assert ess[1] == pytest.approx(8.0) and ess[2] == pytest.approx(8.0)
 
 
 def test_normalized_weights_regular_case():

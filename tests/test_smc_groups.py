@@ -76,9 +76,9 @@ def test_no_particle_is_ever_copied_across_groups(stop_pair, monkeypatch, rule):
     target, draft = stop_pair
     real, seen = smc_module._take_ancestors, []
 
-    def spy(ps, anc, reset, tcache, dcache):
+    def spy(ps, anc, reset, *rest):
         seen.append((anc.clone(), reset.clone()))
-        real(ps, anc, reset, tcache, dcache)
+        real(ps, anc, reset, *rest)
 
     monkeypatch.setattr(smc_module, "_take_ancestors", spy)
     cfg = _cfg(8, 4, max_new_tokens=9, ess_threshold=1.0, finished_particles=rule)

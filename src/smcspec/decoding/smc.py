@@ -64,7 +64,7 @@ from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, r
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
     RESAMPLERS,
-    effective_sample_size,
+    effective_sample_sizes,
     group_normalized_weights,
     log_mean_weight,
 )
@@ -79,12 +79,15 @@ DEGENERATE_ESS = 1.1
 """A round whose ESS (before resampling) is below this counts in ``degenerate_rounds``."""
 
 
-def _common_prefix_len(tokens: torch.Tensor, lengths: torch.Tensor) -> int:
-    m = int(lengths.min())
-    if m == 0:
-        return 0
-    agree = (tokens[:, :m] == tokens[:1, :m]).all(0)
-    return m if bool(agree.all()) else int((~agree).nonzero()[0, 0])
+def _common_prefix(tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[int, list[int]]:
+    """How many leading tokens every particle holds alike (int64 ``tokens`` ``[N, cap]``,
+    ``lengths`` ``[N]``: the first column, below the shortest length, where they differ), and
+    the first particle's row, in one host read."""
+    cols = torch.arange(tokens.shape[1], device=tokens.device)
+    agree = (tokens == tokens[:1]).all(0) & (cols < lengths.min())
+    upto = torch.where(agree, tokens.shape[1], cols).min()
+    upto, *row = torch.cat((upto.view(1), tokens[0])).tolist()
+    return upto, row
 
 
 @dataclass
@@ -417,24 +420,27 @@ def _end_round(
     cfg = job.config
     anc = torch.arange(cfg.particles, device=ps.logw.device)
     reset = torch.zeros(cfg.particles, dtype=torch.bool, device=ps.logw.device)
-    ess = [effective_sample_size(ps.logw[cfg.group(g)]) for g in range(cfg.groups)]
+    ess = effective_sample_sizes([ps.logw[cfg.group(g)] for g in range(cfg.groups)])
     ps.ess_trace.append(sum(ess))
     if ps.equal_start:
         ps.fresh_ess.append(ps.ess_trace[-1])
     ps.equal_start = False
+    # which groups ran this round and which had particles end in it: one host read
+    ran, ends = torch.stack((was_running, ended)).view(2, cfg.groups, -1).any(2).tolist()
+    reset_groups = [False] * cfg.groups
     for g in range(cfg.groups):
         sl = cfg.group(g)
-        if not bool(was_running[sl].any()):
+        if not ran[g]:
             continue  # every particle of the group had ended before this round
-        if cfg.banks_finished and bool(ended[sl].any()):
+        if cfg.banks_finished and ends[g]:
             a = _bank_group(job, ps, g, ended)
         else:
             a = _resample_group(job, ps, g, ess[g])
         if a is not None:
             anc[sl] = sl.start + a
-            reset[sl] = True
-    if bool(reset.any()):
-        _take_ancestors(ps, anc, reset, tcache, dcache)
+            reset[sl] = reset_groups[g] = True
+    if any(reset_groups):
+        _take_ancestors(ps, anc, reset, all(reset_groups), tcache, dcache)
 
 
 def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
@@ -518,11 +524,17 @@ def _resample_group(job: Job, ps: _Particles, g: int, ess: float) -> torch.Tenso
 
 
 def _take_ancestors(
-    ps: _Particles, anc: torch.Tensor, reset: torch.Tensor, tcache: KVCache, dcache: KVCache
+    ps: _Particles,
+    anc: torch.Tensor,
+    reset: torch.Tensor,
+    all_reset: bool,
+    tcache: KVCache,
+    dcache: KVCache,
 ) -> None:
     """Make particle ``i`` a copy of particle ``anc[i]`` (int64 ``[N]``): tokens, lengths,
     ended flags, pending tokens, both KV caches, twists and matchers; the particles in
-    ``reset`` (bool ``[N]``: the groups resampled or banked) restart at equal log-weights.
+    ``reset`` (bool ``[N]``: the groups resampled or banked; ``all_reset``: every group) restart
+    at equal log-weights.
     Serves resampling and banking alike."""
     ps.tokens, ps.lengths, ps.finished = ps.tokens[anc], ps.lengths[anc], ps.finished[anc]
     ps.pending_t, ps.pending_d = ps.pending_t[anc], ps.pending_d[anc]
@@ -532,7 +544,7 @@ def _take_ancestors(
     if ps.states:
         ps.states = reorder(ps.states, anc)
     ps.logw = torch.where(reset, torch.zeros_like(ps.logw), ps.logw)
-    ps.equal_start = bool(reset.all())
+    ps.equal_start = all_reset
     ps.resamples += 1
 
 
@@ -546,12 +558,11 @@ def _emit(
     copies particles), or the rest of the ``final`` output; returns how many tokens have
     been emitted."""
     if final is None:
-        upto = _common_prefix_len(ps.tokens, ps.lengths)
-        if ps.banked:
-            held = ps.tokens[0, :upto].tolist()
-            for seq, _, _ in ps.banked:
-                upto = min(upto, _shared_len(seq, held))
-        seq = ps.tokens[0, :upto].tolist()
+        upto, row = _common_prefix(ps.tokens, ps.lengths)
+        held = row[:upto]
+        for seq, _, _ in ps.banked:
+            upto = min(upto, _shared_len(seq, held))
+        seq = row[:upto]
     else:
         upto, seq = len(final), final
     if upto > emitted and on_tokens:

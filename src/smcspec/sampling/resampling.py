@@ -12,7 +12,7 @@ Weights are handled in log space and float64; an all ``-inf`` vector is treated 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,17 +22,23 @@ def normalized_weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
     Returns ``(w, degenerate)``; ``degenerate`` is True when every weight is zero (all
     ``-inf`` or NaN), in which case ``w`` is uniform. NaN counts as zero weight; if some
-    log-weights are ``+inf`` those particles share the whole weight equally.
+    log-weights are ``+inf`` those particles share the whole weight equally. One host read
+    (the flag); :func:`_weights` is the same without it.
     """
+    w, degenerate = _weights(log_weights)
+    return w, bool(degenerate)
+
+
+def _weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalized_weights` with the flag left on the device (a 0-dim bool tensor): no
+    host read, so that the resamplers and the ESS wait for the device once at most."""
     lw = _clean(log_weights)
     top = lw.max()
-    if top == math.inf:  # +inf dominates: the +inf particles share all the weight
-        w = (lw == math.inf).double()
-        return w / w.sum(), False
-    if not torch.isfinite(top):
-        return torch.full_like(lw, 1.0 / lw.numel()), True
-    w = torch.exp(lw - top)
-    return w / w.sum(), False
+    e = torch.exp(lw - top)
+    # NaN only where top is infinite: at the +inf particles (inf - inf; the others are 0),
+    # which then share all the weight, or everywhere when every weight is zero: uniform
+    w = torch.where(torch.isnan(e), 1.0, e)
+    return w / w.sum(), top == -math.inf
 
 
 def group_normalized_weights(
@@ -73,14 +79,20 @@ def group_normalized_weights(
 
 def _clean(log_weights: torch.Tensor) -> torch.Tensor:
     """float64 log-weights with NaN (an undefined weight) treated as -inf (zero weight)."""
-    lw = log_weights.double()
-    return torch.where(torch.isnan(lw), torch.full_like(lw, -math.inf), lw)
+    inf = math.inf  # kept as they are (nan_to_num would make them finite)
+    return torch.nan_to_num(log_weights.double(), nan=-inf, posinf=inf, neginf=-inf)
 
 
 def effective_sample_size(log_weights: torch.Tensor) -> float:
     """``ESS = 1 / sum_i w_i^2`` of the normalised weights (Kong, Liu & Wong 1994); in [1, N]."""
-    w, _ = normalized_weights(log_weights)
-    return float(1.0 / (w * w).sum())
+    return effective_sample_sizes([log_weights])[0]
+
+
+def effective_sample_sizes(log_weights: Sequence[torch.Tensor]) -> list[float]:
+    """:func:`effective_sample_size` of each log-weight vector (e.g. each group's), read from
+    the device at once."""
+    inv = [1.0 / (w * w).sum() for w, _ in map(_weights, log_weights)]
+    return torch.stack(inv).tolist()
 
 
 def log_mean_weight(log_weights: torch.Tensor) -> float:
@@ -101,14 +113,14 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def multinomial_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """N i.i.d. draws from the weights (sorted uniforms, inverse CDF)."""
-    w, _ = normalized_weights(log_weights)
+    w, _ = _weights(log_weights)
     u = torch.rand(w.numel(), generator=generator, dtype=torch.float64, device=w.device)
     return _inverse_cdf(w, u.sort().values)
 
 
 def stratified_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform in each stratum ``[i/N, (i+1)/N)``."""
-    w, _ = normalized_weights(log_weights)
+    w, _ = _weights(log_weights)
     n = w.numel()
     u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
     return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
@@ -116,7 +128,7 @@ def stratified_resample(log_weights: torch.Tensor, generator=None) -> torch.Tens
 
 def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform shared by all strata: ``u_i = (i + U) / N`` (the reference engine's scheme)."""
-    w, _ = normalized_weights(log_weights)
+    w, _ = _weights(log_weights)
     n = w.numel()
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=w.device)
     return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
@@ -124,7 +136,7 @@ def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tens
 
 def residual_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """``floor(N w_i)`` deterministic copies; the rest drawn multinomially from the residuals."""
-    w, _ = normalized_weights(log_weights)
+    w, _ = _weights(log_weights)
     n = w.numel()
     counts = torch.floor(n * w).long()
     rest = n - int(counts.sum())

@@ -122,4 +122,5 @@ class ParticleKVCache:
         n = self.length
         self.suffix_k[:, :, :, :n] = self.suffix_k[:, idx, :, :n]
         self.suffix_v[:, :, :, :n] = self.suffix_v[:, idx, :, :n]
-        self.histories.reorder([int(a) for a in ancestors.tolist()])
+        if self.histories.shared:  # a host read: only where distinct rows need the lists
+            self.histories.reorder([int(a) for a in ancestors.tolist()])
