@@ -25,6 +25,7 @@ from smcspec.backends.torch.graphs import HOST_READS, HostReadError, run_round
 from smcspec.backends.torch.static_cache import StaticKVCache
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.decoding.fused import fused_rounds, plain
+from smcspec.errors import NumericalError
 
 PROMPT = [1, 2, 0]
 
@@ -135,13 +136,29 @@ def test_smc_host_reads_a_few_values_a_round(pair, monkeypatch):
     middle of a request (the difference of a 4- and an 8-round request of one seed: the first
     and last rounds' work cancels) a round's host work reads 6 times, here with a resampling
     every round: the round's ``ok`` flag, the loop's end test, the ESS, the groups' flags,
-    the streamed prefix with its tokens, the resampling's log mean weight (before the
-    resamplers read none and a reorder one a cache: 10)."""
+    the streamed prefix with its tokens, the resampling's log mean weight. (Measured 17.5
+    before the weights' normalisation, the groups' flags, the streamed prefix and the caches'
+    reorders were made to read less.)"""
     cfg = replace(SMC, ignore_eos=True, draft_tokens=3, ess_threshold=1.0)
     short, r1 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 4 * 4), monkeypatch)
     long, r2 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 8 * 4), monkeypatch)
     assert (r1, r2) == (4, 8)
     assert (long - short) / 4 <= 6
+
+
+@pytest.mark.parametrize("decode", [decode_sd, decode_smc], ids=["sd", "smc"])
+def test_nan_inside_a_fused_round_raises_after_it(pair, decode):
+    """A draft whose logits are NaN fails inside the round (its draws): the round's ``ok``
+    flag, read with its outputs, raises what the step path raises."""
+    draft = tiny_transformer(seed=2, vocab=8)
+    with torch.no_grad():
+        draft.lm_head.weight.fill_(float("nan"))
+    cfg = replace(SMC, method="smc") if decode is decode_smc else GenerationConfig(
+        method="sd", max_new_tokens=20, draft_tokens=3, ignore_eos=True
+    )  # fmt: skip
+    for mode in ("steps", "eager"):
+        with pytest.raises(NumericalError):
+            _run(decode, (pair[0], draft), mode, cfg)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -95,7 +95,19 @@ def window(end: int) -> int:
 
 def check_ok(out: Tensors) -> None:
     """Raise what the step-by-step round would have raised inside the round."""
-    if not bool(out["ok"]):
+    _raise_unless(bool(out["ok"]))
+
+
+def read_checked(out: Tensors, name: str) -> list[int]:
+    """The round's int64 output ``name`` (1-dim) as a list, read with its ``ok`` flag in one
+    host read; raises as :func:`check_ok`."""
+    *values, ok = torch.cat((out[name], out["ok"].view(1).long())).tolist()
+    _raise_unless(bool(ok))
+    return values
+
+
+def _raise_unless(ok: bool) -> None:
+    if not ok:
         raise NumericalError(
             "a fused round met NaN logits or a distribution with no finite positive mass"
         )
@@ -410,8 +422,7 @@ def sd_round(
 
     join = Join(("sd", *consts), sd_joined(job), span, (tcache, dcache))
     out = yield Round(job.target, tcache, key, fn, inputs, join)
-    check_ok(out)
-    *drafted, n, nxt = out["result"].tolist()
+    *drafted, n, nxt = read_checked(out, "result")
     return drafted, n, nxt
 
 
