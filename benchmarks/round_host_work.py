@@ -29,7 +29,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,24 +36,21 @@ from profile_fused_round import engine_for  # noqa: E402
 
 from smcspec import GenerationConfig  # noqa: E402
 from smcspec.backends.torch import transformer  # noqa: E402
-from smcspec.backends.torch.graphs import HOST_READS  # noqa: E402
+from smcspec.backends.torch.graphs import HostReadGuard  # noqa: E402
 
 
-class HostWork(TorchFunctionMode):
-    """Counts the host reads (:data:`HOST_READS`) made outside rounds, by name and by place."""
+class HostWork(HostReadGuard):
+    """Counts the host reads, by name and by place (none is inside a round: the rounds' own
+    guard would raise)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.in_round = 0
-        self.reads: Counter[str] = Counter()
+        super().__init__(strict=False)
+        self.by_name: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()  # the innermost smcspec line of each
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if not self.in_round and name in HOST_READS:
-            self.reads[name] += 1
-            self.sites[_site()] += 1
-        return func(*args, **(kwargs or {}))
+    def record(self, name: str) -> None:
+        self.by_name[name] += 1
+        self.sites[_site()] += 1
 
 
 NOT_KERNELS = {"empty", "empty_like", "empty_strided", "_local_scalar_dense", "lift_fresh"}
@@ -64,15 +60,15 @@ NOT_KERNELS = {"empty", "empty_like", "empty_strided", "_local_scalar_dense", "l
 class Kernels(TorchDispatchMode):
     """Counts the aten operations that would launch a device kernel, outside rounds."""
 
-    def __init__(self, work: HostWork) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.work = work
+        self.in_round = 0  # inside a round: a graph replays it without the host
         self.ops: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()  # the innermost smcspec function of each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.work.in_round and not func.is_view and name not in NOT_KERNELS:
+        if not self.in_round and not func.is_view and name not in NOT_KERNELS:
             self.ops[name] += 1
             self.sites[_site(line=False)] += 1
         return func(*args, **(kwargs or {}))
@@ -80,11 +76,12 @@ class Kernels(TorchDispatchMode):
 
 def _site(line: bool = True) -> str:
     """``module.py:line function`` (``module.py function``) of the innermost frame in
-    ``src/smcspec``."""
-    frame = sys._getframe(2)
+    ``src/smcspec`` outside the read guard's own module."""
+    frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/smcspec/" in path and "/benchmarks/" not in path:
+        mine = "/benchmarks/" in path or path.endswith("/graphs.py")
+        if "/smcspec/" in path and not mine:
             where = path.split("/smcspec/")[-1]
             at = f":{frame.f_lineno}" if line else ""
             return f"{where}{at} {frame.f_code.co_name}"
@@ -95,18 +92,17 @@ def _site(line: bool = True) -> str:
 def count(engine, prompt: list[int], cfg: GenerationConfig) -> tuple[Counter, ...]:
     """One request with fused rounds: (rounds by kind, kernels, kernels' places, reads,
     reads' places), outside rounds."""
-    work = HostWork()
-    kernels = Kernels(work)
+    work, kernels = HostWork(), Kernels()
     rounds: Counter[str] = Counter()
     real = transformer.run_round
 
     def marked(*args, **kwargs):  # what a graph would replay: not the host's work
         rounds[args[2][0]] += 1  # the key's kind: prefill, ar, sd or smc
-        work.in_round += 1
+        kernels.in_round += 1
         try:
             return real(*args, **kwargs)
         finally:
-            work.in_round -= 1
+            kernels.in_round -= 1
 
     transformer.run_round = marked
     try:
@@ -115,7 +111,7 @@ def count(engine, prompt: list[int], cfg: GenerationConfig) -> tuple[Counter, ..
     finally:
         transformer.run_round = real
     rounds.pop("prefill", None)
-    return rounds, kernels.ops, kernels.sites, work.reads, work.sites
+    return rounds, kernels.ops, kernels.sites, work.by_name, work.sites
 
 
 def steady(engine, prompt: list[int], cfg: GenerationConfig, per_round: int, r: int) -> dict:

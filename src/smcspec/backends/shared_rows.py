@@ -182,10 +182,13 @@ class RowHistories:
         if plan.nodes is not None:
             self.node = plan.nodes
 
-    def reorder(self, ancestors: list[int]) -> None:
-        """Row ``i`` becomes a copy of row ``ancestors[i]`` (resampling)."""
+    def reorder(self, ancestors: list[int] | torch.Tensor) -> None:
+        """Row ``i`` becomes a copy of row ``ancestors[i]`` (resampling); ``ancestors`` a list
+        or an int64 tensor, read back (on a GPU, a wait for the device) only where rows are
+        shared."""
         if self.shared:
-            self.node = [self.node[a] for a in ancestors]
+            anc = ancestors.tolist() if isinstance(ancestors, torch.Tensor) else ancestors
+            self.node = [self.node[int(a)] for a in anc]
 
     def truncate(self, drop: int) -> None:
         """Every row loses its last ``drop`` tokens (speculative rollback)."""

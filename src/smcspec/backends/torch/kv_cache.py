@@ -122,5 +122,4 @@ class ParticleKVCache:
         n = self.length
         self.suffix_k[:, :, :, :n] = self.suffix_k[:, idx, :, :n]
         self.suffix_v[:, :, :, :n] = self.suffix_v[:, idx, :, :n]
-        if self.histories.shared:  # a host read: only where distinct rows need the lists
-            self.histories.reorder([int(a) for a in ancestors.tolist()])
+        self.histories.reorder(ancestors)
