@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -185,7 +186,7 @@ def _run_layer(block, x: torch.Tensor, view) -> torch.Tensor:
 @functools.cache
 def layer_kernels() -> LayerKernels:
     """A static forward's layer as one ``torch.compile(fullgraph=True)`` function of the block,
-    its input rows and its :class:`~smcspec.backends.torch.transformer.LayerView` (the
+    its input rows and its :class:`~smcspec.backends.torch.static_view.LayerView` (the
     flex attention inside), with the rows, tokens and suffix window dynamic
     (``LayerView.mark_dynamic``) and everything else static: one compilation per model
     shape, slots, prompt window and 0/1 pattern of rows and tokens, shared by every layer of
@@ -219,13 +220,20 @@ _auto_failures: list[str] = []  # why auto gave up compiling in this process
 def auto_kernels(device: torch.device, head_dim: int) -> LayerKernels:
     """What ``auto`` runs on ``device`` for a model of ``head_dim``: on CUDA the ``flex`` set
     (the rounds' attention as one kernel; chosen before any GPU measured it, so that the next
-    measurement runs the default it judges) where heads have at least 16 dims (the smallest
-    Triton's flex kernels took before PyTorch 2.13) and no compiled set failed to compile in
-    this process (:func:`auto_failed`); otherwise :data:`EAGER` (a CPU runs rounds step by
-    step)."""
+    measurement runs the default it judges) where heads have at least 16 dims (smaller
+    heads, only test models', stay on the written kernels: whether Triton's flex kernel takes
+    them is not checked) and no compiled set failed to compile in this process
+    (:func:`auto_failed`); otherwise :data:`EAGER` (a CPU runs rounds step by step)."""
     if device.type == "cuda" and head_dim >= 16 and not _auto_failures:
         return kernel_set("flex")
     return EAGER
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``torch.compile``'s (Dynamo's or Inductor's; none can be where Dynamo
+    was never imported, so this imports nothing)."""
+    dynamo = sys.modules.get("torch._dynamo.exc")
+    return dynamo is not None and isinstance(exc, dynamo.TorchDynamoException)
 
 
 def auto_failed(exc: BaseException) -> None:

@@ -43,6 +43,7 @@ from smcspec.backends.torch.kernels import (
     LayerKernels,
     auto_failed,
     auto_kernels,
+    is_compile_error,
     kernel_set,
 )
 from smcspec.backends.torch.kv_cache import ParticleKVCache
@@ -355,8 +356,10 @@ class Transformer(nn.Module):
         call makes again (same inputs, same positions)."""
         try:
             return call()
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except Exception as exc:
             if self.kernel_mode != "auto" or not self.kernels.compiled:
+                raise
+            if not is_compile_error(exc):
                 raise
             auto_failed(exc)
             return call()
