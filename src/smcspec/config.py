@@ -20,6 +20,9 @@ DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 MAX_PARTICLES = 256
+DEFAULT_PARTICLES = 4
+"""N when a request gives none: smc's particles (the SMC-SD authors' default); ``sd`` and
+``ar`` take 1 (``sd`` with N >= 2 is multi-draft sd)."""
 MAX_DRAFT_TOKENS = 64
 NGRAM_DRAFT_P_MIN = 0.8
 """The n-gram draft's gate when ``draft_p_min`` is not given: measured over 20 rewrite and 20
@@ -83,7 +86,10 @@ class GenerationConfig:
             A temperature below :data:`GREEDY_BELOW` (1e-30) is greedy too.
         draft_temperature: draft temperature ``T_d`` (> 0; smc and sd; greedy decoding
             drafts the draft's most likely tokens whatever it is).
-        particles: N, particles per request (smc).
+        particles: N, particles per request (smc), or drafted chains per round (sd: N >= 2
+            is multi-draft sd, :mod:`smcspec.decoding.multi_sd`; 1 is chain sd). ``None``
+            (the default) is the method's default: :data:`DEFAULT_PARTICLES` for smc, 1
+            otherwise.
         draft_tokens: K, draft tokens per round (smc and sd).
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
         ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
@@ -159,7 +165,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     temperature: float = option(0.7, 1, help="target temperature T_t (0: greedy on every method)")
     draft_temperature: float = option(0.7, 2, server=True, help="draft temperature T_d")
-    particles: int = server_setting(4)
+    particles: int | None = server_setting(None)
     draft_tokens: int = server_setting(4)
     alpha: float = option(1.0, 4, server=True, help="power exponent of the SMC target")
     ess_threshold: float = option(
@@ -224,6 +230,11 @@ class GenerationConfig:
         "--draft-tokens every round the gate is open; 'adaptive' lets each round's draft "
         "length follow the last round's acceptance (at most --draft-tokens)",
     )
+
+    def __post_init__(self) -> None:
+        if self.particles is None:  # the method's default N
+            n = DEFAULT_PARTICLES if self.method == "smc" else 1
+            object.__setattr__(self, "particles", n)
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
+    DEFAULT_PARTICLES,
     METHODS,
     GenerationConfig,
     check_min_ess,
@@ -22,9 +23,6 @@ from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
-
-DEFAULT_PARTICLES = GenerationConfig.particles
-
 
 DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
 
@@ -166,7 +164,8 @@ def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
         type=int,
         default=None,
         help="SMC particles N (default: smc and auto choose N >= --min-particles from measured "
-        f"costs; eval: {DEFAULT_PARTICLES})",
+        f"costs; eval: {DEFAULT_PARTICLES}); with --method sd, drafted chains a round (N >= 2: "
+        "exact multi-draft sd; default 1)",
     )
     d.add_argument(
         "--draft-tokens",
@@ -260,7 +259,7 @@ def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
     cfg = GenerationConfig(
         method=choice(args.method).method,  # auto validates as smc
         max_new_tokens=args.max_new_tokens,
-        particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
+        particles=args.particles,  # None: the method's default N
         draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
         **{f.name: getattr(args, f.name) for f in cli_fields()},
         **extra,

@@ -7,10 +7,10 @@ stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.deco
 what the tuner predicts and the roofline prices), the name of a setting in reports and
 ``eval`` (``smc-n8-k2``), and what a config must hold to run on it. :func:`decoder_for` is
 the one place that reads ``cfg.method``: greedy ``smc`` runs as greedy ``sd`` (SMC-SD's
-weights are undefined for a point-mass target), and ``sd`` with ``draft="ngram"`` runs the
-n-gram decoder. :data:`CHOICES` are the values a user may ask for (the methods and
-``auto``). Outside this module no code compares method names
-(``tests/test_decoder_registry.py``).
+weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs multi-draft sd
+(greedy: chain sd), and ``sd`` with ``draft="ngram"`` runs the n-gram decoder.
+:data:`CHOICES` are the values a user may ask for (the methods and ``auto``). Outside this
+module no code compares method names (``tests/test_decoder_registry.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.ar import ar_caches, ar_program
 from smcspec.decoding.job import Job
+from smcspec.decoding.multi_sd import multi_sd_caches, multi_sd_program
 from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.program import Program
 from smcspec.decoding.sd import sd_caches, sd_program
@@ -39,7 +40,7 @@ class Decoder:
     """One decoder of the table.
 
     Attributes:
-        name: ``ar``, ``sd``, ``ngram-sd`` or ``smc``.
+        name: ``ar``, ``sd``, ``multi-sd``, ``ngram-sd`` or ``smc``.
         method: the method it implements (``ngram-sd`` implements ``sd``).
         caches: ``(cfg, prompt_len) -> [CacheNeed]``.
         program: ``(job) -> Program`` (:class:`~smcspec.decoding.job.Job`).
@@ -47,6 +48,7 @@ class Decoder:
         draft_tokens: it drafts ``cfg.draft_tokens`` tokens a round (the last round may
             overshoot the budget by that many).
         particles: it weighs N particles (their ESS, resampling, votes, rewards: SMC-SD).
+        chains: it drafts N chains a round without weighing them (multi-draft sd).
         from_text: its drafts come from the text, not a model (n-gram sd; priced at its
             gate's threshold, never compared as a speed).
         shapes: ``(n, k) -> (target shapes, draft shapes)`` of one round.
@@ -63,6 +65,7 @@ class Decoder:
     draft_model: bool
     draft_tokens: bool
     particles: bool
+    chains: bool
     from_text: bool
     shapes: Callable[[int, int], Shapes]
     cost: Callable[..., tuple[float, float]]
@@ -75,20 +78,24 @@ class Decoder:
         return {} if self.method == cfg.method else {"ran_as": self.method}
 
     def configure(self, cfg: GenerationConfig, n: int = 1, k: int = 0) -> GenerationConfig:
-        """``cfg`` set to run on this decoder with N = ``n`` and K = ``k`` where it has them."""
-        out = replace(cfg, method=self.method)
+        """``cfg`` set to run on this decoder with N = ``n`` and K = ``k`` where it has them
+        (N = 1 where it has none)."""
+        out = replace(cfg, method=self.method, particles=n if self.uses_n else 1)
         if self.draft_tokens:
             out = replace(out, draft="ngram" if self.from_text else "model", draft_tokens=k)
-        if self.particles:
-            out = replace(out, particles=n)
         return out
+
+    @property
+    def uses_n(self) -> bool:
+        """It runs N rows a round (particles or chains): its settings are named by N too."""
+        return self.particles or self.chains
 
 
 def _decoder(name: str, method: str, caches, program, *, draft_model: bool, drafts: bool,
-             particles: bool = False, from_text: bool = False, shapes, cost, label,
-             pattern: str) -> Decoder:  # fmt: skip
-    return Decoder(name, method, caches, program, draft_model, drafts, particles, from_text,
-                   shapes, cost, label, re.compile(pattern))  # fmt: skip
+             particles: bool = False, chains: bool = False, from_text: bool = False, shapes,
+             cost, label, pattern: str) -> Decoder:  # fmt: skip
+    return Decoder(name, method, caches, program, draft_model, drafts, particles, chains,
+                   from_text, shapes, cost, label, re.compile(pattern))  # fmt: skip
 
 
 DECODERS = {
@@ -100,6 +107,11 @@ DECODERS = {
         "sd", "sd", sd_caches, sd_program, draft_model=True, drafts=True,
         shapes=rounds.sd_shapes, cost=rounds.sd_cost, label=lambda n, k: f"sd-k{k}",
         pattern=r"sd-k(?P<k>\d+)",
+    ),
+    "multi-sd": _decoder(
+        "multi-sd", "sd", multi_sd_caches, multi_sd_program, draft_model=True, drafts=True,
+        chains=True, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
+        label=lambda n, k: f"sd-n{n}-k{k}", pattern=r"sd-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
     "ngram-sd": _decoder(
         "ngram-sd", "sd", ngram_caches, ngram_sd_program, draft_model=False, drafts=True,
@@ -132,12 +144,19 @@ def decoder_for(cfg: GenerationConfig) -> Decoder:
             "proposal that covers the target, and an n-gram draft is a point mass; use "
             "method sd with the n-gram draft, or smc with the draft model"
         )
+    if cfg.draft == "ngram" and cfg.method == "sd" and cfg.particles > 1:
+        raise ConfigError(
+            "n-gram drafts are one chain a round: multi-draft sd (N >= 2) needs the draft "
+            "model (--draft model), or use N = 1"
+        )
     if cfg.method == "ar":
         decoder = DECODERS["ar"]
     elif cfg.draft == "ngram":
         decoder = DECODERS["ngram-sd"]
-    elif cfg.method == "sd" or cfg.greedy:
-        decoder = DECODERS["sd"]
+    elif cfg.greedy or (cfg.method == "sd" and cfg.particles == 1):
+        decoder = DECODERS["sd"]  # greedy multi-draft: every chain is the draft's argmax
+    elif cfg.method == "sd":
+        decoder = DECODERS["multi-sd"]
     else:
         decoder = DECODERS["smc"]
     _check_particles(cfg, decoder)

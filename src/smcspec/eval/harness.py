@@ -139,9 +139,11 @@ def _specs_named(
 def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> GenerationConfig:
     """``base`` on decoder ``d`` at N = ``n``, K = ``k``: particles draft with the draft
     model, n-gram sd with n-grams, sd as ``base.draft`` says."""
-    if d.from_text or d.particles:
+    if d.from_text or d.uses_n:
         return d.configure(base, n, k)
-    return replace(base, method=d.method, draft_tokens=k) if d.draft_tokens else d.configure(base)
+    if d.draft_tokens:  # chain sd, drafting as ``base.draft`` says
+        return replace(base, method=d.method, draft_tokens=k, particles=1)
+    return d.configure(base)
 
 
 def _particle_spec(name: str, m: re.Match, cfg: GenerationConfig) -> MethodSpec:
