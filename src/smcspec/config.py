@@ -21,8 +21,10 @@ FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 MAX_PARTICLES = 256
 DEFAULT_PARTICLES = 4
-"""N when a request gives none: smc's particles (the SMC-SD authors' default); ``sd`` and
-``ar`` take 1 (``sd`` with N >= 2 is multi-draft sd)."""
+"""smc's N when a request gives none (the SMC-SD authors' default)."""
+METHOD_PARTICLES = {"smc": DEFAULT_PARTICLES, "sd": 1, "ar": 1}
+"""Each method's N when a request gives none (``GenerationConfig.particles`` None): smc's
+particles; one chain for ``sd`` (N >= 2 is multi-draft sd) and one row for ``ar``."""
 MAX_DRAFT_TOKENS = 64
 NGRAM_DRAFT_P_MIN = 0.8
 """The n-gram draft's gate when ``draft_p_min`` is not given: measured over 20 rewrite and 20
@@ -88,8 +90,9 @@ class GenerationConfig:
             drafts the draft's most likely tokens whatever it is).
         particles: N, particles per request (smc), or drafted chains per round (sd: N >= 2
             is multi-draft sd, :mod:`smcspec.decoding.multi_sd`; 1 is chain sd). ``None``
-            (the default) is the method's default: :data:`DEFAULT_PARTICLES` for smc, 1
-            otherwise.
+            (the default) is the method's default (:data:`METHOD_PARTICLES`), resolved when
+            the config is made: ``replace(cfg, method=...)`` keeps ``cfg``'s N unless it is
+            given ``particles=None`` too.
         draft_tokens: K, draft tokens per round (smc and sd).
         alpha: power exponent of the SMC target ``p^alpha`` (> 0; smc only).
         ess_threshold: kappa in [0, 1]; resample when ``ESS < kappa * N`` (0 disables).
@@ -233,8 +236,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.particles is None:  # the method's default N
-            n = DEFAULT_PARTICLES if self.method == "smc" else 1
-            object.__setattr__(self, "particles", n)
+            object.__setattr__(self, "particles", METHOD_PARTICLES.get(self.method, 1))
 
     @property
     def greedy(self) -> bool:

@@ -163,6 +163,15 @@ def decoder_for(cfg: GenerationConfig) -> Decoder:
     return decoder
 
 
+def with_updates(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
+    """``replace(cfg, **updates)``, where ``updates`` switch to another method without
+    giving N: that method's default N (``particles=None``), not ``cfg``'s (an smc server's
+    N particles are not an sd request's N chains)."""
+    if updates.get("method", cfg.method) != cfg.method and "particles" not in updates:
+        updates = {**updates, "particles": None}
+    return replace(cfg, **updates)
+
+
 def _check_particles(cfg: GenerationConfig, decoder: Decoder) -> None:
     """A reward or a vote needs a decoder that weighs particles."""
     if cfg.reward is not None and not decoder.particles:

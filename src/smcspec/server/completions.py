@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
+from smcspec.decoding.registry import with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.metrics import ServerMetrics
@@ -84,7 +85,8 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
     try:
         updates["constraint"] = constraint_spec(body)
         updates["vote"] = vote_spec(body)
-        return without_default_ngram(replace(state.defaults, **updates), updates).validate()
+        cfg = with_updates(state.defaults, updates)
+        return without_default_ngram(cfg, updates).validate()
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from exc
 
