@@ -10,6 +10,13 @@ the sandbox module and calls :func:`run_python` as that uid, so bubblewrap runs 
 for a non-root engine (in a user namespace). No user is created. Each attack plants a marker
 outside the sandbox first (a file, a secret, a listening socket, a process) and checks
 afterwards that it is untouched; none depends on where the user's home lies (issue 63).
+Issue 71's holes run the same way: writable kernel settings in /proc, output files the
+program could replace by links or FIFOs, and places to write without a total bound.
+
+The whole file also passes run as a user other than root (then the nonroot runs skip: the
+caller is that user), e.g. ``setpriv --reuid=65534 --regid=65534 --clear-groups PYTHON -m
+pytest -p no:cacheprovider tests/test_sandbox.py`` with an interpreter that user can run
+and bubblewrap can show (not one under root's home).
 """
 
 from __future__ import annotations

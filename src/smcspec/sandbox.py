@@ -74,7 +74,7 @@ Two isolation levels (``sandbox=``):
   without capabilities); it shares the host's kernel (a kernel bug reachable by the allowed
   calls is out of its reach to stop); it can read what the interpreter's folders hold, the
   host's kernel settings (``/proc/sys``, read-only) and what the rest of ``/proc`` shows of
-  the machine (CPUs, memory, load, mounts); it can measure time and the CPU (timing side
+  the machine (CPUs, memory, load, uptime); it can measure time and the CPU (timing side
   channels on other work of the machine: caches, branch predictors, frequency); it can use
   the whole CPU time and memory of its limits; kernel memory that no limit counts remains:
   the inodes of the files and folders it creates in its tmpfs mounts (about 1 KiB each;
