@@ -716,6 +716,35 @@ def test_rlimit_leftovers_neither_block_nor_stay(tmp_path: Path) -> None:
     assert (outside.stat().st_mode & 0o777) == 0o755
 
 
+def test_rlimit_a_directory_replaced_by_a_link_is_not_followed(tmp_path: Path) -> None:
+    """Under rlimit the program moves its own directory away and leaves a link to a folder
+    outside in its place: the cleanup removes the link only, the folder outside and the
+    folder inside it keep their modes.
+
+    Broken variant: ``_remove_tree`` that chmods and walks the path without ``lstat``-ing it
+    first (every folder below the link made 0700)."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    outside.chmod(0o755)
+    (outside / "sub").chmod(0o750)
+    work = tmp_path / "w"
+    work.mkdir()
+    prog = (
+        "import os\n"
+        "here = os.getcwd()\n"
+        "os.rename(here, here + '.moved')\n"
+        f"os.symlink({str(outside)!r}, here)\n"
+        "print('done')\n"
+    )
+    run = run_python(prog, Limits(timeout_s=5), "rlimit", work)
+    assert (run.returncode, _out(run).strip()) == (0, "done"), run
+    assert [p.name.endswith(".moved") for p in work.iterdir()] == [True]  # the link is gone
+    assert (outside.stat().st_mode & 0o777, (outside / "sub").stat().st_mode & 0o777) == (
+        0o755,
+        0o750,
+    )
+
+
 def test_what_the_program_writes_is_bounded_in_total(side: Side) -> None:
     """Issue 71: files of 1 MiB (the file-size limit) written into each place the program
     may write until it refuses: the working directory, /tmp and /dev/shm each stop at

@@ -602,12 +602,18 @@ def _remove_tree(path: str) -> None:
     """Remove the run's directory and all in it without following a link out of it or
     opening anything in it but folders: each real folder (``lstat``) is first made the
     owner's to write and search again (a program may have taken the bits away), then
-    :func:`shutil.rmtree` unlinks links and FIFOs as names (its walk opens folders with
-    ``O_NOFOLLOW``). Under bwrap the program never sees this directory (a tmpfs covers it);
-    under rlimit nothing of the program's runs by now but what it detached (trusted code).
-    Errors are ignored: a leftover directory must not turn a run into an exception."""
-    with contextlib.suppress(OSError):
+    :func:`shutil.rmtree` unlinks links and FIFOs as names (its walk by descriptors follows
+    no link); a directory replaced by a link loses the link only. Under bwrap the program
+    never sees this directory (a tmpfs covers it); under rlimit nothing of the program's
+    runs by now but what it detached (trusted code). Errors are ignored: a leftover
+    directory must not turn a run into an exception."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):  # replaced (rlimit): drop the name only
+            os.unlink(path)
+            return
         os.chmod(path, 0o700)
+    except OSError:
+        pass
     for root, dirs, _files in os.walk(path):  # does not descend into links
         for name in dirs:
             sub = os.path.join(root, name)
