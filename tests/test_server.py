@@ -5,6 +5,7 @@ Tiny random models keep it fast; the server runs in uvicorn on 127.0.0.1 in a th
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -297,32 +298,87 @@ def test_finished_particles_rule_is_a_request_option(server):
     assert stats["bank"]["banked"] >= 1 and stats["keep"]["banked"] == 0
 
 
-@pytest.mark.slow
-def test_overload_gets_429(engine):
-    srv = Server(
-        create_app(
-            engine,
-            GenerationConfig(max_new_tokens=16),
-            model_name=MODEL,
-            max_running=1,
-            max_waiting=1,
-        )
-    )
+def _held_programs(engine, monkeypatch, gate: threading.Event, holding: threading.Event):
+    """Make every request's program stop after its first step (its prefill) until ``gate``
+    is set: the scheduler's worker waits inside its step, outside the scheduler's lock, so
+    the request stays running and nothing else is admitted while submissions still reach
+    the queue. ``holding`` is set once the worker waits there."""
+    real = engine.program
+
+    def held(job, on_tokens=None, reservation=None):
+        program = real(job, on_tokens, reservation)
+        try:
+            result = yield next(program)
+            holding.set()
+            if not gate.wait(60):
+                raise RuntimeError("the test never opened the gate")
+            step = program.send(result)
+            while True:
+                result = yield step
+                step = program.send(result)
+        except StopIteration as done:
+            return done.value
+        finally:
+            program.close()
+
+    monkeypatch.setattr(engine, "program", held)
+
+
+def _until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for ``condition()`` (a state the test set up, not a race: the timeout only
+    bounds a broken server)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_overload_gets_429(engine, monkeypatch):
+    """A server with room for one running and one waiting request: the first request is
+    held running (its program waits after its prefill) and the second is queued, so a third
+    gets 429 in OpenAI's error shape, at once; released, the first two answer 200 and the
+    server takes requests again (health 200, a new request 200). The queue is filled by
+    holding the worker, not by racing long requests against the clock, so the outcome does
+    not depend on the machine's load.
+
+    Broken variants it catches (run by hand): ``BatchScheduler.submit`` ignoring
+    ``max_waiting`` (the third request is queued: "the third request was queued"); the
+    server answering a full queue with 503 instead of 429."""
+    gate, holding = threading.Event(), threading.Event()
+    _held_programs(engine, monkeypatch, gate, holding)
+    app = create_app(
+        engine, GenerationConfig(max_new_tokens=16), model_name=MODEL, max_running=1,
+        max_waiting=1,
+    )  # fmt: skip
+    srv = Server(app)
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 4, "smc": {"method": "ar"}}
+
+    def post() -> httpx.Response:
+        return httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+
     try:
-        body = {
-            "model": MODEL,
-            "prompt": "ab",
-            "max_tokens": 3000,
-            "smc": {"particles": 16, "draft_tokens": 4},
-        }
-
-        def post(_):
-            return httpx.post(srv.url("/v1/completions"), json=body, timeout=120).status_code
-
-        with ThreadPoolExecutor(4) as pool:
-            codes = list(pool.map(post, range(4)))
-        assert 429 in codes and 200 in codes
+        with ThreadPoolExecutor(3) as pool:
+            try:
+                running = pool.submit(post)
+                _until(holding.is_set, "the first request to run")
+                waiting = pool.submit(post)
+                _until(lambda: app.state.scheduler.num_waiting == 1, "the second to be queued")
+                third = pool.submit(post)
+                _until(lambda: third.done() or app.state.scheduler.num_waiting > 1, "the third")
+                assert app.state.scheduler.num_waiting == 1, "the third request was queued"
+                refused = third.result()
+                assert not running.done() and not waiting.done()
+            finally:
+                gate.set()  # (on a failure too: the held requests end before the pool does)
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert error["type"] == "rate_limit_error" and "overloaded" in error["message"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert [f.result().status_code for f in (running, waiting)] == [200, 200]
         assert httpx.get(srv.url("/health")).status_code == 200
+        again = post()
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
     finally:
         srv.stop()
 
