@@ -19,6 +19,7 @@ METHODS = ("smc", "sd", "ar")
 DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
+ROUND_ENDS = ("block", "ess")  # GenerationConfig.round_end
 MAX_PARTICLES = 256
 DEFAULT_PARTICLES = 4
 """smc's N when a request gives none (the SMC-SD authors' default)."""
@@ -153,6 +154,16 @@ class GenerationConfig:
             is open; ``"adaptive"`` lets each round's length follow the last round's
             acceptance (:func:`smcspec.decoding.ngram.next_draft_length`: at most
             ``draft_tokens``, at least 1). The output stays exact either way.
+        round_end: where an SMC-SD round ends: ``"block"`` (default) after all K drafted
+            tokens and the bonus token; ``"ess"`` at the first drafted position where the
+            running ESS falls below ``kappa * N`` (of any group): the particles are resampled
+            there, the drafted tokens after it discarded, and the next token of every
+            particle drawn from the target at that position (a round yields 2 to K+1
+            tokens; :mod:`smcspec.decoding.smc`, ``docs/smc-sd.md``).
+        stop_epsilon: smc with the bank rule: end the request once the particles still
+            running carry less than this probability mass (and every group has banked one);
+            the output is then drawn from the bank, which moves its distribution by at most
+            ``stop_epsilon`` in total variation. In [0, 1); 0: off.
         shared_rows: each forward computes the distinct particle rows only (particles
             with the same history and token share one row; the output does not change,
             see :mod:`smcspec.backends.shared_rows`); ``False`` computes every row, for
@@ -209,6 +220,23 @@ class GenerationConfig:
         12,
         help="compute every particle row of a forward, also those that repeat another "
         "particle's prefix (default: each distinct row once; the output is the same)",
+    )
+    round_end: str = option(
+        "block",
+        15,
+        server=True,
+        choices=ROUND_ENDS,
+        help="smc: end each round after the whole block (default), or at the first drafted "
+        "position where the ESS falls below kappa*N, resampling there (2 to K+1 tokens a round)",
+    )
+    stop_epsilon: float = option(
+        0.0,
+        16,
+        server=True,
+        metavar="EPS",
+        help="smc (bank rule): stop once the running particles hold less than EPS of the "
+        "probability mass, drawing the answer from the banked ones (moves the output's "
+        "distribution by at most EPS in total variation; 0: off)",
     )
     draft: str = server_setting("model", DRAFTS)
     draft_p_min: float | None = option(
@@ -298,7 +326,7 @@ class GenerationConfig:
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
         numbers = ("temperature", "draft_temperature", "alpha", "ess_threshold", "top_p", "min_p",
-                   "draft_p_min")  # fmt: skip
+                   "draft_p_min", "stop_epsilon")  # fmt: skip
         for name in numbers:
             if name == "draft_p_min" and self.draft_p_min is None:
                 continue  # the draft's default
@@ -338,6 +366,8 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        if not (math.isfinite(self.stop_epsilon) and 0 <= self.stop_epsilon < 1):
+            raise ConfigError(f"stop_epsilon must be in [0, 1) (0 is off), got {self.stop_epsilon}")
         p_min = self.draft_p_min
         if p_min is not None and not (math.isfinite(p_min) and 0 <= p_min <= 1):
             raise ConfigError(f"draft_p_min must be in [0, 1] (0 is off), got {p_min}")

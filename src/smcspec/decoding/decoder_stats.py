@@ -150,7 +150,10 @@ class SmcStats:
     ``degenerate_weights``, ``mean_round_ess``, ``banked`` particles and their
     ``banked_mass``, with a constraint or reward ``log_normalizer`` and ``dead_particles``,
     ``constraint_seconds``, and the rows each model computed over the rows it was fed
-    (``distinct_rows_target``, ``distinct_rows_draft``)."""
+    (``distinct_rows_target``, ``distinct_rows_draft``); ``mean_round_tokens``, the tokens a
+    running particle gained a round; with ``round_end="ess"`` ``cut_rounds``, the rounds cut
+    before their K-th drafted token; ``stopped_early`` where ``stop_epsilon`` ended the
+    request before every particle had."""
 
     particles: int
     draft_tokens: int
@@ -168,6 +171,9 @@ class SmcStats:
     log_normalizer: float | None = None
     dead_particles: int | None = None
     constraint_seconds: float | None = None
+    mean_round_tokens: float | None = None
+    cut_rounds: int | None = None
+    stopped_early: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The result's stats keys."""
@@ -187,6 +193,9 @@ class SmcStats:
             log_normalizer=self.log_normalizer,
             dead_particles=self.dead_particles,
             constraint_seconds=self.constraint_seconds,
+            mean_round_tokens=self.mean_round_tokens,
+            cut_rounds=self.cut_rounds,
+            stopped_early=self.stopped_early,
         )
         out["distinct_rows_target"] = self.distinct_rows_target
         out["distinct_rows_draft"] = self.distinct_rows_draft
@@ -201,6 +210,8 @@ class SmcStats:
             f"resamples {self.resamples}, mean ESS {self.mean_ess:.2f}, "
             f"min ESS {self.min_ess:.2f}, degenerate rounds {self.degenerate_rounds}"
         )
+        if self.cut_rounds is not None:
+            line += f", rounds cut {self.cut_rounds}, tokens a round {self.mean_round_tokens:.2f}"
         if self.log_normalizer is not None:  # a constraint or reward was set
             line += f", log Z {self.log_normalizer:.3f}, dead particles {self.dead_particles}"
         return line

@@ -11,8 +11,10 @@ runs captured as a CUDA graph (:mod:`smcspec.backends.torch.graphs`):
 * :func:`smc_block`: SMC-SD's steps 3a, 3b and 3d (``docs/smc-sd.md``): K draft steps for
   the N particles, each drawing from ``q_T`` (truncated only with ``truncate_draft``), the
   target's forward over the N x (K+1) block, the drafted tokens' ``log p~``, the bonus token
-  from ``∝ p~^alpha`` and its log-weight. Weights, ESS, resampling and banking stay in the
-  decoder (they read a few numbers per round, once).
+  from ``∝ p~^alpha`` and its log-weight (with ``round_end="ess"`` the target's logits
+  instead: the bonus is drawn where the round is cut, :mod:`smcspec.decoding.smc_cut`).
+  Weights, ESS, resampling and banking stay in the decoder (they read a few numbers per
+  round, once).
 * :func:`ar_round`: one target forward and the next token's draw; the ar decoder launches
   the next round before it reads this one's token (:class:`HostCopy`).
 * :func:`sd_round`: K draft steps, the target's forward over ``[pending, d_1..d_K]``, the
@@ -186,16 +188,17 @@ def smc_block(
     w = pending_d.shape[1]
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
+    draws = k if cfg.round_end == "ess" else k + 1  # "ess": the bonus waits for the cut
     inputs = {
         "pending_d": pending_d,
         "pending_t": pending_t,
         "host": host if host is not None else torch.arange(n, device=dev),
-        "u": draw_uniforms((k + 1) * n, job.generator, dev).view(k + 1, n, 1),
+        "u": draw_uniforms(draws * n, job.generator, dev).view(draws, n, 1),
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
     consts = (n, k, w, cfg.temperature, cfg.draft_temperature, cfg.alpha, cfg.truncation)
-    consts += (job.draft_truncation, job.vocab)
+    consts += (job.draft_truncation, job.vocab, cfg.round_end)
     key = ("smc", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
@@ -247,6 +250,10 @@ def _smc_rounds(job: Job, x: Tensors, slots: int, draft: Forward, target: Forwar
     logits = target(block, x["t_start"])[:, :, : job.vocab]
     lp = truncate_log_probs(tempered_log_probs(logits[:, :k], t_t, False), *trunc)
     target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
+    if cfg.round_end == "ess":  # the bonus is drawn at the cut, after the round
+        bad = bad | (nan_rows(lp).any(-1) | torch.isnan(logits[:, k, 0])).view(slots, -1).any(1)
+        out = {"drafted": drafted, "draft_lp": draft_lp, "target_lp": target_lp}
+        return {**out, "logits": logits.float(), "ok": ~bad}
     probs, norm = power_target_probs(logits[:, k], t_t, cfg.alpha, trunc, check=False)
     bonus, valid = categorical_from_uniforms(probs, x["u"][k])
     bad_rows = nan_rows(lp).any(-1) | ~valid | torch.isnan(probs[:, 0])

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+import smcspec.decoding.smc_cut as smc_cut
 import smcspec.decoding.smc_potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
@@ -105,7 +106,10 @@ class _Particles:
     log_running: torch.Tensor  # float64 [G]: banking: each group's running mass (log)
     states: list[ConstraintState] = field(default_factory=list)  # matchers (constraint)
     dead: int = 0  # particles killed by dead ends
+    width: int = 1  # the common length of the running particles (tokens written)
     rounds: int = 0
+    cut_rounds: int = 0  # round_end "ess": rounds cut before their K-th drafted token
+    stopped_early: bool = False  # stop_epsilon ended the request before every particle
     resamples: int = 0
     ess_trace: list[float] = field(default_factory=list)
     equal_start: bool = True  # the round being run began with equal weights
@@ -128,6 +132,10 @@ class _Block:
     target_lp: torch.Tensor | None = None  # float32 [N, K]: log p~ of each drafted token
     bonus: torch.Tensor | None = None  # int64 [N]: the target's token at position K+1
     bonus_norm: torch.Tensor | None = None  # float64 [N]: the bonus log-weight (or None)
+    # round_end "ess": the target's logits at every position (float32 [N, K+1, V]), whose
+    # row at the cut gives the deferred bonus, and the tokens each matcher consumed
+    logits: torch.Tensor | None = None
+    consumed: torch.Tensor | None = None  # int64 [N] (constraint)
 
 
 def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
@@ -207,15 +215,25 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     ps, clock = _initial_particles(job, first, cap)
     emitted = _emit(ps, 0, job.on_tokens)
     fused = not cfg.has_potential and is_static(tcache, dcache)
-    while not bool(ps.finished.all()):
+    while not bool(ps.finished.all()) and not _mass_stop(job, ps):
+        lengths0 = (tcache.length, dcache.length, ps.pending_d.shape[1])
         if fused:  # 3a, 3b, 3d as one round on the device
             block = yield from _fused_block(job, ps, tcache, dcache)
         else:
             block = yield from _draft_block(job, ps, dcache)  # 3a
             yield from _score_block(job, ps, block, tcache)  # 3b, 3d
         was_running = ~ps.finished
-        newly_finished = _advance(job, ps, block)  # 3c, 3e, 4
-        _end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        if block.logits is None:  # round_end "block": the whole block and its bonus
+            newly_finished = _advance(job, ps, block)  # 3c, 3e, 4
+            _end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        else:  # round_end "ess": resample where the ESS falls, the bonus after it
+            cut = smc_cut.cut_position(job, ps, block)
+            newly_finished = _advance(job, ps, block, cut)
+            anc = _end_round(job, ps, newly_finished, was_running, tcache, dcache)
+            smc_cut.truncate(tcache, dcache, lengths0, cut, job.config.draft_tokens)
+            ended = smc_cut.deferred_bonus(job, ps, block, anc, cut)
+            if bool(ended.any()):  # particles the bonus ended: banked now
+                _end_round(job, ps, ended, ended, tcache, dcache, bank_only=True)
         _host_ended(ps, tcache, dcache)
         emitted = _emit(ps, emitted, job.on_tokens)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
@@ -287,6 +305,7 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
     drafted = torch.empty(n, k, dtype=torch.long, device=dev)
     draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
     open_ = dead_pos = None
+    consumed = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each matcher consumed
     if cfg.has_potential:
         open_ = ~ps.finished  # still consuming tokens this round
         dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
@@ -312,8 +331,11 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
+            consumed += open_.long()
         x = d[:, None]
-    return _Block(drafted, draft_lp, dead_pos, open_)
+    b = _Block(drafted, draft_lp, dead_pos, open_)
+    b.consumed = consumed
+    return b
 
 
 def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> Program:
@@ -321,21 +343,25 @@ def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> 
     (:func:`smcspec.decoding.fused.smc_block`): the same draws as :func:`_draft_block` and
     :func:`_score_block`, without a host read between the forwards."""
     out = yield from smc_block(job, ps.pending_d, ps.pending_t, ps.host, tcache, dcache)
-    b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out["bonus"])
-    b.bonus_norm = out.get("bonus_norm")
+    b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out.get("bonus"))
+    b.bonus_norm, b.logits = out.get("bonus_norm"), out.get("logits")
     return b
 
 
 def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Program:
     """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
     ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
-    with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``)."""
+    with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``). With round_end
+    "ess" the bonus waits for the cut: ``b.logits`` keeps the target's logits instead."""
     cfg = job.config
     k = cfg.draft_tokens
     t_block = torch.cat((ps.pending_t, b.drafted), 1)
     t_logits = (yield Forward(job.target, t_block, tcache))[:, :, : job.vocab]
     lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], cfg.temperature), *cfg.truncation)
     b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
+    if cfg.round_end == "ess":  # the backend's buffer: kept until the cut's bonus is drawn
+        b.logits = t_logits.clone()
+        return
     if cfg.has_potential:  # after all K drafted tokens
         m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
         probs, norm = smc_potentials.masked_power_target(
@@ -357,29 +383,36 @@ def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Progra
         b.dead_pos[bad] = k + 1
 
 
-def _advance(job: Job, ps: _Particles, b: _Block) -> torch.Tensor:
+def _advance(job: Job, ps: _Particles, b: _Block, cut: int | None = None) -> torch.Tensor:
     """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
     ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
-    twist ``phi(new) / phi(old)``, and the new tokens. Returns bool ``[N]``: the particles
+    twist ``phi(new) / phi(old)``, and the new tokens. ``cut`` (round_end "ess"): the block is
+    the first ``cut`` drafted tokens only, the bonus comes later
+    (:func:`smcspec.decoding.smc_cut.deferred_bonus`). Returns bool ``[N]``: the particles
     that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
     cfg = job.config
     k = cfg.draft_tokens
-    block = torch.cat((b.drafted, b.bonus[:, None]), 1)  # [N, K+1]
-    block_pos = torch.arange(1, k + 2, device=job.device)
-    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, k + 2).min(1).values
-    kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - ps.lengths)
+    if cut is None:
+        block, norm = torch.cat((b.drafted, b.bonus[:, None]), 1), b.bonus_norm  # [N, K+1]
+    else:
+        block, norm = b.drafted[:, :cut], None
+    m = block.shape[1]
+    block_pos = torch.arange(1, m + 1, device=job.device)
+    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, m + 1).min(1).values
+    kept = torch.minimum(first_stop.clamp(max=m), cfg.max_new_tokens - ps.lengths)
     kept = torch.where(ps.finished, torch.zeros_like(kept), kept)
     ps.logw = ps.logw + incremental_log_weights(
-        b.target_lp, b.draft_lp, cfg.alpha, b.bonus_norm, kept
+        b.target_lp[:, : min(m, k)], b.draft_lp[:, : min(m, k)], cfg.alpha, norm, kept
     )
     killed = None
     if cfg.has_potential:  # a particle that reached a dead end inside what it keeps dies
         killed = ~ps.finished & (b.dead_pos <= kept)
         ps.logw = torch.where(killed, torch.full_like(ps.logw, -math.inf), ps.logw)
         ps.dead += int(killed.sum())
-    start = 1 + ps.rounds * (k + 1)  # every unfinished particle has this length
-    window = ps.tokens[:, start : start + k + 1]
-    ps.tokens[:, start : start + k + 1] = torch.where(ps.finished[:, None], window, block)
+    start = ps.width  # every unfinished particle has this length
+    window = ps.tokens[:, start : start + m]
+    ps.tokens[:, start : start + m] = torch.where(ps.finished[:, None], window, block)
+    ps.width += m
     ps.lengths = ps.lengths + kept
     was_finished = ps.finished
     ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= cfg.max_new_tokens)
@@ -397,8 +430,9 @@ def _advance(job: Job, ps: _Particles, b: _Block) -> torch.Tensor:
                 "every particle reached a dead end of the constraint (no allowed "
                 "continuation has target probability)"
             )
-    ps.pending_t = b.bonus[:, None]
-    ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
+    if cut is None:
+        ps.pending_t = b.bonus[:, None]
+        ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
     ps.rounds += 1
     return ps.finished & ~was_finished
 
@@ -410,21 +444,25 @@ def _end_round(
     was_running: torch.Tensor,
     tcache: KVCache,
     dcache: KVCache,
-) -> None:
+    bank_only: bool = False,
+) -> torch.Tensor:
     """The end of a round, group by group (one group without ``cfg.groups``): a group in
     which particles ended this round banks them (:func:`_bank_group`, under the bank rule);
     any other group that ran this round is resampled if its ESS fell below ``kappa`` times
-    its size (step 3f, :func:`_resample_group`). The ancestors of every group are then
-    taken at once. ``ended``, ``was_running``: bool ``[N]``. The ESS recorded for the round
-    is the sum of the groups' ESS."""
+    its size (step 3f, :func:`_resample_group`; not with ``bank_only``, a second banking
+    after the deferred bonus of round_end "ess"). The ancestors of every group are then
+    taken at once and returned (int64 ``[N]``, ``arange`` where nothing moved). ``ended``,
+    ``was_running``: bool ``[N]``. The ESS recorded for the round is the sum of the groups'
+    ESS."""
     cfg = job.config
     anc = torch.arange(cfg.particles, device=ps.logw.device)
     reset = torch.zeros(cfg.particles, dtype=torch.bool, device=ps.logw.device)
     ess = effective_sample_sizes([ps.logw[cfg.group(g)] for g in range(cfg.groups)])
-    ps.ess_trace.append(sum(ess))
-    if ps.equal_start:
-        ps.fresh_ess.append(ps.ess_trace[-1])
-    ps.equal_start = False
+    if not bank_only:
+        ps.ess_trace.append(sum(ess))
+        if ps.equal_start:
+            ps.fresh_ess.append(ps.ess_trace[-1])
+        ps.equal_start = False
     # which groups ran this round and which had particles end in it: one host read
     ran, ends = torch.stack((was_running, ended)).view(2, cfg.groups, -1).any(2).tolist()
     reset_groups = [False] * cfg.groups
@@ -434,6 +472,8 @@ def _end_round(
             continue  # every particle of the group had ended before this round
         if cfg.banks_finished and ends[g]:
             a = _bank_group(job, ps, g, ended)
+        elif bank_only:
+            continue
         else:
             a = _resample_group(job, ps, g, ess[g])
         if a is not None:
@@ -441,6 +481,27 @@ def _end_round(
             reset[sl] = reset_groups[g] = True
     if any(reset_groups):
         _take_ancestors(ps, anc, reset, all(reset_groups), tcache, dcache)
+    return anc
+
+
+def _mass_stop(job: Job, ps: _Particles) -> bool:
+    """Whether the request may end before every particle has (``cfg.stop_epsilon``, the bank
+    rule): every group has banked a particle and the particles still running carry less than
+    ``stop_epsilon`` of the probability mass (the mean of the groups' running masses, the
+    groups counting equally). Their descendants could take at most that mass, so drawing the
+    output from the bank now moves its distribution by at most ``stop_epsilon`` in total
+    variation (``docs/smc-sd.md``, "Stopping when the running mass is small"). The running
+    particles are then marked ended and left out of the output."""
+    cfg = job.config
+    if cfg.stop_epsilon <= 0 or not cfg.banks_finished or not ps.banked:
+        return False
+    if len({g for _, m, g in ps.banked if m > -math.inf}) < cfg.groups:
+        return False
+    if float(ps.log_running.exp().mean()) >= cfg.stop_epsilon:
+        return False
+    ps.finished[:] = True
+    ps.stopped_early = True
+    return True
 
 
 def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
@@ -656,6 +717,9 @@ def _stats(
         banked=len(ps.banked),
         distinct_rows_target=distinct(tcache),
         distinct_rows_draft=distinct(dcache),
+        mean_round_tokens=(ps.width - 1) / ps.rounds if ps.rounds else 0.0,
+        cut_rounds=ps.cut_rounds if cfg.round_end == "ess" else None,
+        stopped_early=True if ps.stopped_early else None,
     )
 
 
