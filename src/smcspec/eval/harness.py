@@ -96,7 +96,7 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
 _BASELINES = re.compile(r"ar-(?:(?P<greedy>greedy)|(?P<select>sc|bon)-n(?P<n>\d+))")
 _PARTICLE_SUFFIX = re.compile(
     r"(?P<keep>-keep)?(?:-a(?P<alpha>[\d.]+))?(?P<reward>-reward(?P<beta>[\d.]+)?)?"
-    r"(?:-g(?P<groups>\d+))?(?P<vote>-vote)?"
+    r"(?:-g(?P<groups>\d+))?(?P<ess>-ess)?(?:-eps(?P<eps>[\d.]+))?(?P<vote>-vote)?"
 )
 
 
@@ -132,7 +132,8 @@ def _specs_named(
             return [MethodSpec(name, _configure(d, base, n, k))]
     raise ConfigError(
         f"unknown method {name!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
-        "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-vote]"
+        "sd, smc, sd-kK, sd-nN-kK, sd-ngram-kK, "
+        "smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-ess][-epsEPS][-vote]"
     )
 
 
@@ -149,13 +150,18 @@ def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> Generation
 def _particle_spec(name: str, m: re.Match, cfg: GenerationConfig) -> MethodSpec:
     """A particle setting's suffixes: ``-keep`` (the paper's rule for finished particles),
     ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
-    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart) and
-    ``-vote`` (the weighted vote answers)."""
+    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart),
+    ``-ess`` (rounds cut where the ESS falls, ``round_end="ess"``), ``-epsEPS`` (the epsilon
+    stop, ``stop_epsilon``) and ``-vote`` (the weighted vote answers)."""
     cfg = replace(cfg, finished_particles="keep" if m.group("keep") else "bank")
     if m.group("alpha"):
         cfg = replace(cfg, alpha=float(m.group("alpha")))
     if m.group("groups"):
         cfg = replace(cfg, groups=int(m.group("groups")))
+    if m.group("ess"):
+        cfg = replace(cfg, round_end="ess")
+    if m.group("eps"):
+        cfg = replace(cfg, stop_epsilon=float(m.group("eps")))
     beta = None
     if m.group("reward"):
         beta = float(m.group("beta")) if m.group("beta") else REWARD_BETA
