@@ -298,6 +298,27 @@ def test_finished_particles_rule_is_a_request_option(server):
     assert stats["bank"]["banked"] >= 1 and stats["keep"]["banked"] == 0
 
 
+def test_multi_draft_sd_and_cut_rounds_are_request_options(server):
+    """``smc.particles`` with ``"method": "sd"`` runs multi-draft sd (its stats give N and the
+    per-depth acceptance), ``"method": "sd"`` alone stays chain sd on this smc server (N 1,
+    not the server's 4 particles), and ``round_end`` / ``stop_epsilon`` reach SMC-SD."""
+    c = server.client()
+
+    def stats(smc: dict) -> dict:
+        r = c.completions.create(model=MODEL, prompt="ab cd", max_tokens=10, seed=2,
+                                 extra_body={"smc": smc})  # fmt: skip
+        return r.choices[0].model_extra["smcspec"]
+
+    multi = stats({"method": "sd", "particles": 4, "draft_tokens": 3})
+    assert multi["particles"] == 4 and len(multi["acceptance_by_depth"]) == 3
+    assert "particles" not in stats({"method": "sd", "draft_tokens": 3})  # chain sd
+    cut = stats({"method": "smc", "particles": 4, "draft_tokens": 4, "round_end": "ess"})
+    assert "cut_rounds" in cut and cut["mean_round_tokens"] >= 1
+    r = httpx.post(server.url("/v1/completions"), json={
+        "model": MODEL, "prompt": "ab", "smc": {"stop_epsilon": 1.5}}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "stop_epsilon" in r.json()["error"]["message"]
+
+
 def _held_programs(engine, monkeypatch, gate: threading.Event, holding: threading.Event):
     """Make every request's program stop after its first step (its prefill) until ``gate``
     is set: the scheduler's worker waits inside its step, outside the scheduler's lock, so
