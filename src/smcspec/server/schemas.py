@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from smcspec.config import GenerationConfig, field_type
 from smcspec.errors import ConfigError
-from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+from smcspec.potentials import MAX_SCHEMA_DEPTH, Constraint, Grammar, JsonSchema, Regex, json_depth
 from smcspec.tool_calls import FunctionTool, ToolCalls
 
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
@@ -119,8 +119,10 @@ class FunctionCallIn(BaseModel):
         """The call's ``arguments`` string parsed as a JSON object.
 
         Raises:
-            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), or JSON
-                that is not an object.
+            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), JSON that
+                is not an object, or nested deeper than :data:`MAX_SCHEMA_DEPTH` (what a
+                tool's schema can ask for; the chat template and the special-token check
+                recurse over it).
         """
         try:
             value = json.loads(self.arguments)
@@ -128,6 +130,10 @@ class FunctionCallIn(BaseModel):
             raise ValueError(f"arguments of {self.name!r} are not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"arguments of {self.name!r} must be a JSON object")
+        if json_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"arguments of {self.name!r} nest deeper than {MAX_SCHEMA_DEPTH} levels"
+            )
         return value
 
 
