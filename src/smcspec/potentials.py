@@ -125,6 +125,39 @@ class Regex(Constraint):
         return grammar_from("regex", self.pattern)
 
 
+MAX_SCHEMA_DEPTH = 100
+"""The deepest JSON nesting a schema may have (a ``JsonSchema``, a tool's parameters; the
+schema object itself is level 1). llguidance refuses JSON nested past 128 levels (serde_json's
+recursion limit: "recursion limit exceeded") and the tool-call grammar wraps each tool's
+schema in a few more; deeper schemas are a :class:`ConfigError` before anything recurses
+over them (``json.dumps`` of a ~950-deep schema raised RecursionError)."""
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of dicts and lists in ``value`` (a scalar: 0, ``{}``: 1), counted
+    without recursion; counting stops at ``limit + 1`` (anything deeper reads as that)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def check_schema_depth(schema: Any, what: str) -> None:
+    """Raises :class:`ConfigError` when ``schema`` nests deeper than :data:`MAX_SCHEMA_DEPTH`
+    (``what`` names it in the message)."""
+    if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ConfigError(
+            f"{what}: nested deeper than {MAX_SCHEMA_DEPTH} levels, more than the schema "
+            "compiler takes"
+        )
+
+
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,20}"
 """Whitespace allowed between JSON tokens unless a schema's ``x-guidance`` says otherwise: at
 most 20 characters at a time, as llama.cpp's JSON-schema grammars bound it (``space ::= | " "
@@ -144,13 +177,17 @@ class JsonSchema(Constraint):
     schema: dict | str
 
     def __post_init__(self) -> None:
-        if isinstance(self.schema, str):
+        schema = self.schema
+        if isinstance(schema, str):
             try:
-                json.loads(self.schema)
+                schema = json.loads(schema)
             except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ConfigError(f"invalid json_schema: not JSON ({e})") from e
-        elif not isinstance(self.schema, dict):
-            raise ConfigError(f"json schema must be a dict or a string, got {self.schema!r}")
+        elif not isinstance(schema, dict):
+            raise ConfigError(
+                f"json schema must be a dict or a string, got {type(schema).__name__}"
+            )
+        check_schema_depth(schema, "the json schema")
 
     def grammar(self) -> str:
         schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key if args.api_key is not None else os.environ.get("SMCSPEC_API_KEY"),
         public_metrics=args.public_metrics,
         shutdown_timeout_s=args.shutdown_timeout,
+        prefill_chunk=args.prefill_chunk,
+        prefill_step_s=args.prefill_step_seconds,
     ).validate()  # before the models load
     # with the draft model, a request may ask for any method; with --draft ngram, for ar and
     # sd with n-gram drafts only

@@ -21,11 +21,20 @@ from smcspec.decoding.output import DecodeOutput
 
 @dataclass
 class Prefill:
-    """Run ``prompt`` (int64 ``[P]``) into ``cache``; answered with logits ``[V]``."""
+    """Run ``prompt`` (int64 ``[P]``) into ``cache``; answered with logits ``[V]``.
+
+    A scheduler may run it in chunks between other work (:func:`prefill_chunk`); ``done``
+    counts the prompt tokens already in the cache."""
 
     model: DecoderModel
     prompt: torch.Tensor
     cache: KVCache
+    done: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not yet in the cache."""
+        return int(self.prompt.shape[-1]) - self.done
 
 
 @dataclass
@@ -91,6 +100,21 @@ def execute(step: Step):
     if isinstance(step, Round):
         return step.model.run_round(step.cache, step.key, step.fn, step.inputs)
     return step.model.decode(step.tokens, step.cache, step.last_only)
+
+
+def prefill_chunk(step: Prefill, tokens: int) -> torch.Tensor | None:
+    """Run the next ``tokens`` (at least 1) of ``step``'s prompt into its cache
+    (``model.prefill`` with ``start``/``end``) and count them in ``step.done``. Returns the
+    logits ``[V]`` once the whole prompt is in, None while tokens remain. A prompt that fits
+    in one chunk is one plain ``model.prefill(prompt, cache)``, as :func:`execute` runs it."""
+    n = int(step.prompt.shape[-1])
+    end = min(n, step.done + max(1, tokens))
+    if step.done == 0 and end == n:
+        out = step.model.prefill(step.prompt, step.cache)
+    else:
+        out = step.model.prefill(step.prompt, step.cache, step.done, end)
+    step.done = end
+    return out if end == n else None
 
 
 def execute_rounds(rounds: list[Round]) -> list[dict[str, torch.Tensor] | Exception]:

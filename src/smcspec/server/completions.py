@@ -71,7 +71,7 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
     if bad:
         raise ApiError(400, f"{bad[0]} is not supported by this server", param=bad[0])
     updates: dict[str, Any] = {}
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = token_cap(body)
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
@@ -89,6 +89,27 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
         return without_default_ngram(cfg, updates).validate()
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from exc
+
+
+def token_cap(body: CommonBody) -> int | None:
+    """The cap on new tokens the request asks for: ``max_completion_tokens`` (OpenAI's newer
+    name) or ``max_tokens``, under the same rules; None when neither is given (null is not
+    given).
+
+    Raises:
+        ApiError: 400 for a value below 1, or both given with different values.
+    """
+    given = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
+    given = {name: value for name, value in given.items() if value is not None}
+    for name, value in given.items():
+        if value < 1:
+            raise ApiError(400, f"{name} must be >= 1, got {value}", param=name)
+    if len(set(given.values())) > 1:
+        raise ApiError(
+            400, "max_completion_tokens and max_tokens differ: give one of them",
+            param="max_tokens",
+        )  # fmt: skip
+    return next(iter(given.values()), None)
 
 
 def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
@@ -143,7 +164,7 @@ class Completion:
         engine = state.engine
         try:
             parse_special = getattr(body, "parse_special_tokens", True)
-            no_cap = (body.max_completion_tokens or body.max_tokens) is None
+            no_cap = token_cap(body) is None
             job = engine.prepare(prompt, self.cfg, chat, parse_special, fit_context=no_cap)
         except (ConfigError, ContextLengthError) as exc:
             raise ApiError(400, str(exc)) from exc

@@ -4,7 +4,8 @@ Field names and meanings follow OpenAI's Completions and Chat Completions APIs. 
 OpenAI defines but smcspec cannot honour are declared so that a request which sets them to
 anything but their neutral value is refused with 400 instead of being silently ignored
 (:func:`unsupported_fields`); fields OpenAI does not define are ignored, as OpenAI clients
-send extras such as ``user``.
+send extras such as ``user``. Fields OpenAI's request schemas make nullable may be sent as
+``null`` (SDKs send explicit nulls) and then take their default (:data:`NULL_IS_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from smcspec.config import GenerationConfig, field_type
 from smcspec.errors import ConfigError
-from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+from smcspec.potentials import MAX_SCHEMA_DEPTH, Constraint, Grammar, JsonSchema, Regex, json_depth
 from smcspec.tool_calls import FunctionTool, ToolCalls
 
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
@@ -59,6 +68,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+DOCUMENT_START = "<|endoftext|>"
+"""OpenAI's default ``prompt``: the document separator (one special token in Qwen's and
+GPT-2's vocabularies, plain text in others)."""
+
+NULL_IS_DEFAULT = ("n", "stream", "prompt")
+"""Fields OpenAI documents as nullable whose ``null`` smcspec replaces by the default (``n``
+1, ``stream`` false, ``prompt`` :data:`DOCUMENT_START`, as OpenAI's API does); every other
+nullable OpenAI field is declared ``X | None`` and None already means its default
+(``max_tokens``, ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``stream_options``, ``logprobs``, ``top_logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``best_of``, ``echo``, ``suffix``)."""
+
+
 class CommonBody(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -87,6 +109,11 @@ class CommonBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
 
 class CompletionBody(CommonBody):
     """The body of ``/v1/completions``: a text prompt or token ids."""
@@ -98,6 +125,11 @@ class CompletionBody(CommonBody):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _null_prompt_is_document_start(cls, prompt: Any) -> Any:
+        return DOCUMENT_START if prompt is None else prompt
 
 
 class TextPart(BaseModel):
@@ -119,8 +151,10 @@ class FunctionCallIn(BaseModel):
         """The call's ``arguments`` string parsed as a JSON object.
 
         Raises:
-            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), or JSON
-                that is not an object.
+            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), JSON that
+                is not an object, or nested deeper than :data:`MAX_SCHEMA_DEPTH` (what a
+                tool's schema can ask for; the chat template and the special-token check
+                recurse over it).
         """
         try:
             value = json.loads(self.arguments)
@@ -128,6 +162,10 @@ class FunctionCallIn(BaseModel):
             raise ValueError(f"arguments of {self.name!r} are not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"arguments of {self.name!r} must be a JSON object")
+        if json_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"arguments of {self.name!r} nest deeper than {MAX_SCHEMA_DEPTH} levels"
+            )
         return value
 
 

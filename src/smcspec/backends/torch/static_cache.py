@@ -211,7 +211,7 @@ class StaticKVCache(ParticleKVCache):
     def reset(self) -> None:
         """Empty the cache for the next request (the stored values stay; they are masked)."""
         self.prefix_k = self.prefix_v = None
-        self.length = self._pending = 0
+        self.length = self._pending = self.prefilled = 0
         self.histories = RowHistories(self.rows, shared=False)
 
     def close(self) -> None:

@@ -118,10 +118,11 @@ class Segment:
     """One request's rows inside a batched forward.
 
     ``rows x tokens`` new tokens appended to ``cache`` at suffix index ``start`` (``None``:
-    a prefill of ``tokens`` prompt tokens into the shared prefix), computed as the
-    ``distinct`` rows ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto
-    the ``[rows, tokens]`` grid (``None`` for a prefill). Unless the segment is ``shared``
-    its rows are every (row, position), row-major.
+    a prefill of ``tokens`` prompt tokens into the shared prefix, from prompt position
+    ``prefill_at``: a chunk of a prompt run in pieces), computed as the ``distinct`` rows
+    ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto the ``[rows,
+    tokens]`` grid (``None`` for a prefill). Unless the segment is ``shared`` its rows are
+    every (row, position), row-major.
     """
 
     cache: ParticleKVCache
@@ -131,6 +132,7 @@ class Segment:
     offset: int
     last_only: bool
     plan: RowPlan | None = None
+    prefill_at: int = 0
 
     @property
     def shared(self) -> bool:
@@ -237,7 +239,7 @@ class Block(nn.Module):
             ks = ks.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
             vs = vs.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
             if seg.start is None:
-                out = self._prefill_attention(qs, ks, vs, seg.cache)
+                out = self._prefill_attention(qs, ks, vs, seg.cache, seg.prefill_at)
             else:
                 out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
             out = out.reshape(seg.rows * seg.tokens, self.h * self.d)
@@ -282,11 +284,21 @@ class Block(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.finish(x, out[0].transpose(0, 1).reshape(pw, self.h * self.d))
 
-    def _prefill_attention(self, q, k, v, cache: ParticleKVCache) -> torch.Tensor:
-        cache.prefix_k[self.layer] = k
-        cache.prefix_v[self.layer] = v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def _prefill_attention(self, q, k, v, cache: ParticleKVCache, at: int = 0) -> torch.Tensor:
+        """Prompt positions ``at .. at + T - 1``: their keys and values stored in the shared
+        prefix, causal attention over it (a later chunk of a prompt run in pieces also sees
+        every earlier prompt position, stored by the chunks before)."""
         r, _, t, _ = q.shape
+        cache.prefix_k[self.layer, :, :, at : at + t] = k
+        cache.prefix_v[self.layer, :, :, at : at + t] = v
+        if at == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            keys = cache.prefix_k[self.layer, :, :, : at + t]
+            values = cache.prefix_v[self.layer, :, :, : at + t]
+            kpos = torch.arange(at + t, device=q.device)
+            seen = kpos <= torch.arange(at, at + t, device=q.device)[:, None]  # [T, at + T]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
         return out.transpose(1, 2).reshape(r, t, self.h * self.d)
 
     def _decode_attention(self, q, k, v, cache: ParticleKVCache, start: int) -> torch.Tensor:
@@ -538,7 +550,7 @@ class Transformer(nn.Module):
         pos, picks = [], []
         for seg in segments:
             if not seg.shared:  # a prefill, or every row computed
-                base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
+                base = seg.prefill_at if seg.start is None else seg.cache.prompt_len + seg.start
                 pos.append((torch.arange(seg.tokens) + base).repeat(seg.rows))
                 rows = torch.arange(seg.rows) * seg.tokens + seg.offset
                 if seg.last_only:
@@ -567,22 +579,43 @@ class Transformer(nn.Module):
         return out
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, cache: ParticleKVCache) -> torch.Tensor:
+    def prefill(
+        self, prompt: torch.Tensor, cache: ParticleKVCache, start: int = 0, end: int | None = None
+    ) -> torch.Tensor | None:
         """Run the prompt and store its KV once in ``cache`` as the shared prefix (a static
         cache where rounds run fused: as a round of its own, a CUDA graph per padded prompt
-        length, :meth:`_prefill_captured`).
+        length, :meth:`_prefill_captured`), or one chunk of it.
 
         Args:
             prompt: int64 ``[P]`` token ids, ``P >= 1``.
+            start, end: run prompt positions ``start .. end - 1`` only (default: all), a
+                chunk of a prompt run in pieces, in order: the first chunk starts at 0, each
+                later one where the one before ended (on a static cache such a prompt's
+                chunks run eagerly, not as a captured round). The logits equal the whole
+                prompt's up to float rounding (the same arithmetic in other groupings).
         Returns:
-            float32 logits ``[V]`` of the next token after the prompt.
+            float32 logits ``[V]`` of the next token after the prompt; None after a chunk
+            that does not end the prompt.
+        Raises:
+            ValueError: a chunk out of range or out of order.
+            ContextLengthError: a static cache too small for the prompt.
         """
         p = prompt.shape[-1]
-        cache.begin_prefill(p)
-        if isinstance(cache, StaticKVCache) and self.round_mode != "steps":
-            return self._prefill_captured(prompt.reshape(-1), cache)
-        seg = Segment(cache, rows=1, tokens=p, start=None, offset=0, last_only=True)
-        return self._run([seg], [prompt.reshape(-1)])[0][0, -1]
+        end = p if end is None else end
+        if not 0 <= start < end <= p or (start > 0 and start != cache.prefilled):
+            raise ValueError(
+                f"prefill chunk [{start}, {end}) of a {p}-token prompt, after {cache.prefilled}"
+            )
+        if start == 0:
+            cache.begin_prefill(p)
+        flat = prompt.reshape(-1)
+        if end - start == p and isinstance(cache, StaticKVCache) and self.round_mode != "steps":
+            logits = self._prefill_captured(flat, cache)
+        else:
+            seg = Segment(cache, 1, end - start, None, 0, last_only=True, prefill_at=start)
+            logits = self._run([seg], [flat[start:end]])[0][0, -1]
+        cache.prefilled = end
+        return logits if end == p else None
 
     def _prefill_captured(self, prompt: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The prefill of a static cache as a round (a CUDA graph per padded prompt length,
