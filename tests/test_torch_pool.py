@@ -26,7 +26,7 @@ from enumerable import tiny_transformer
 from tiny_models import make_tiny_chat_pair
 
 from smcspec import Engine, GenerationConfig
-from smcspec.backends.pool import ResourcePool, pool_needs
+from smcspec.backends.pool import PoolError, ResourcePool, pool_needs
 from smcspec.backends.torch import load_hf_dir, transformer
 from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots
 from smcspec.backends.torch.transformer import Transformer, default_kv_budget
@@ -249,6 +249,34 @@ def test_banks_are_paid_from_the_pool_and_given_back(checked_growth):
     assert ca.bank.freed and _lent(pool) == 0  # D's lease: its share went to the bank
     d.release()
     assert pool.free() == pool.capacity and pool.leases == 0
+
+
+def test_idle_banks_are_freed_only_when_that_makes_a_reservation_fit():
+    """An idle bank (its graphs with it) is kept while a reservation would not fit even
+    without it, and freed for one that fits only without it; a lease cannot give back
+    more than it holds, nor grow once released.
+
+    Broken variant it catches (run by hand): the pool reclaiming at every reservation that
+    does not fit (the idle bank freed for one that then fails anyway)."""
+    model = _tiny_model(1 << 20)
+    slot = model.cache_need(1, 10, 7)[KV]  # 1 row; 2 rows: 1.5 slots
+    model = _tiny_model(4 * slot)
+    pool = model.pool
+    held = model.new_cache(1, 10, static=True, prompt_len=7)  # in use: 1 slot
+    idle = model.new_cache(2, 10, static=True, prompt_len=7)
+    idle.close()  # 1.5 slots idle, 1.5 free
+    assert pool.try_reserve({KV: 3 * slot + slot // 2}) is None  # short 2 slots: keep it
+    assert not idle.bank.freed and len(model.static_slots.banks) == 2
+    lease = pool.try_reserve({KV: 2 * slot + slot // 2})  # short 1 slot: free it
+    assert lease is not None and idle.bank.freed and model.static_slots.banks == [held.bank]
+    with pytest.raises(PoolError, match="cannot give back"):
+        pool.shrink(lease, {KV: 3 * slot})
+    lease.release()
+    with pytest.raises(PoolError, match="released"):
+        pool.try_grow(lease, {KV: 1})
+    held.close()
+    model.release_static()
+    assert pool.free() == pool.capacity
 
 
 def test_a_bank_the_pool_cannot_pay_is_not_made():
