@@ -125,6 +125,8 @@ class Engine:
         if draft is not None:
             check_same_vocabulary(target, draft)
             self.vocab = min(self.vocab, draft.vocab_size)
+            if hasattr(target.model, "share_pool"):  # torch: one default KV pool a device
+                target.model.share_pool(draft.model)
         self.stop_ids = frozenset(self._stop_ids())
 
     @classmethod

@@ -38,7 +38,7 @@ from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.kernels import EAGER, LayerKernels
 from smcspec.backends.torch.kv_cache import ParticleKVCache
-from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots
+from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots, bucket
 
 ROUND_MODES = ("auto", "steps", "eager", "graphs")
 """How the decoders' rounds run on a :class:`Transformer` (:attr:`Transformer.rounds`):
@@ -52,7 +52,10 @@ steps elsewhere."""
 def default_kv_budget(device: torch.device) -> int:
     """Bytes of KV storage the torch backend's requests may reserve together: 90% of the
     free memory of a CUDA device, half of the available memory (``/proc/meminfo``) on the
-    CPU (8 GiB where that cannot be read). Read when the pool is first used."""
+    CPU (8 GiB where that cannot be read). Read when the pool is first used, after the
+    weights are loaded, once for the two models of a pair on one device
+    (:meth:`Transformer.share_pool`); the rest is the activations', the CUDA graphs' and
+    PyTorch's own, none of which the pool counts."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * 0.9)
     try:
@@ -341,8 +344,10 @@ class Transformer(nn.Module):
         self._cos = self._sin = None
         self.kv_budget_bytes: int | None = None  # None: default_kv_budget(device)
         self._pool: ResourcePool | None = None
+        self._pool_is_default = False  # made with default_kv_budget (shared with peers)
+        self._pool_peers: list[Transformer] = []  # see share_pool
         self.rounds = "auto"  # see ROUND_MODES
-        self.static_slots = StaticSlots(self._make_static)
+        self.static_slots = StaticSlots(self._make_static, lambda: self.pool, self._kv_bytes)
         self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
         self.kernels = EAGER  # see use_kernels
         self.joined_calls = self.joined_rounds = 0  # run_joined: calls, rounds they ran
@@ -384,18 +389,51 @@ class Transformer(nn.Module):
     @property
     def pool(self) -> ResourcePool:
         """The ``kv_bytes`` the requests of this model reserve (see :mod:`smcspec.backends.pool`;
-        budget :attr:`kv_budget_bytes`, default :func:`default_kv_budget`)."""
+        budget :attr:`kv_budget_bytes`, default :func:`default_kv_budget`), made when first
+        used. A model with the default budget shares the default pool of a model it was
+        paired with (:meth:`share_pool`) on the same device, if that one is made already."""
         if self._pool is None:
-            budget = self.kv_budget_bytes or default_kv_budget(self.device)
-            self._pool = ResourcePool("torch", {"kv_bytes": budget})
+            if self.kv_budget_bytes:
+                self._pool = ResourcePool("torch", {"kv_bytes": self.kv_budget_bytes})
+                self._pool_is_default = False
+                return self._pool
+            shared = [
+                p._pool
+                for p in self._pool_peers
+                if p._pool is not None and p._pool_is_default and p.device == self.device
+            ]
+            if shared:
+                self._pool = shared[0]
+            else:
+                budget = default_kv_budget(self.device)
+                self._pool = ResourcePool("torch", {"kv_bytes": budget})
+            self._pool_is_default = True
         return self._pool
+
+    def share_pool(self, other: Any) -> None:
+        """Reserve from one pool with ``other`` (the other model of a pair) where both keep the
+        default budget and sit on one device: two default pools would each lend 90% of the
+        same free memory (:func:`default_kv_budget`). Decided when the pools are first used;
+        a model that is not a :class:`Transformer` is ignored."""
+        if isinstance(other, Transformer) and other is not self:
+            self._pool_peers.append(other)
+            other._pool_peers.append(self)
 
     def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
         """Bytes of KV a cache of ``rows`` x ``capacity`` generated tokens after a
-        ``prompt_len``-token prompt (stored once) allocates: K and V, every layer."""
+        ``prompt_len``-token prompt (stored once) allocates: K and V, every layer. Where
+        rounds may run fused (:attr:`round_mode` not ``steps``) the request may take a static
+        slot, whose capacity and prompt storage are rounded up to powers of two
+        (:func:`~smcspec.backends.torch.static_cache.bucket`): those bytes, which also cover
+        the ordinary cache it falls back to (:mod:`~smcspec.backends.torch.static_cache`)."""
+        if self.round_mode != "steps":
+            capacity, prompt_len = bucket(capacity), bucket(prompt_len)
+        return {"kv_bytes": self._kv_bytes(rows, capacity, prompt_len)}
+
+    def _kv_bytes(self, rows: int, capacity: int, prompt_len: int) -> int:
         c = self.cfg
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return {"kv_bytes": per_token * (prompt_len + rows * capacity)}
+        return per_token * (prompt_len + rows * capacity)
 
     def new_cache(
         self,
@@ -409,8 +447,10 @@ class Transformer(nn.Module):
     ) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
 
-        ``lease``: the request's reservation from :attr:`pool` (accounting only: the cache
-        allocates its own tensors, freed with it); without one nothing is reserved.
+        ``lease``: the request's reservation from :attr:`pool` (an ordinary cache allocates
+        its own tensors, freed with it; a static one gives the lease's share for its slot to
+        the bank that pays for it, :meth:`StaticSlots.take`); without one nothing is
+        reserved for an ordinary cache (a static slot's bank is still paid from the pool).
         ``shared_rows``: compute each distinct row of a forward once (the module notes).
         ``static``: a :class:`StaticKVCache` from :attr:`static_slots` for a prompt of up to
         ``prompt_len`` tokens (what graph-captured rounds need), where the round mode is not
@@ -507,11 +547,10 @@ class Transformer(nn.Module):
         return [{name: t[b] for name, t in out.items()} for b in slots]
 
     def release_static(self) -> None:
-        """Drop the static caches kept for reuse and their CUDA graphs (their memory goes
-        back to PyTorch's allocator once nothing else holds it); caches in use stay valid."""
-        for bank in self.static_slots.banks:
-            bank.drop_graphs()
-        self.static_slots = StaticSlots(self._make_static)
+        """Drop the static caches kept for reuse and their CUDA graphs: their tensors go back
+        to PyTorch's allocator and their bytes to :attr:`pool` now, or, for a bank a request
+        still holds a cache of, when its last one is closed (caches in use stay valid)."""
+        self.static_slots.release()
         self.graph_pool = None
 
     def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> SlotBank:
