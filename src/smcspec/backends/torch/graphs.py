@@ -28,12 +28,14 @@ vocabulary size) and every cache it touches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 aten = torch.ops.aten
 
@@ -166,6 +168,23 @@ class _AtenReads(TorchDispatchMode):
         if not self.guard._inside and data_dependent(func, args, kwargs):
             self.guard.hit(func.overloadpacket.__name__)
         return func(*args, **kwargs)
+
+
+def compiled_region(fn: Callable) -> Callable:
+    """``fn`` (a ``torch.compile(fullgraph=True)`` function) called with the aten half of any
+    active :class:`HostReadGuard` set aside: Dynamo refuses to trace under a Python dispatch
+    mode, and a function compiled whole cannot read the host anyway (a host read is a graph
+    break, which ``fullgraph`` turns into an error), so nothing the guard would catch is
+    missed. The torch-function half stays active around the call."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not any(isinstance(m, _AtenReads) for m in _dispatch_mode_stack()):
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _bool_index(args: tuple) -> bool:
