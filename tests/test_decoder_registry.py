@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -47,11 +48,13 @@ def _defined(path: Path, kind: type, suffix: str = "") -> set[str]:
     return {n.name for n in body if isinstance(n, kind) and n.name.endswith(suffix)}
 
 
+@functools.cache
 def _lookups(root: Path) -> set[str]:
     """The registry's functions (``decoder_named``, ``choice``, ...): each takes a name."""
     return _defined(root / REGISTRY, ast.FunctionDef)
 
 
+@functools.cache
 def _stats_classes(root: Path) -> set[str]:
     """The decoders' stats classes (``ArStats``, ``SdStats``, ``SmcStats``), wherever in
     ``decoding/`` they are defined."""
@@ -72,6 +75,11 @@ def _constants(tree: ast.Module) -> dict[str, str]:
     return out
 
 
+@functools.cache
+def _file_constants(path: Path) -> dict[str, str]:
+    return _constants(ast.parse(path.read_text()))
+
+
 def _module_file(root: Path, module: str) -> Path | None:
     parts = module.split(".")[1:]  # smcspec.cli.engine_args -> cli/engine_args
     for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
@@ -88,7 +96,7 @@ def _strings(tree: ast.Module, root: Path) -> dict[str, str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("smcspec."):
             path = _module_file(root, node.module)
             if path is not None:
-                theirs = _constants(ast.parse(path.read_text()))
+                theirs = _file_constants(path)
                 for a in node.names:
                     if a.name in theirs:
                         out[a.asname or a.name] = theirs[a.name]
@@ -160,7 +168,9 @@ class _Scan:
         return None
 
 
-def method_switches(source: str, strings: dict[str, str], root: Path = SRC) -> list[tuple]:
+def method_switches(
+    source: str | ast.Module, strings: dict[str, str], root: Path = SRC
+) -> list[tuple]:
     """``(line, kind, expression)`` of every method switch in ``source``: a comparison
     (``==``, ``!=``, ``in``, ``not in``, ``is``) with a string, or a constant bound to one,
     that names a method (``ar``, ``sd``, ``smc``, ``auto``), a draft (``model``, ``ngram``) or
@@ -169,10 +179,11 @@ def method_switches(source: str, strings: dict[str, str], root: Path = SRC) -> l
     (``decoder_named("ar")``); a comparison of a ``method`` variable or ``.method``
     attribute with anything; any lookup in the table's dicts (``BY_METHOD[x]``, ``x in
     BY_METHOD``); and a type switch on a decoder's stats class (``isinstance(s, SmcStats)``).
-    ``strings``: the module's constants (:func:`_strings`)."""
+    ``source``: its text or tree; ``strings``: the module's constants (:func:`_strings`)."""
     scan = _Scan(strings, _lookups(root), _stats_classes(root))
+    tree = ast.parse(source) if isinstance(source, str) else source
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         kind = scan.why(node)
         if kind is not None:
             out.append((node.lineno, kind, ast.unparse(node)))
@@ -187,10 +198,10 @@ def switches_under(root: Path) -> dict[str, list[tuple]]:
         rel = str(path.relative_to(root))
         if rel == REGISTRY:
             continue
-        source = path.read_text()
+        tree = ast.parse(path.read_text())
         hits = [
             h
-            for h in method_switches(source, _strings(ast.parse(source), root), root)
+            for h in method_switches(tree, _strings(tree, root), root)
             if (rel, h[2]) not in NOT_METHODS
         ]
         if hits:
@@ -211,8 +222,8 @@ def test_every_exemption_is_still_there():
     """An exemption that no longer matches code is removed (they cannot pile up)."""
     seen = set()
     for rel, _ in NOT_METHODS:
-        source = (SRC / rel).read_text()
-        hits = method_switches(source, _strings(ast.parse(source), SRC))
+        tree = ast.parse((SRC / rel).read_text())
+        hits = method_switches(tree, _strings(tree, SRC))
         seen |= {(rel, h[2]) for h in hits}
     assert seen == NOT_METHODS
 
