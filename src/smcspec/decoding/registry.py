@@ -12,10 +12,12 @@ multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram
 :data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
 tuned; :data:`BASELINE` is the decoder speed-ups are measured against.
 
-This module is the one place a method, a draft (:class:`~smcspec.config.Draft`) or a decoder
-is named: elsewhere code asks the table (:func:`decoder_for`, :func:`decoder_named`,
-:func:`choice`, a row's traits), never compares a name, looks one up in the table's dicts or
-switches on a stats class (``tests/test_decoder_registry.py``).
+This module is the one place code decides on the name of a method, a draft
+(:class:`~smcspec.config.Draft`) or a decoder: elsewhere it asks the table (:func:`decoder_for`,
+:func:`decoder_named`, :func:`choice`, a row's traits), never compares a name, looks one up in
+the table's dicts or switches on a stats class (``tests/test_decoder_registry.py``).
+``config.py``, below it, keeps as data what a config resolves when it is made (each method's
+default N, the drafts' rows).
 """
 
 from __future__ import annotations
