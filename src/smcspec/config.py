@@ -16,7 +16,6 @@ from smcspec.sampling.distributions import GREEDY_BELOW
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
-DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 ROUND_ENDS = ("block", "ess")  # GenerationConfig.round_end
@@ -25,12 +24,46 @@ DEFAULT_PARTICLES = 4
 """smc's N when a request gives none (the SMC-SD authors' default)."""
 METHOD_PARTICLES = {"smc": DEFAULT_PARTICLES, "sd": 1, "ar": 1}
 """Each method's N when a request gives none (``GenerationConfig.particles`` None): smc's
-particles; one chain for ``sd`` (N >= 2 is multi-draft sd) and one row for ``ar``."""
+particles; one chain for ``sd`` (N >= 2 is multi-draft sd) and one row for ``ar``. Data here,
+not a field of the decoder table's rows (``decoding/registry.py``): a config resolves its N
+when it is made, and this module sits below ``decoding/``; ``tests/test_decoder_registry.py``
+checks it against the table (N > 1 exactly where the method's decoder weighs particles)."""
 MAX_DRAFT_TOKENS = 64
 NGRAM_DRAFT_P_MIN = 0.8
 """The n-gram draft's gate when ``draft_p_min`` is not given: measured over 20 rewrite and 20
 open-chat prompts (K=4, T=0.7; ``docs/benchmarks/ngram-cpu/gated-drafts-20.md``), gated
 n-gram sd ran at 1.04x and 0.94x ``ar``'s decode tokens/s against 0.97x and 0.58x ungated."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Where drafted tokens come from: one value of ``GenerationConfig.draft``. The decoder
+    table (``decoding/registry.py``) names each decoder's draft by these rows; code reads
+    their fields, never their names.
+
+    Attributes:
+        name: the value (``"model"``, ``"ngram"``).
+        from_text: the drafts are copied from the prompt and text so far by an n-gram
+            index, no model (a point-mass proposal: not for SMC-SD, no constraint yet).
+        p_min: the gate when ``draft_p_min`` is not given (0: off).
+    """
+
+    name: str
+    from_text: bool
+    p_min: float
+
+
+MODEL_DRAFT = Draft("model", from_text=False, p_min=0.0)
+NGRAM_DRAFT = Draft("ngram", from_text=True, p_min=NGRAM_DRAFT_P_MIN)
+DRAFT_KINDS = {d.name: d for d in (MODEL_DRAFT, NGRAM_DRAFT)}
+"""The drafts by name."""
+DRAFTS = tuple(DRAFT_KINDS)  # GenerationConfig.draft's choices
+
+
+def draft_named(value: str | None) -> Draft:
+    """The draft a ``--draft`` value names: a draft's name (``ngram``: no model file), else
+    (a model file, or none given) the draft model."""
+    return DRAFT_KINDS.get(value or "", MODEL_DRAFT)
 
 
 @dataclass(frozen=True)
@@ -311,7 +344,13 @@ class GenerationConfig:
         drafts)."""
         if self.draft_p_min is not None:
             return float(self.draft_p_min)
-        return NGRAM_DRAFT_P_MIN if self.draft == "ngram" else 0.0
+        return self.draft_kind.p_min
+
+    @property
+    def draft_kind(self) -> Draft:
+        """The :class:`Draft` row of ``draft`` (KeyError before :meth:`validate` for an
+        unknown one)."""
+        return DRAFT_KINDS[self.draft]
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
@@ -380,7 +419,7 @@ class GenerationConfig:
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
-        if self.draft == "ngram" and self.constraint is not None:
+        if self.draft_kind.from_text and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
 
     def _check_potentials(self) -> None:

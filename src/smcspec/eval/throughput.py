@@ -172,14 +172,15 @@ def roofline_rows(
     measured = {r["method"]: r["ratio_vs_baseline"] for r in rows}
     out = []
     for s in specs:
-        if decoder_for(s.config).name != "smc":
+        decoder = decoder_for(s.config)
+        if not decoder.particles:
             continue
         n, k = s.config.particles, s.config.draft_tokens
-        costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k)
+        costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k, decoder)
         out.append(
             {
                 "method": s.name,
-                **predicted_speedup(costs, n, k),
+                **predicted_speedup(costs, n, k, decoder),
                 "measured": measured.get(s.name),
                 "costs": costs,
             }

@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
-from smcspec.decoding.registry import with_updates
+from smcspec.decoding.registry import method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.metrics import ServerMetrics
@@ -119,11 +119,12 @@ def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> Gen
     the method it names with the draft model (n-gram drafts take no constraint). A request
     that asks for n-gram drafts itself keeps them, and is refused with the reason where they
     do not apply."""
-    if cfg.draft != "ngram" or "draft" in updates:
+    if "draft" in updates or not cfg.draft_kind.from_text:  # the server's draft: valid
         return cfg
     if cfg.constraint is not None and "method" not in updates:
         return replace(cfg, method="ar", draft="model")
-    if cfg.constraint is not None or updates.get("method") == "smc":
+    named = method_decoder(updates.get("method"))
+    if cfg.constraint is not None or (named is not None and named.particles):
         return replace(cfg, draft="model")
     return cfg
 
