@@ -26,12 +26,13 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
-from smcspec.decoding.output import hit_token_cap
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import LogprobCallback, hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair
-from smcspec.potentials import Constraint
+from smcspec.potentials import Constraint, MinTokens
 from smcspec.tool_calls import ToolCalls
 
 # end-of-generation tokens of common chat templates, used when present in the vocabulary
@@ -47,7 +48,10 @@ class GenerationResult:
     """The outcome of :meth:`Engine.generate`.
 
     ``seconds`` is wall time from the start of prefill to the last token; ``tokens_per_second``
-    is ``new_tokens / seconds``. ``particles`` (smc with ``return_particles``) holds
+    is ``new_tokens / seconds``. ``logprobs`` (with ``config.logprobs``): each new token's
+    log-probability and alternatives (:class:`~smcspec.decoding.logprobs.TokenLogprobs`);
+    ``prompt_logprobs`` (with ``config.prompt_logprobs``): prompt tokens 1 .. P-1's.
+    ``particles`` (smc with ``return_particles``) holds
     ``{"text", "tokens", "weight"}`` dicts with normalised weights. ``vote`` (smc with
     ``vote``) is the weighted vote over the particles' answers
     (:class:`~smcspec.aggregate.Vote`): ``{"answer", "share", "text", "answers"}``, the
@@ -68,6 +72,8 @@ class GenerationResult:
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
     vote: dict[str, Any] | None = None
     decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
@@ -287,9 +293,13 @@ class Engine:
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
-        allowed only where the output is complete) and give ``cfg.reward`` the detokenizer.
+        allowed only where the output is complete), or ``cfg.min_tokens`` as a
+        :class:`~smcspec.potentials.MinTokens` constraint, and give ``cfg.reward`` the
+        detokenizer.
         Raises :class:`ConfigError` for an invalid pattern, schema or grammar."""
         out: dict[str, Any] = {}
+        if cfg.applies_min_tokens and stop_ids:  # no other constraint (validate refuses it)
+            out["constraint"] = MinTokens(sorted(stop_ids), self.vocab, cfg.min_tokens)
         if isinstance(cfg.constraint, Constraint):
             out["constraint"] = cfg.constraint.compile(
                 self.tokenizer, self.vocab, sorted(stop_ids or self.stop_ids)
@@ -306,11 +316,17 @@ class Engine:
         job: Job,
         on_tokens: Callable[[list[int]], None] | None = None,
         reservation: Reservation | None = None,
+        on_logprobs: LogprobCallback | None = None,
+        on_prompt_logprobs: LogprobCallback | None = None,
     ) -> Program:
         """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), started
         with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`), its caches
-        drawn on ``reservation`` (:meth:`try_reserve`)."""
-        return job.decoder.program(job.started(on_tokens, reservation))
+        drawn on ``reservation`` (:meth:`try_reserve`); ``on_logprobs``: each streamed
+        token's log-probabilities, before ``on_tokens`` streams it (requests with
+        ``config.logprobs``); ``on_prompt_logprobs``: the prompt's, once prefilled (with
+        ``config.prompt_logprobs``)."""
+        started = job.started(on_tokens, reservation, on_logprobs, on_prompt_logprobs)
+        return job.decoder.program(started)
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -347,6 +363,8 @@ class Engine:
             log_normalizer=out.log_normalizer,
             vote=vote,
             decode_stats=out.stats,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             finish_reason=(
                 "length" if hit_token_cap(out.tokens, cfg.max_new_tokens, job.stop_ids) else "stop"
             ),
