@@ -51,6 +51,9 @@ class GenerationResult:
     is ``new_tokens / seconds``. ``logprobs`` (with ``config.logprobs``): each new token's
     log-probability and alternatives (:class:`~smcspec.decoding.logprobs.TokenLogprobs`);
     ``prompt_logprobs`` (with ``config.prompt_logprobs``): prompt tokens 1 .. P-1's.
+    ``first_token_s`` and ``max_gap_s``: the stream's timing (seconds to the first token, from
+    the start of the prefill with :meth:`Engine.generate` and from submission in the server;
+    the longest wait between two streamed tokens; None until measured).
     ``particles`` (smc with ``return_particles``) holds
     ``{"text", "tokens", "weight"}`` dicts with normalised weights. ``vote`` (smc with
     ``vote``) is the weighted vote over the particles' answers
@@ -74,6 +77,13 @@ class GenerationResult:
     decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    first_token_s: float | None = None  # seconds to the first streamed token
+    max_gap_s: float | None = None  # the longest wait between two streamed tokens
+
+    @property
+    def stream_stats(self) -> dict[str, float]:
+        """The stream's timing as JSON fields (:func:`stream_stats`)."""
+        return stream_stats(self.first_token_s, self.max_gap_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
@@ -86,6 +96,7 @@ class GenerationResult:
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "finish_reason": self.finish_reason,
+            **self.stream_stats,
             **self.stats,
         }
         if self.particles is not None:
@@ -94,6 +105,41 @@ class GenerationResult:
         if self.vote is not None:
             d["vote"] = self.vote
         return d
+
+
+def stream_stats(first_token_s: float | None, max_gap_s: float | None) -> dict[str, float]:
+    """A result's stream timing (its stats' ``time_to_first_token_s``, from the request's
+    start, and ``max_token_gap_s``, the longest wait between two streamed tokens): seconds to
+    4 decimals, each only once measured."""
+    out = {}
+    if first_token_s is not None:
+        out["time_to_first_token_s"] = round(first_token_s, 4)
+    if max_gap_s is not None:
+        out["max_token_gap_s"] = round(max_gap_s, 4)
+    return out
+
+
+class TokenClock:
+    """Times a stream: wraps a token callback (``None``: times only) and records the
+    seconds from ``start`` to the first token and the longest gap between two calls that
+    carried tokens."""
+
+    def __init__(self, callback: Callable[[list[int]], None] | None, start: float) -> None:
+        self.callback, self.start = callback, start
+        self.first_s: float | None = None
+        self.max_gap_s: float | None = None
+        self._last: float | None = None
+
+    def __call__(self, ids: list[int]) -> None:
+        if ids:
+            now = time.perf_counter()
+            if self._last is None:
+                self.first_s = now - self.start
+            else:
+                self.max_gap_s = max(self.max_gap_s or 0.0, now - self._last)
+            self._last = now
+        if self.callback is not None:
+            self.callback(ids)
 
 
 class TextStreamer:
@@ -215,13 +261,16 @@ class Engine:
             )
         try:
             t0 = time.perf_counter()
-            out = run_program(self.program(job, streamer, reservation))
+            clock = TokenClock(streamer, t0)
+            out = run_program(self.program(job, clock, reservation))
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()  # inside the timed region
             seconds = time.perf_counter() - t0
         finally:
             reservation.release()
-        return self.finish(job, out, seconds)
+        result = self.finish(job, out, seconds)
+        result.first_token_s, result.max_gap_s = clock.first_s, clock.max_gap_s
+        return result
 
     # ------------------------------------------------------------------ pools
     def models(self) -> dict[str, Any]:
