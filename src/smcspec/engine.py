@@ -79,6 +79,7 @@ class GenerationResult:
     prompt_logprobs: TokenLogprobs | None = None
     first_token_s: float | None = None  # seconds to the first streamed token
     max_gap_s: float | None = None  # the longest wait between two streamed tokens
+    max_burst: int | None = None  # Engine.generate: the most tokens streamed at once
 
     @property
     def stream_stats(self) -> dict[str, float]:
@@ -121,16 +122,20 @@ def stream_stats(first_token_s: float | None, max_gap_s: float | None) -> dict[s
 
 class TokenClock:
     """Times a stream: wraps a token callback (``None``: times only) and records the
-    seconds from ``start`` to the first token and the longest gap between two calls that
-    carried tokens."""
+    seconds from ``start`` to the first token, the longest gap between two calls that
+    carried tokens, and the most tokens one call carried (``max_burst``: tokens held back,
+    then released at once; a count, unlike the gap, that another process's load does not
+    change)."""
 
     def __init__(self, callback: Callable[[list[int]], None] | None, start: float) -> None:
         self.callback, self.start = callback, start
         self.first_s: float | None = None
         self.max_gap_s: float | None = None
+        self.max_burst = 0
         self._last: float | None = None
 
     def __call__(self, ids: list[int]) -> None:
+        self.max_burst = max(self.max_burst, len(ids))
         if ids:
             now = time.perf_counter()
             if self._last is None:
@@ -270,6 +275,7 @@ class Engine:
             reservation.release()
         result = self.finish(job, out, seconds)
         result.first_token_s, result.max_gap_s = clock.first_s, clock.max_gap_s
+        result.max_burst = clock.max_burst
         return result
 
     # ------------------------------------------------------------------ pools

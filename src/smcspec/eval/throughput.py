@@ -61,8 +61,8 @@ def run_bench(
         :func:`smcspec.decoding.output.hit_token_cap`; ``None`` when the config ignores EOS,
         since then every request runs to the budget), ``seconds``, ``tokens_per_second``,
         ``ttft_seconds`` (``None`` if nothing was streamed), ``max_gap_seconds`` (the longest
-        wait between two streamed token batches; ``None`` with fewer than two) and the
-        decoder's ``stats``.
+        wait between two streamed token batches; ``None`` with fewer than two),
+        ``max_burst_tokens`` (the most tokens streamed at once) and the decoder's ``stats``.
     Raises:
         ConfigError, ContextLengthError: from :meth:`Engine.generate`.
     """
@@ -106,6 +106,7 @@ def run_bench(
                         "max_gap_seconds": (
                             round(r.max_gap_s, 4) if r.max_gap_s is not None else None
                         ),
+                        "max_burst_tokens": r.max_burst,
                         "stats": {k: v for k, v in r.stats.items() if k != "seed"},
                         "text": r.text,
                     }
