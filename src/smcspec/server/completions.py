@@ -132,7 +132,7 @@ def logprob_updates(body: CommonBody) -> dict[str, Any]:
             out["prompt_logprobs"] = bool(body.echo)
     else:
         count, name = body.top_logprobs, "top_logprobs"
-        if count is not None and not body.logprobs:
+        if count and not body.logprobs:  # 0 alternatives without logprobs: neutral
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.logprobs:
             out["logprobs"] = count or 0

@@ -156,16 +156,16 @@ class CompletionBody(CommonBody):
             return prompt
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
+        texts = isinstance(prompt[0], str)
         for i, p in enumerate(prompt):
-            ok = isinstance(p, str) or (
-                isinstance(p, list) and bool(p) and all(_is_token_id(t) for t in p)
+            tokens = isinstance(p, list) and bool(p) and all(_is_token_id(t) for t in p)
+            if isinstance(p, str) if texts else tokens:
+                continue
+            kind = "a string" if texts else "a non-empty list of token ids (integers)"
+            raise ValueError(
+                f"prompt[{i}] must be {kind}, as prompt[0] is: a list of prompts holds strings "
+                "only or token lists only"
             )
-            if not ok:
-                raise ValueError(
-                    f"prompt[{i}] must be a string or a non-empty list of token ids (integers); "
-                    "a prompt list holds strings or token lists, not both kinds of item mixed "
-                    "with token ids"
-                )
         return prompt
 
     def prompts(self) -> list[str | list[int]]:
