@@ -19,6 +19,11 @@ METHODS = ("smc", "sd", "ar")
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 ROUND_ENDS = ("block", "ess")  # GenerationConfig.round_end
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a token's log-probability reports (OpenAI's ``top_logprobs`` bound)."""
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+"""``GenerationConfig.logprobs_mode``: the sampling distribution, or the model's own
+(:mod:`smcspec.decoding.logprobs`)."""
 MAX_PARTICLES = 256
 DEFAULT_PARTICLES = 4
 """smc's N when a request gives none (the SMC-SD authors' default)."""
@@ -155,6 +160,22 @@ class GenerationConfig:
         return_particles: also return every particle with its normalised weight (smc).
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
         ignore_eos: never stop before ``max_new_tokens`` (for benchmarks, like vLLM's).
+        min_tokens: the stop tokens (EOS, end of turn, ``stop_token_ids``) cannot end the
+            answer before this many tokens (vLLM's ``min_tokens``): they are masked out at
+            the first ``min_tokens`` positions (a constraint: ar and sd sample the
+            locally-masked target, smc the target conditioned on it; not with another
+            constraint nor n-gram drafts). 0: off; moot with ``ignore_eos``.
+        logprobs: report each generated token's log-probability and this many most likely
+            alternatives (0 to 20; :mod:`smcspec.decoding.logprobs` says under which
+            distribution). None (the default): not computed, at no cost. Requests that ask
+            for them run their rounds step by step, never fused
+            (:func:`smcspec.decoding.fused.plain`).
+        prompt_logprobs: also report the prompt tokens' log-probabilities (the model's raw
+            ones, from the prefill; OpenAI's ``echo`` with ``logprobs``), with
+            ``logprobs or 0`` alternatives.
+        logprobs_mode: ``"processed_logprobs"`` (the distribution each token is sampled
+            from, after temperature, filters and mask) or ``"raw_logprobs"`` (the model's
+            ``log_softmax`` at temperature 1), as vLLM's ``logprobs_mode`` names them.
         top_k: keep the k most likely tokens (ties with the k-th kept); 0 or -1: off.
         top_p: nucleus mass in (0, 1]; keep the smallest set of most likely tokens whose
             mass reaches it (the top token always); 1: off.
@@ -240,6 +261,12 @@ class GenerationConfig:
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    logprobs_mode: str = field(
+        default="processed_logprobs", metadata={"server_choices": LOGPROBS_MODES}
+    )
     top_k: int = option(0, 5, help="keep the k most likely tokens (0 or -1: off)")
     top_p: float = option(
         1.0, 6, help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)"
@@ -309,6 +336,11 @@ class GenerationConfig:
     def truncation(self) -> tuple[int, float, float]:
         """``(top_k, top_p, min_p)``: the target's filters (``docs/sampling.md``)."""
         return (self.top_k, self.top_p, self.min_p)
+
+    @property
+    def applies_min_tokens(self) -> bool:
+        """``min_tokens`` masks stop tokens (set, and EOS not ignored)."""
+        return self.min_tokens > 0 and not self.ignore_eos
 
     @property
     def has_potential(self) -> bool:
@@ -410,6 +442,24 @@ class GenerationConfig:
         p_min = self.draft_p_min
         if p_min is not None and not (math.isfinite(p_min) and 0 <= p_min <= 1):
             raise ConfigError(f"draft_p_min must be in [0, 1] (0 is off), got {p_min}")
+        self._check_output_ranges()
+
+    def _check_output_ranges(self) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise ConfigError(
+                f"logprobs (alternatives per token) must be an integer in [0, "
+                f"{MAX_TOP_LOGPROBS}] or None (off), got {lp!r}"
+            )
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ConfigError(
+                f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}"
+            )
 
     def _check_choices(self) -> None:
         for f in fields(self):  # every field declared with its choices (option or server)
@@ -421,6 +471,11 @@ class GenerationConfig:
                 raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
         if self.draft_kind.from_text and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
+        if self.draft == "ngram" and self.applies_min_tokens:
+            raise ConfigError(
+                "the n-gram draft does not support min_tokens (a mask on the stop tokens); "
+                "use ar or sd with the draft model"
+            )
 
     def _check_potentials(self) -> None:
         if self.constraint is not None and not isinstance(
@@ -434,6 +489,11 @@ class GenerationConfig:
             raise ConfigError(
                 "ignore_eos cannot be combined with a constraint: the constraint decides where "
                 "the output ends (its stop token is allowed only once the output is complete)"
+            )
+        if self.constraint is not None and self.applies_min_tokens:
+            raise ConfigError(
+                "min_tokens cannot be combined with a constraint: the constraint decides where "
+                "the output ends"
             )
         # which methods take a reward, a vote or n-gram drafts is the decoder table's to say
         # (smcspec.decoding.registry.decoder_for, run by Engine.prepare and the CLI)

@@ -287,6 +287,53 @@ class LLGuidanceState(ConstraintState):
         return bool(self.matcher.is_accepting())
 
 
+class MinTokens(TokenConstraint):
+    """The stop tokens may not end the output before ``n`` tokens (vLLM's ``min_tokens``):
+    the mask forbids ``stop_ids`` at the first ``n`` positions and allows every token after.
+
+    Args:
+        stop_ids: the tokens that would end the output (EOS, end of turn, the request's).
+        vocab_size: the mask's length.
+        n: the fewest tokens (>= 1).
+    """
+
+    def __init__(self, stop_ids: Sequence[int], vocab_size: int, n: int) -> None:
+        self.vocab_size, self.n = vocab_size, n
+        self._early = torch.ones(vocab_size, dtype=torch.bool)
+        self._early[[i for i in stop_ids if 0 <= i < vocab_size]] = False
+        self._late = torch.ones(vocab_size, dtype=torch.bool)
+
+    def start(self) -> ConstraintState:
+        return MinTokensState(self, 0)
+
+
+class MinTokensState(ConstraintState):
+    """How many tokens a :class:`MinTokens` output holds so far."""
+
+    def __init__(self, constraint: MinTokens, count: int) -> None:
+        self.constraint, self.count = constraint, count
+
+    def allowed(self) -> torch.Tensor:
+        c = self.constraint
+        return (c._early if self.count < c.n else c._late).clone()
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        early = self.constraint._early
+        for t in tokens:
+            if self.count < self.constraint.n and not bool(early[t]):
+                raise DeadEndError(f"a stop token ({t}) before min_tokens={self.constraint.n}")
+            self.count += 1
+
+    def rollback(self, n: int) -> None:
+        self.count -= min(n, self.count)
+
+    def copy(self) -> ConstraintState:
+        return MinTokensState(self.constraint, self.count)
+
+    def is_accepting(self) -> bool:
+        return self.count >= self.constraint.n
+
+
 # ------------------------------------------------------------------------------ timing
 
 

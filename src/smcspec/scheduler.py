@@ -51,6 +51,7 @@ import torch
 from smcspec.backends.pool import Reservation
 from smcspec.decoding.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.job import Job
+from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.program import Forward, Prefill, Program, Round, execute_rounds
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ContextLengthError, SmcspecError
@@ -76,13 +77,23 @@ class Request:
 
     ``on_tokens`` is called (on the worker thread) with token ids as they become final;
     ``on_done`` exactly once, with the result or the exception that ended the request.
+    ``on_logprobs`` (requests with ``config.logprobs``) with each token's log-probabilities
+    just before ``on_tokens`` streams it, ``on_prompt_logprobs`` with the prompt's once it is
+    prefilled (``config.prompt_logprobs``). ``first_token_s``: seconds from submission to
+    the first streamed token; ``max_gap_s``: the longest wait between two streamed tokens
+    (what a client waits at most once the answer has started; SMC-SD streams only what every
+    particle holds); both also in the result (``GenerationResult.first_token_s``, ``max_gap_s``).
     """
 
     job: Job
     on_tokens: Callable[[list[int]], None] | None
     on_done: Callable[[GenerationResult | BaseException], None]
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None
+    on_prompt_logprobs: Callable[[TokenLogprobs], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token_s: float | None = None
+    max_gap_s: float | None = None
+    last_token_at: float | None = None
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     program: Program | None = None
@@ -305,14 +316,23 @@ class BatchScheduler:
         req.started = time.perf_counter()
 
         def on_tokens(ids: list[int], req: Request = req) -> None:
-            if req.first_token_s is None and ids:
-                req.first_token_s = time.perf_counter() - req.submitted
+            if ids:
+                now = time.perf_counter()
+                if req.first_token_s is None:
+                    req.first_token_s = now - req.submitted
+                else:
+                    gap = now - (req.last_token_at or now)
+                    req.max_gap_s = max(req.max_gap_s or 0.0, gap)
+                req.last_token_at = now
             req.tokens += len(ids)
             if req.on_tokens is not None:
                 req.on_tokens(ids)
 
         try:
-            req.program = self.engine.program(req.job, on_tokens, req.reservation)
+            callbacks = {"on_logprobs": req.on_logprobs,
+                         "on_prompt_logprobs": req.on_prompt_logprobs}  # fmt: skip
+            extra = {name: fn for name, fn in callbacks.items() if fn is not None}
+            req.program = self.engine.program(req.job, on_tokens, req.reservation, **extra)
         except Exception as exc:  # e.g. a generator that refuses the seed
             log.exception("request failed before its first step")
             self._finish(req, exc)
@@ -329,6 +349,7 @@ class BatchScheduler:
             seconds = time.perf_counter() - (req.started or req.submitted)
             try:
                 outcome = self.engine.finish(req.job, done.value, seconds)
+                outcome.first_token_s, outcome.max_gap_s = req.first_token_s, req.max_gap_s
             except Exception as exc:  # detokenization failed: this request fails alone
                 log.exception("request failed after decoding")
                 outcome = exc

@@ -72,9 +72,16 @@ class DecoderModel(Protocol):
         computes the distinct rows only (:mod:`smcspec.backends.shared_rows`)."""
 
     def prefill(
-        self, prompt: torch.Tensor, cache: KVCache, start: int = 0, end: int | None = None
+        self,
+        prompt: torch.Tensor,
+        cache: KVCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor | None:
         """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``.
+        With ``all_logits``, the logits ``[end - start, V]`` of every position of the chunk
+        (each chunk, the last included): what a prompt's log-probabilities need.
 
         With ``start``/``end``, only prompt positions ``start .. end - 1`` (a chunk: a long
         prompt run in pieces between other work, in order, each chunk starting where the

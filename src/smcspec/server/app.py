@@ -127,31 +127,36 @@ def create_app(
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    get = ["GET", "HEAD"]  # HEAD wherever GET is served (aiperf probes /metrics with it)
+
+    @app.api_route("/health", methods=get)
     async def health():
         if state.scheduler.alive:
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=get)
     async def prometheus_metrics():
         return PlainTextResponse(state.metrics.render(), media_type=state.metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=get)
     async def models():
         model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "smcspec"}
         return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        if isinstance(body.prompt, str) and not body.prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
-        return await create_completion(state, request, body, body.prompt, chat=False)
+        prompts = body.prompts()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and not p:
+                where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise ApiError(400, f"{where} must not be empty", param="prompt")
+        return await create_completion(state, request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         messages = [m.as_template_message() for m in body.messages]
-        return await create_completion(state, request, body, messages, chat=True)
+        return await create_completion(state, request, body, [messages], chat=True)
 
 
 def is_loopback(host: str) -> bool:

@@ -144,7 +144,12 @@ class LlamaCppModel:
 
     # ------------------------------------------------------------------ forwards
     def prefill(
-        self, prompt: torch.Tensor, cache: SequenceCache, start: int = 0, end: int | None = None
+        self,
+        prompt: torch.Tensor,
+        cache: SequenceCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor | None:
         """Decode ``prompt`` (int64 ``[P]``) once and share it with every row; or only its
         positions ``start .. end - 1``, a chunk of a prompt run in pieces, in order (each
@@ -152,7 +157,9 @@ class LlamaCppModel:
         chunk has run).
 
         Returns float32 ``[V]`` logits after the last prompt token (a copy, on
-        :attr:`device`); None after a chunk that does not end the prompt.
+        :attr:`device`); None after a chunk that does not end the prompt. With
+        ``all_logits``, every chunk's ``[end - start, V]``: llama.cpp computes the logits of
+        every position of the chunk (row ``i``: the next token after position ``start + i``).
 
         Raises:
             ValueError: a chunk out of range or out of order.
@@ -168,13 +175,18 @@ class LlamaCppModel:
         cache._check_open()
         first, last = cache.ids[0], end == n
         with self._lock:
-            rows = [(t, start + i, (first,), last and start + i == n - 1)
+            rows = [(t, start + i, (first,), all_logits or (last and start + i == n - 1))
                     for i, t in enumerate(tokens)]  # fmt: skip
             logits = self._run(rows)
             cache.prefilled = end
-            if not last:
+            if all_logits:
+                logits = logits.clone()  # llama.cpp's buffer: the next forward reuses it
+            elif not last:
                 return None
-            logits = logits[0].clone() if self.device.type == "cpu" else logits[0]
+            else:
+                logits = logits[0].clone() if self.device.type == "cpu" else logits[0]
+            if not last:
+                return logits
             for s in cache.ids[1:]:
                 self._lib.llama_memory_seq_cp(self._memory, first, s, -1, -1)
         cache.prompt_len = n

@@ -619,7 +619,12 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(
-        self, prompt: torch.Tensor, cache: ParticleKVCache, start: int = 0, end: int | None = None
+        self,
+        prompt: torch.Tensor,
+        cache: ParticleKVCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor | None:
         """Run the prompt and store its KV once in ``cache`` as the shared prefix (a static
         cache where rounds run fused: as a round of its own, a CUDA graph per padded prompt
@@ -632,9 +637,12 @@ class Transformer(nn.Module):
                 later one where the one before ended (on a static cache such a prompt's
                 chunks run eagerly, not as a captured round). The logits equal the whole
                 prompt's up to float rounding (the same arithmetic in other groupings).
+            all_logits: return the logits of every position of the chunk (eagerly, never as
+                a captured round): what a prompt's log-probabilities need.
         Returns:
             float32 logits ``[V]`` of the next token after the prompt; None after a chunk
-            that does not end the prompt.
+            that does not end the prompt; with ``all_logits`` ``[end - start, V]`` for
+            every chunk (row ``i``: the next token after position ``start + i``).
         Raises:
             ValueError: a chunk out of range or out of order.
             ContextLengthError: a static cache too small for the prompt.
@@ -648,13 +656,15 @@ class Transformer(nn.Module):
         if start == 0:
             cache.begin_prefill(p)
         flat = prompt.reshape(-1)
-        if end - start == p and isinstance(cache, StaticKVCache) and self.round_mode != "steps":
+        whole = end - start == p and not all_logits
+        if whole and isinstance(cache, StaticKVCache) and self.round_mode != "steps":
             logits = self._prefill_captured(flat, cache)
         else:
-            seg = Segment(cache, 1, end - start, None, 0, last_only=True, prefill_at=start)
-            logits = self._run([seg], [flat[start:end]])[0][0, -1]
+            seg = Segment(cache, 1, end - start, None, 0, not all_logits, prefill_at=start)
+            logits = self._run([seg], [flat[start:end]])[0][0]
+            logits = logits if all_logits else logits[-1]
         cache.prefilled = end
-        return logits if end == p else None
+        return logits if end == p or all_logits else None
 
     def _prefill_captured(self, prompt: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The prefill of a static cache as a round (a CUDA graph per padded prompt length,
