@@ -102,27 +102,36 @@ def test_the_smc_runs_compared_resample_and_bank(pair):
     assert out.stats.resamples >= 1 and out.stats.banked >= 1
 
 
-def _host_reads(pair, cfg: GenerationConfig) -> tuple[int, int]:
-    """(host reads, rounds) of one SMC-SD request with fused rounds: every read is between
-    rounds (inside one, the rounds' own guard would raise)."""
+def _host_reads(pair, cfg: GenerationConfig) -> tuple[Counter, int]:
+    """(host reads by operation, rounds) of one SMC-SD request with fused rounds: every read
+    is between rounds (inside one, the rounds' own guard would raise)."""
     with HostReadGuard(strict=False) as guard:
         out = _run(decode_smc, pair, "eager", cfg)
-    return len(guard.reads), out.stats.rounds
+    return Counter(guard.reads), out.stats.rounds
 
 
 def test_smc_host_reads_a_few_values_a_round(pair):
     """On a GPU each host read between rounds waits for the device and copies back. In the
     middle of a request (the difference of a 4- and an 8-round request of one seed: the first
-    and last rounds' work cancels) a round's host work reads 6 times, here with a resampling
-    every round: the round's ``ok`` flag, the loop's end test, the ESS, the groups' flags,
-    the streamed prefix with its tokens, the resampling's log mean weight. (Measured 17.5
-    before the weights' normalisation, the groups' flags, the streamed prefix and the caches'
-    reorders were made to read less.)"""
+    and last rounds' work cancels) a round's host work reads exactly 6 times, here with a
+    resampling every round: the round's ``ok`` flag, the loop's end test, the ESS, the groups'
+    flags, the streamed prefix with its tokens, the resampling's log mean weight (3
+    ``tolist``, 2 ``__bool__``, 1 ``__float__``). The whole 4-round request reads 81 times
+    (57 outside its rounds' host work, among them 2 boolean indexings and 1 write through a
+    boolean mask), the 8-round one 105; deterministic for a seed, so the counts are exact.
+    (Measured 17.5 a round before the weights' normalisation, the groups' flags, the streamed
+    prefix and the caches' reorders were made to read less.)
+
+    Broken variants it catches (run by hand; the old bound, ``<= 6`` a round, passed both):
+    the guard not counting ``tolist`` (3 a round); the guard not counting writes through a
+    boolean mask (80 reads)."""
     cfg = replace(SMC, ignore_eos=True, draft_tokens=3, ess_threshold=1.0)
     short, r1 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 4 * 4))
     long, r2 = _host_reads(pair, replace(cfg, max_new_tokens=1 + 8 * 4))
     assert (r1, r2) == (4, 8)
-    assert (long - short) / 4 <= 6
+    assert long - short == Counter({"tolist": 4 * 3, "__bool__": 4 * 2, "__float__": 4 * 1})
+    assert (short.total(), long.total()) == (81, 105)
+    assert (short["__getitem__"], short["__setitem__"]) == (2, 1)
 
 
 @pytest.mark.parametrize("decode", [decode_sd, decode_smc], ids=["sd", "smc"])
@@ -252,6 +261,77 @@ def test_the_host_read_guard_catches_a_round_that_reads_a_value():
     ):
         with pytest.raises(HostReadError):
             run_round("eager", {}, ("k",), read, x, object())
+
+
+def test_the_host_read_guard_catches_writes_through_a_boolean_mask():
+    """``x[mask] = v`` is an ``index_put`` with a boolean index, which counts the mask's
+    True entries on the host (a ``nonzero`` in disguise, as a read through a mask is): the
+    guard raises at it, and with ``strict=False`` counts it and lets it run. An integer
+    index and ``masked_fill_`` read nothing back and are not counted.
+
+    Broken variant it catches: the guard checking boolean indices in ``__getitem__`` only
+    (reads through a mask caught, writes not: no raise, 1 read counted instead of 3)."""
+    x = {"a": torch.tensor([1.0, 2.0, 3.0])}
+
+    def write(t):
+        y = t["a"].clone()
+        y[t["a"] > 1] = 0.0
+        return {"b": y}
+
+    with pytest.raises(HostReadError):
+        run_round("eager", {}, ("k",), write, x, object())
+    y = torch.zeros(2, 3)
+    mask = torch.tensor([True, False, True])
+    with HostReadGuard(strict=False) as guard:
+        y[0, mask] = 1.0  # a tuple index holding a mask
+        y[1][mask] = 2.0
+        y[:, torch.tensor([1])] = 3.0  # an integer index: no read
+        y.masked_fill_(torch.tensor([[False, False, False], [True, False, False]]), 4.0)
+        picked = y[0][mask]
+    assert guard.reads == ["__setitem__", "__setitem__", "__getitem__"]
+    assert torch.equal(y, torch.tensor([[1.0, 3.0, 1.0], [4.0, 3.0, 2.0]]))
+    assert torch.equal(picked, torch.tensor([1.0, 1.0]))
+
+
+def test_the_host_read_guard_catches_data_dependent_aten_operations():
+    """Whatever Python spelling reaches them, the aten operations whose output shape or
+    work depends on device values are host reads: ``index_put_`` / ``index_put`` with a
+    mask (what ``x[mask] = v`` becomes), ``torch.where(mask)`` (a ``nonzero``),
+    ``torch.equal`` (a value handed to Python), a ``repeat_interleave`` by a tensor without
+    ``output_size`` and ``unique`` raise inside a round and are counted once each by name
+    outside; an integer ``index_put_``, ``nonzero_static``, ``repeat_interleave`` with
+    ``output_size``, ``masked_fill`` and ``index_select`` are not reads. Each read is
+    counted once: ``x[mask]`` is ``__getitem__`` alone, not also the ``index`` inside it.
+
+    Broken variant it catches: the guard of cb48c1a, a list of Python method names
+    (``index_put_``, ``index_put``, ``where`` and ``equal`` not caught: 4 rounds run
+    without a raise, 4 reads missing from the count)."""
+    mask = torch.tensor([True, False, True])
+    x = {"a": torch.tensor([1.0, 2.0, 3.0]), "m": mask}
+    reads = {
+        "index_put_": lambda t: {"b": t["a"].clone().index_put_((t["m"],), t["a"][:1])},
+        "index_put": lambda t: {"b": t["a"].index_put((t["m"],), t["a"][:1], accumulate=True)},
+        "nonzero": lambda t: {"b": torch.where(t["m"])[0]},
+        "equal": lambda t: {"b": t["a"] * torch.equal(t["a"], t["a"])},
+        "repeat_interleave": lambda t: {"b": t["a"].repeat_interleave(t["m"].long())},
+        "_unique2": lambda t: {"b": torch.unique(t["a"])},
+    }
+    for name, read in reads.items():
+        with pytest.raises(HostReadError, match=name):
+            run_round("eager", {}, ("k",), read, x, object())
+    fine = [
+        lambda t: {"b": t["a"].clone().index_put_((torch.tensor([0, 2]),), t["a"][:1])},
+        lambda t: {"b": torch.nonzero_static(t["m"], size=3)},
+        lambda t: {"b": t["a"].repeat_interleave(t["m"].long(), output_size=2)},
+        lambda t: {"b": t["a"].masked_fill(t["m"], 0.0)},
+        lambda t: {"b": t["a"].index_select(0, torch.tensor([2, 0]))},
+    ]
+    for ok in fine:
+        run_round("eager", {}, ("k",), ok, x, object())
+    with HostReadGuard(strict=False) as guard:
+        for read in (*reads.values(), *fine, lambda t: {"b": t["a"][t["m"]]}):
+            read(x)
+    assert guard.reads == [*reads, "__getitem__"]
 
 
 def test_which_requests_run_fused(pair):

@@ -170,7 +170,7 @@ def test_a_request_takes_the_same_slot_in_both_banks(engine, monkeypatch):
     prompts = ["ab cd", "ef", "ab ab ab cd ef gh", "cd", "gh gh"]
     base = GenerationConfig(max_new_tokens=10, draft_tokens=3, ignore_eos=True)
     cfgs = [replace(base, method="ar", seed=i) for i in range(2)]
-    cfgs += [replace(base, method="sd", seed=i) for i in (2, 3, 4)]
+    cfgs += [replace(base, method="sd", particles=1, seed=i) for i in (2, 3, 4)]
     keys: list[tuple] = []
     run_joined = type(target).run_joined
 
@@ -193,3 +193,66 @@ def test_a_request_takes_the_same_slot_in_both_banks(engine, monkeypatch):
         target.rounds = draft.rounds = "auto"
     assert [o.token_ids for o in together] == alone
     assert ("ar", (0, 1)) in keys and ("sd", (2, 3, 4)) in keys
+
+
+LONG_PROMPT = [3 + (7 * i) % 90 for i in range(80)]  # 80 tokens: prompt window 128
+
+
+@pytest.mark.parametrize(
+    ("method", "order"), [("ar", "admitted"), ("ar", "reversed"), ("sd", "reversed")]
+)
+def test_a_request_past_the_first_window_joins_short_ones(engine, method, order, monkeypatch):
+    """A request past the first 64-position windows, both of them (an 80-token prompt:
+    prompt window 128; 80 generated tokens: suffix window 128 from its 64th), joined with
+    short ones (prompt window 64; the second admitted when the first ends, 30 tokens later,
+    so that it is inside the 64-position suffix window while the long one is past it): each
+    draws the tokens it draws alone. A joined call must attend over its members' largest
+    windows; with a smaller one the long request's newest keys are cut. The members come in
+    the order they were admitted (the long one first) or reversed (a short one first; sd only
+    so, to keep the test cheap: its draft bank's windows are checked too). The test also
+    checks that joined calls with different windows happened (the smaller first, reversed).
+
+    Broken variants it catches (each run by hand; the other tests here pass the smallest):
+    ``run_joined`` taking the first member's suffix window (``span =
+    joins[0].suffix_window``) or prompt windows: ar and sd reversed fail; taking the smallest
+    of either: all three fail."""
+    import smcspec.scheduler as scheduler_module
+
+    target, draft = engine.target.model, engine.draft.model
+    long = GenerationConfig(method=method, max_new_tokens=80, draft_tokens=3, seed=1,
+                            ignore_eos=True, temperature=0.9, top_k=20)  # fmt: skip
+    prompts = [LONG_PROMPT, [5, 6], [8, 9, 10]]
+    cfgs = [long, replace(long, max_new_tokens=30, seed=2)]
+    cfgs.append(replace(long, max_new_tokens=50, seed=3))
+    windows: list[list[tuple[int, int]]] = []  # per joined call: (suffix, prompt) windows
+    run_joined = type(target).run_joined
+
+    def counted(model, rounds):
+        windows.append([(j.suffix_window, j.caches[0].prompt_window) for j, _ in rounds])
+        return run_joined(model, rounds)
+
+    monkeypatch.setattr(type(target), "run_joined", counted)
+    if order == "reversed":
+        execute_rounds = scheduler_module.execute_rounds
+        monkeypatch.setattr(
+            scheduler_module, "execute_rounds", lambda rounds: execute_rounds(rounds[::-1])[::-1]
+        )
+    target.release_static()  # the long request's bank (capacity 128, prompt 128) made first:
+    draft.release_static()  # the short ones take its free slots (they fit)
+    target.rounds = draft.rounds = "eager"
+    try:
+        alone = [engine.generate(p, c).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+        windows.clear()
+        jobs = [engine.prepare(p, c) for p, c in zip(prompts, cfgs, strict=True)]
+        together = run_concurrently(engine, jobs, max_running=2)
+    finally:
+        target.rounds = draft.rounds = "auto"
+    assert [o.token_ids for o in together] == alone
+    assert [len(t) for t in alone] == [80, 30, 50]
+    # what the test is about happened: joined calls whose members' windows differ, the
+    # smaller first when reversed
+    first_smaller = [(w[0][0] < max(w)[0], w[0][1] < max(p for _, p in w)) for w in windows]
+    assert any(s for s, _ in first_smaller) == (order == "reversed")
+    assert any(p for _, p in first_smaller) == (order == "reversed")
+    assert any(len({s for s, _ in w}) > 1 for w in windows)
+    assert any(len({p for _, p in w}) > 1 for w in windows)

@@ -96,6 +96,27 @@ def test_the_index_proposes_the_longest_recent_match():
         NgramIndex(n_max=2, n_min=3)
 
 
+def test_the_index_proposes_the_most_recent_occurrence():
+    """An n-gram that recurred with different continuations proposes what followed it last
+    (the text copies its most recent context), for every n-gram length matched.
+
+    Broken variant it catches: an index that keeps each n-gram's first occurrence
+    (``setdefault`` in ``extend``: proposes [4, 1] then [4], [9] and [4])."""
+    index = NgramIndex(n_max=3)
+    index.extend([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
+    assert index.propose(2) == [5, 1]  # "1 2 3" continued with 4, then with 5
+    bigram = NgramIndex(n_max=2)
+    bigram.extend([7, 8, 4, 7, 8, 6, 0, 7, 8])
+    assert bigram.propose(1) == [6]
+    unigram = NgramIndex(n_max=1)
+    unigram.extend([2, 9, 2, 5, 2])
+    assert unigram.propose(1) == [5]
+    later = NgramIndex(n_max=3)  # the occurrence registered last wins as tokens arrive
+    for t in [6, 6, 4, 6, 6, 0, 6, 6]:
+        later.extend([t])
+    assert later.propose(1) == [0]
+
+
 @pytest.mark.parametrize(
     "kw",
     # adaptive: 5 tokens, so that a round after a rejection drafts 1 where fixed drafts 2

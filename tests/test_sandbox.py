@@ -10,12 +10,20 @@ the sandbox module and calls :func:`run_python` as that uid, so bubblewrap runs 
 for a non-root engine (in a user namespace). No user is created. Each attack plants a marker
 outside the sandbox first (a file, a secret, a listening socket, a process) and checks
 afterwards that it is untouched; none depends on where the user's home lies (issue 63).
+Issue 71's holes run the same way: writable kernel settings in /proc, output files the
+program could replace by links or FIFOs, and places to write without a total bound.
+
+The whole file also passes run as a user other than root (then the nonroot runs skip: the
+caller is that user), e.g. ``setpriv --reuid=65534 --regid=65534 --clear-groups PYTHON -m
+pytest -p no:cacheprovider tests/test_sandbox.py`` with an interpreter that user can run
+and bubblewrap can show (not one under root's home).
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import glob
 import json
 import os
 import platform
@@ -26,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -48,6 +57,9 @@ ISSUE_DENIED = (
     "keyctl", "add_key", "init_module", "finit_module", "kexec_load", "reboot",
     "perf_event_open", "userfaultfd", "open_by_handle_at",
 )  # fmt: skip
+
+# Issue 71: memory no limit counts (files on no mount, SysV segments and queues).
+MEMORY_DENIED = ("memfd_create", "shmget", "msgget")
 
 
 def _out(run) -> str:
@@ -83,7 +95,9 @@ from smcspec import sandbox
 if req["program"] is None:
     print(json.dumps({"works": sandbox.bwrap_works()}))
     raise SystemExit
-run = sandbox.run_python(req["program"], sandbox.Limits(**req["limits"]), "bwrap")
+run = sandbox.run_python(
+    req["program"], sandbox.Limits(**req["limits"]), "bwrap", req["workdir_parent"]
+)
 out = {k: getattr(run, k) for k in ("returncode", "timed_out", "seconds", "stderr", "sandbox")}
 out["stdout"] = base64.b64encode(run.stdout).decode()
 print(json.dumps(out))
@@ -93,15 +107,18 @@ print(json.dumps(out))
 @dataclass
 class Side:
     """Who runs the sandbox: ``name`` ("root", "user" or "nonroot"), its uid, the home
-    directory planted markers go into (outside the sandbox), and ``run(program, limits)``."""
+    directory planted markers go into (outside the sandbox), ``run(program, limits)``, and
+    ``workdir``, the folder its runs make their temporary directories in (empty between
+    runs)."""
 
     name: str
     uid: int
     home: Path
     run: Callable[[str, Limits], ChildRun]
+    workdir: Path
 
 
-def _driver_request(program: str | None, limits: Limits) -> str:
+def _driver_request(program: str | None, limits: Limits, workdir: Path | None) -> str:
     import pyseccomp
 
     return json.dumps(
@@ -110,17 +127,21 @@ def _driver_request(program: str | None, limits: Limits) -> str:
             "pyseccomp": str(Path(pyseccomp.__file__).parent),
             "program": program,
             "limits": asdict(limits),
+            "workdir_parent": None if workdir is None else str(workdir),
         }
     )
 
 
-def _as_nobody(python: str, home: Path, program: str | None, limits: Limits) -> dict:
-    """Run the driver as uid/gid 65534 (no supplementary groups); its JSON answer."""
+def _as_nobody(
+    python: str, home: Path, program: str | None, limits: Limits, workdir: Path | None = None
+) -> dict:
+    """Run the driver as uid/gid 65534 (no supplementary groups), its runs' temporary
+    directories in ``workdir`` (default: the system's); its JSON answer."""
     argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
     env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
     proc = subprocess.run(
         [*argv, python, "-I", "-c", _DRIVER],
-        input=_driver_request(program, limits),
+        input=_driver_request(program, limits, workdir),
         capture_output=True,
         text=True,
         env=env,
@@ -176,27 +197,38 @@ def nobody_python(nobody_home: Path) -> str:
 
 
 @pytest.fixture(params=["caller", "nonroot"])
-def side(request, tmp_path: Path) -> Side:
-    """Each attack test runs once as the caller (root in CI) and once as uid 65534."""
+def side(request, tmp_path: Path) -> Iterator[Side]:
+    """Each attack test runs once as the caller (root in CI) and once as uid 65534; the
+    runs' temporary directories go into a folder of /tmp (inside the sandbox, under its
+    private /tmp) that is empty between runs."""
     if request.param == "caller":
         if not sandbox.bwrap_works():
             pytest.skip("bubblewrap cannot run here")
 
+        workdir = tmp_path / "runs"
+        workdir.mkdir()
+
         def run(program: str, limits: Limits) -> ChildRun:
-            return run_python(program, limits, "bwrap", workdir_parent=tmp_path)
+            return run_python(program, limits, "bwrap", workdir_parent=workdir)
 
         name = "root" if os.geteuid() == 0 else "user"
         home = Path.home()
         if not (home.is_dir() and os.access(home, os.W_OK)):  # no home to plant in
             home = tmp_path
-        return Side(name, os.geteuid(), home, run)
+        yield Side(name, os.geteuid(), home, run, workdir)
+        return
     home = request.getfixturevalue("nobody_home")
     python = request.getfixturevalue("nobody_python")
+    nobody_workdir = Path(tempfile.mkdtemp(prefix="smcspec-nobody-runs-", dir="/tmp"))
+    os.chown(nobody_workdir, NOBODY, NOBODY)
 
     def run_nobody(program: str, limits: Limits) -> ChildRun:
-        return _from_json(_as_nobody(python, home, program, limits))
+        return _from_json(_as_nobody(python, home, program, limits, nobody_workdir))
 
-    return Side("nonroot", NOBODY, home, run_nobody)
+    try:
+        yield Side("nonroot", NOBODY, home, run_nobody, nobody_workdir)
+    finally:
+        shutil.rmtree(nobody_workdir, ignore_errors=True)
 
 
 @dataclass
@@ -292,7 +324,8 @@ def test_remount_and_write_to_root_are_refused(side: Side, plant: Planter) -> No
     assert run.returncode == 0, run
     assert res["remount_bind"] == res["remount_rw"] == f"errno {errno.EPERM}", res
     assert res["overwrite"].startswith("errno") and res["create"].startswith("errno"), res
-    assert not new.exists()
+    if os.access("/root", os.X_OK):  # a user other than root may not even look
+        assert not new.exists()
     if os.geteuid() == 0:
         assert marker.read_text() == "original"
 
@@ -494,6 +527,311 @@ def test_infinite_output_is_capped(side: Side) -> None:
     _engine_alive(side)
 
 
+# --- issue 71: kernel settings, the caller's reads, the total of what the program writes ---
+
+
+def _returns_within(seconds: float, call: Callable[[], ChildRun]) -> ChildRun:
+    """``call()``'s result; fails the test if it has not returned after ``seconds`` (a caller
+    blocked for good stays behind in a daemon thread)."""
+    box: list = []
+
+    def target() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # handed to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"run_python had not returned after {seconds} s"
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _proc_write_targets() -> list[str]:
+    """Kernel settings of /proc that exist here and that root may open for writing outside
+    a sandbox (for /proc/sys the kernel checks the uid, not a capability): the test opens
+    them for writing and never writes."""
+    paths = [
+        "/proc/sys/kernel/core_pattern",
+        "/proc/sys/kernel/modprobe",
+        "/proc/sys/kernel/randomize_va_space",
+        "/proc/sys/vm/drop_caches",
+        "/proc/sysrq-trigger",
+        "/proc/irq/default_smp_affinity",
+        *sorted(glob.glob("/proc/bus/pci/*/*"))[:1],
+    ]
+    return [p for p in paths if os.path.isfile(p)]
+
+
+def _mount_of(path: str, mounts: list[list[str]]) -> list[str]:
+    """The (mount point, options) of /proc/self/mountinfo's last mount that holds ``path``."""
+    holding = [m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")]
+    return max(holding, key=lambda m: len(m[0]))  # the innermost; later ones cover earlier
+
+
+def test_kernel_settings_are_read_only_and_masked_entries_hidden(side: Side) -> None:
+    """Issue 71: /proc/sys/vm/swappiness written back with its own value, and the kernel
+    settings of :func:`_proc_write_targets` (core_pattern, ...) opened for writing: each
+    refused (as root by the read-only mount: EROFS); every entry of Docker's
+    ``ReadonlyPaths`` that exists is on a read-only mount; every entry of its
+    ``MaskedPaths`` reads as nothing (an empty folder, an empty or unopenable file); the
+    settings still read.
+
+    Broken variants: cb48c1a (no cover: as root swappiness is written and core_pattern
+    opened); ``_proc_cover`` without the read-only binds (the same); without the masks
+    (/proc/interrupts and /proc/timer_list read back)."""
+    targets = _proc_write_targets()
+    prog = _ATTEMPT + (
+        "import json\n"
+        "def write_back(path):\n"
+        "    with open(path, 'r+') as fh:\n"
+        "        value = fh.read()\n"
+        "        fh.seek(0)\n"
+        "        fh.write(value)\n"
+        "attempt('write_back', lambda: write_back('/proc/sys/vm/swappiness'))\n"
+        f"for i, path in enumerate({targets!r}):\n"
+        "    attempt(f'open{i}', lambda: os.close(os.open(path, os.O_WRONLY)))\n"
+        "masked = {}\n"
+        f"for name in {list(sandbox._PROC_MASKED)!r}:\n"
+        "    path = '/proc/' + name\n"
+        "    if os.path.isdir(path):\n"
+        "        masked[name] = os.listdir(path)\n"
+        "    elif os.path.exists(path):\n"
+        "        try:\n"
+        "            masked[name] = len(open(path, 'rb').read())\n"
+        "        except OSError as e:\n"
+        "            masked[name] = e.errno\n"
+        "print('masked', json.dumps(masked))\n"
+        "mounts = [line.split()[4:6] for line in open('/proc/self/mountinfo')]\n"
+        "print('mounts', json.dumps(mounts))\n"
+        "print('swappiness', open('/proc/sys/vm/swappiness').read().strip())\n"
+    )
+    run = side.run(prog, Limits())
+    res = _results(run)
+    assert run.returncode == 0, run
+    writes = {k: v for k, v in res.items() if k == "write_back" or k.startswith("open")}
+    assert len(writes) == 1 + len(targets), res
+    refused = {f"errno {errno.EROFS}"} if side.name == "root" else None
+    for name, outcome in writes.items():
+        assert outcome.startswith("errno") and (refused is None or outcome in refused), (
+            name,
+            outcome,
+            targets,
+        )
+    mounts = json.loads(res["mounts"])
+    for name in sandbox._PROC_READONLY:
+        if os.path.exists(f"/proc/{name}"):
+            point, options = _mount_of(f"/proc/{name}", mounts)
+            assert "ro" in options.split(","), (name, point, options)
+    masked = json.loads(res["masked"])
+    present = [n for n in sandbox._PROC_MASKED if os.path.exists(f"/proc/{n}")]
+    assert sorted(masked) == sorted(present), masked
+    assert all(v in ([], 0, errno.EACCES) for v in masked.values()), masked
+    assert res["swappiness"] == Path("/proc/sys/vm/swappiness").read_text().strip()
+    assert "moby" in sandbox._PROC_PATHS_SOURCE  # Docker's lists, named
+
+
+_TRAPS = {
+    "link-to-a-secret": "os.symlink(secret_path, name)",
+    "link-to-a-file-outside": "os.symlink(outside_path, name)",
+    "fifo": "os.mkfifo(name)",
+}
+
+
+@pytest.mark.parametrize("trap", list(_TRAPS))
+def test_names_in_the_run_directory_do_not_steer_the_caller(
+    side: Side, plant: Planter, trap: str
+) -> None:
+    """Issue 71: the program puts a link to a secret outside (in $HOME), a link to a file
+    outside (the checkout's README) or a FIFO where cb48c1a kept its stdout and stderr
+    files: the run returns within its limits, with the program's output (through the
+    descriptors) and nothing of the host's; the marker is untouched and no temporary
+    directory is left.
+
+    Broken variant: cb48c1a (reads the names afterwards: the secret and the README come
+    back, a FIFO blocks the caller for good and leaves its directory)."""
+    secret = secrets.token_hex(16)
+    secret_path = plant(side.home / _marker_name(), secret)
+    outside = CHECKOUT / "README.md"
+    readme_line = max(outside.read_text().splitlines(), key=len)
+    prog = (
+        "import os, sys\n"
+        f"secret_path, outside_path = {str(secret_path)!r}, {str(outside)!r}\n"
+        "print('before', flush=True)\n"
+        "print('before-err', file=sys.stderr, flush=True)\n"
+        "for name in ('stdout', 'stderr'):\n"
+        "    try:\n"
+        "        os.remove(name)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        f"    {_TRAPS[trap]}\n"
+        "print('after', flush=True)\n"
+    )
+    run = _returns_within(60, lambda: side.run(prog, Limits(timeout_s=5)))
+    text = run.stdout.decode("utf-8", "replace") + run.stderr
+    assert secret not in text and readme_line not in text, run
+    assert run.returncode == 0 and _out(run).split() == ["before", "after"], run
+    assert run.stderr.split() == ["before-err"], run
+    assert secret_path.read_text() == secret
+    assert list(side.workdir.iterdir()) == []
+
+
+def test_rlimit_leftovers_neither_block_nor_stay(tmp_path: Path) -> None:
+    """Under rlimit (the program in the host directory itself): FIFOs at the old output
+    names, a link to a folder outside, a folder with a file and no permissions, its own
+    directory made read-only: the run returns, its output intact, the directory is gone
+    (also as a user other than root, whose removal the modes stop), the folder outside and
+    its file untouched (mode included: the cleanup follows no link).
+
+    Broken variants: cb48c1a (blocks on the FIFO); ``_remove_tree`` without its chmod pass
+    (as a user other than root the directory stays)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    outside.chmod(0o755)
+    work = tmp_path / "w"
+    work.mkdir()
+    prog = (
+        "import os\n"
+        "for name in ('stdout', 'stderr'):\n"
+        "    try:\n"
+        "        os.remove(name)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    os.mkfifo(name)\n"
+        f"os.symlink({str(outside)!r}, 'out')\n"
+        "os.mkdir('locked')\n"
+        "open('locked/f', 'w').write('x')\n"
+        "os.chmod('locked', 0)\n"
+        "os.chmod('.', 0o500)\n"
+        "print('done')\n"
+    )
+    run = _returns_within(60, lambda: run_python(prog, Limits(timeout_s=5), "rlimit", work))
+    assert (run.returncode, _out(run).strip()) == (0, "done"), run
+    assert list(work.iterdir()) == []
+    assert (outside / "keep.txt").read_text() == "keep"
+    assert (outside.stat().st_mode & 0o777) == 0o755
+
+
+def test_rlimit_a_directory_replaced_by_a_link_is_not_followed(tmp_path: Path) -> None:
+    """Under rlimit the program moves its own directory away and leaves a link to a folder
+    outside in its place: the cleanup removes the link only, the folder outside and the
+    folder inside it keep their modes.
+
+    Broken variant: ``_remove_tree`` that chmods and walks the path without ``lstat``-ing it
+    first (every folder below the link made 0700)."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    outside.chmod(0o755)
+    (outside / "sub").chmod(0o750)
+    work = tmp_path / "w"
+    work.mkdir()
+    prog = (
+        "import os\n"
+        "here = os.getcwd()\n"
+        "os.rename(here, here + '.moved')\n"
+        f"os.symlink({str(outside)!r}, here)\n"
+        "print('done')\n"
+    )
+    run = run_python(prog, Limits(timeout_s=5), "rlimit", work)
+    assert (run.returncode, _out(run).strip()) == (0, "done"), run
+    assert [p.name.endswith(".moved") for p in work.iterdir()] == [True]  # the link is gone
+    assert (outside.stat().st_mode & 0o777, (outside / "sub").stat().st_mode & 0o777) == (
+        0o755,
+        0o750,
+    )
+
+
+def test_what_the_program_writes_is_bounded_in_total(side: Side) -> None:
+    """Issue 71: files of 1 MiB (the file-size limit) written into each place the program
+    may write until it refuses: the working directory, /tmp and /dev/shm each stop at
+    ``tmpfs_bytes`` (4 MiB here) with ENOSPC, /dev and / refuse (EROFS), so what it wrote
+    is bounded in total (no host disk: the working directory is a tmpfs); at most 256
+    descriptors open.
+
+    Broken variants: cb48c1a (16 MiB into the host directory and into /dev/shm, files
+    created in /dev, 4096 descriptors); the working directory's or /dev/shm's ``--size``
+    dropped; ``--remount-ro /dev`` dropped."""
+    if not sandbox._bwrap_supports(shutil.which("bwrap") or "bwrap", "--size"):
+        pytest.skip("this bubblewrap cannot size a tmpfs (--size)")
+    lim = Limits(timeout_s=10, file_size_mb=1)
+    prog = _ATTEMPT + (
+        "import json\n"
+        "def fill(folder):\n"
+        "    written, err = 0, None\n"
+        "    for i in range(16):\n"  # 16 MiB: four times what each place holds
+        "        try:\n"
+        "            fd = os.open(os.path.join(folder, f'fill{i}'), os.O_WRONLY | os.O_CREAT)\n"
+        "        except OSError as e:\n"
+        "            return [written, e.errno]\n"
+        "        try:\n"
+        "            while True:\n"  # until the file (EFBIG) or the place (ENOSPC) is full
+        "                written += os.write(fd, b'x' * 65536)\n"
+        "        except OSError as e:\n"
+        "            err = e.errno\n"
+        "        finally:\n"
+        "            os.close(fd)\n"
+        "        if err != errno.EFBIG:\n"
+        "            break\n"
+        "    return [written, err]\n"
+        "places = {p: fill(p) for p in ['.', '/tmp', '/dev/shm', '/dev', '/']}\n"
+        "print('places', json.dumps(places))\n"
+        "fds = []\n"
+        "try:\n"
+        "    while len(fds) < 4096:\n"
+        "        fds.append(os.dup(0))\n"
+        "    print('descriptors', len(fds), 'none')\n"
+        "except OSError as e:\n"
+        "    print('descriptors', len(fds), e.errno)\n"
+    )
+    run = side.run(prog, lim)
+    res = _results(run)
+    assert run.returncode == 0, run
+    places = json.loads(res["places"])
+    for place in (".", "/tmp", "/dev/shm"):
+        written, err = places[place]
+        assert err == errno.ENOSPC and lim.tmpfs_bytes // 2 <= written <= lim.tmpfs_bytes, (
+            place,
+            places,
+        )
+    assert places["/dev"] == places["/"] == [0, errno.EROFS], places
+    count, err = res["descriptors"].split()
+    assert int(count) <= 256 and err == str(errno.EMFILE), res["descriptors"]
+
+
+def test_the_tmpfs_mounts_fit_in_the_memory_limit() -> None:
+    """``Limits.tmpfs_bytes``: 4 x the file-size limit, at most a third of the memory limit,
+    so the three writable tmpfs mounts hold at most ``memory_mb`` together; bwrap's
+    arguments size exactly those three (/dev/shm, /tmp, the working directory) with it,
+    and every other tmpfs is remounted read-only (the masked /proc folders).
+
+    Broken variants: a working directory without ``--size``; a size of 4 x the file-size
+    limit unclamped (``Limits(memory_mb=96, file_size_mb=16)`` would get 3 x 64 MiB)."""
+    mib = 1024 * 1024
+    for memory_mb, file_size_mb in [(1, 1), (96, 16), (1024, 16), (1024, 1), (64, 1024)]:
+        lim = Limits(memory_mb=memory_mb, file_size_mb=file_size_mb)
+        assert 0 < lim.tmpfs_bytes <= 4 * file_size_mb * mib, lim
+        assert 3 * lim.tmpfs_bytes <= memory_mb * mib, lim
+    assert Limits().tmpfs_bytes == 64 * mib
+    assert Limits(memory_mb=96, file_size_mb=16).tmpfs_bytes == 32 * mib
+    exe = shutil.which("bwrap") or "bwrap"
+    if not sandbox._bwrap_supports(exe, "--size"):
+        pytest.skip("this bubblewrap cannot size a tmpfs (--size)")
+    argv = sandbox._bwrap_argv(exe, "/work", 3, 12345, "/work/program.py")
+    tmpfs = [i for i, a in enumerate(argv) if a == "--tmpfs"]
+    sized = [argv[i + 1] for i in tmpfs if argv[i - 2 : i] == ["--size", "12345"]]
+    assert sorted(sized) == ["/dev/shm", "/tmp", "/work"], argv
+    for i in tmpfs:
+        path = argv[i + 1]
+        assert path in sized or argv[i + 2 : i + 4] == ["--remount-ro", path], (path, argv)
+    assert ["--ro-bind", "/work/program.py", "/work/program.py"] in [
+        argv[i : i + 3] for i in range(len(argv) - 2)
+    ]
+
+
 # --- item 2: the seccomp policy ---
 
 # (name, arguments): arguments that make each call fail harmlessly even where it is allowed
@@ -508,6 +846,7 @@ _PROBES = {
     "io_uring_setup": (0, 0), "fsopen": (0, 0), "open_tree": (-1, 0, 0),
     "process_vm_readv": (0, 0, 0, 0, 0, 0), "pidfd_getfd": (-1, -1, 0),
     "sethostname": (0, -1), "clock_settime": (-1, 0), "swapon": (0, 0),
+    "memfd_create": (0, 0), "shmget": (1, 0, 0), "msgget": (1, 0),
 }  # fmt: skip
 
 
@@ -516,11 +855,12 @@ def test_the_seccomp_filter_denies_the_issues_list() -> None:
     the issue and for socket with a family other than AF_UNIX."""
     pyseccomp = _pyseccomp()
     assert set(ISSUE_DENIED) | {"fork", "vfork", "clone", "clone3"} <= set(sandbox.DENIED_SYSCALLS)
+    assert set(MEMORY_DENIED) <= set(sandbox.DENIED_SYSCALLS)
     with tempfile.TemporaryFile("w+") as fh:
         sandbox.seccomp_filter().export_pfc(fh)
         fh.seek(0)
         pfc = fh.read()
-    for name in (*ISSUE_DENIED, "io_uring_setup", "socket"):
+    for name in (*ISSUE_DENIED, *MEMORY_DENIED, "io_uring_setup", "socket"):
         nr = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
         assert f'syscall "{name}" ({nr})' in pfc, name
     socket_rule = pfc[pfc.index('syscall "socket"') :].split("# filter for", 1)[0]
@@ -705,9 +1045,9 @@ def test_the_interpreters_folders_stay_visible(monkeypatch, tmp_path: Path) -> N
     monkeypatch.setattr(sys, "exec_prefix", str(venv))
     found = sandbox._interpreter_paths()
     assert str(venv) in found and str(venv.parent) not in found
-    argv = sandbox._bwrap_argv("bwrap", "/work", 3, 1 << 20)
-    after_tmpfs = argv[argv.index("--tmpfs") + 2 :]
-    binds = [after_tmpfs[i : i + 3] for i in range(len(after_tmpfs) - 2)]
+    argv = sandbox._bwrap_argv("bwrap", "/work", 3, 1 << 20, None)
+    after_tmp = argv[argv.index("/tmp") + 1 :]  # what follows the private /tmp
+    binds = [after_tmp[i : i + 3] for i in range(len(after_tmp) - 2)]
     assert ["--ro-bind", str(venv), str(venv)] in binds
     assert argv[argv.index("--cap-drop") + 1] == "ALL" and argv[argv.index("--seccomp") + 1] == "3"
     assert ["--ro-bind", "/", "/"] not in [argv[i : i + 3] for i in range(len(argv) - 2)]

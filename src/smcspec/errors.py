@@ -23,7 +23,9 @@ class ConfigError(SmcspecError, ValueError):
 class RpcServerError(ConfigError):
     """An RPC server (``--rpc HOST:PORT``) cannot be used: the connection is refused, the
     peer does not answer llama.cpp's RPC handshake in time, answers another protocol, or
-    speaks another protocol version. Exits with 1: the command was right, the peer was not."""
+    speaks another protocol version; or ``smcspec rpc-server`` cannot listen (its port in
+    use, an address not this machine's). Exits with 1: the command was right, the peer or
+    the machine was not."""
 
     exit_code = 1
 

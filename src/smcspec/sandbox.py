@@ -4,11 +4,16 @@ Used by HumanEval's hidden tests (:mod:`smcspec.eval.humaneval`) and by the exec
 (:mod:`smcspec.rewards.code`). :func:`run_python` writes the program into a fresh temporary
 directory and runs ``python -I -B program.py`` there, with a clean environment (``PATH``,
 ``HOME`` and ``TMPDIR`` = that directory, ``LANG``, and one thread for the thread pools of
-OpenBLAS, OpenMP, MKL and numexpr), stdin from ``/dev/null``, stdout and stderr
-into files (read back capped), in its own session, the whole process group killed at the end
-or at the wall-clock limit. Before the program starts, a bootstrap sets ``RLIMIT_AS``,
-``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_CORE`` and ``exec``s the interpreter (no
-``preexec_fn``, which is unsafe in a threaded parent such as torch).
+OpenBLAS, OpenMP, MKL and numexpr), stdin from ``/dev/null``, stdout and stderr into two
+files without a name that the caller opens before the program starts and reads back
+(capped) through its own descriptors, in its own session, the whole process group killed
+at the end or at the wall-clock limit. The caller opens nothing by a name the program
+controls: whatever the program leaves in its directory (links to host files, FIFOs,
+folders without permissions) is neither read nor followed, and the directory is removed
+(:func:`_remove_tree`). Before the program starts, a bootstrap sets ``RLIMIT_AS``,
+``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` and ``RLIMIT_NOFILE`` (256 descriptors)
+and ``exec``s the interpreter (no ``preexec_fn``, which is unsafe in a threaded parent such
+as torch).
 
 Two isolation levels (``sandbox=``):
 
@@ -25,12 +30,29 @@ Two isolation levels (``sandbox=``):
     loader and Python read (:data:`_ETC_ENTRIES`), and the interpreter's own folders (its
     prefixes, e.g. a virtual environment: nothing else of the folder that holds it), all
     read-only, on a read-only root. ``/root``, ``/home``, ``/run``, ``/var``, ``/srv``,
-    ``/opt``, ``/mnt``, the user's ``$HOME`` and the project checkout are absent (but for
-    the interpreter's folders where they lie inside one of them), and so are the host's
-    UNIX sockets. Private ``/dev`` (null, zero, random, ...), ``/proc`` (this sandbox's
-    processes only) and ``/tmp`` (a tmpfs of at most 4 x ``file_size_mb`` MiB where
-    bubblewrap supports ``--size``) are mounted; the run's own directory is the only host
-    folder it can write.
+    ``/opt``, ``/mnt``, ``/sys``, the user's ``$HOME`` and the project checkout are absent
+    (but for the interpreter's folders where they lie inside one of them), and so are the
+    host's UNIX sockets. No host folder is writable.
+  - **Kernel settings read-only.** ``/proc`` is private (this sandbox's processes only);
+    the entries Docker's default container spec makes read-only (``/proc/sys``,
+    ``/proc/sysrq-trigger``, ``/proc/irq``, ``/proc/bus``, ``/proc/fs``) are read-only
+    mounts, and those it masks (``/proc/kcore``, ``/proc/keys``, ``/proc/timer_list``,
+    ``/proc/interrupts``, ``/proc/acpi``, ...: :data:`_PROC_MASKED`) read as nothing, where
+    they exist (:data:`_PROC_PATHS_SOURCE`). The kernel checks only the uid for
+    ``/proc/sys``, so without this root could write ``kernel/core_pattern`` (a program the
+    host runs as root at the next crash), and bubblewrap's own cover skips ``/proc/sys``.
+  - **What it writes is bounded in total, in memory.** The only writable places are three
+    size-capped tmpfs mounts: its working directory (the temporary directory's path, a
+    tmpfs inside the sandbox: ``program.py`` is bound into it read-only, nothing it writes
+    reaches the host's disk), ``/tmp`` and ``/dev/shm``, each of
+    :attr:`Limits.tmpfs_bytes` (``4 * file_size_mb`` MiB, at most ``memory_mb / 3``), so
+    together at most ``memory_mb`` MiB beside its address space (``RLIMIT_AS``): a run
+    holds at most ``2 * memory_mb`` MiB of the host's memory in files and mappings, plus
+    its stdout and stderr, at most ``file_size_mb`` MiB each, on the caller's disk.
+    ``/dev`` (null, zero, random, ...) is read-only but for its devices; ``memfd_create``
+    and SysV shared memory and message queues, which no limit counts, are denied. Where
+    bubblewrap lacks ``--size`` (before 0.7) the tmpfs mounts have no size and this bound
+    does not hold.
   - **New namespaces**: network (loopback only: no route out, not even to the host's
     loopback), PID, IPC, UTS (host name ``sandbox``) and cgroup where available; killed
     with its parent.
@@ -39,26 +61,36 @@ Two isolation levels (``sandbox=``):
     (:data:`DENIED_SYSCALLS`): new processes and threads (``RLIMIT_NPROC`` would not do: the
     kernel does not enforce it for root), mounts, namespaces, ``chroot``, ``ptrace`` and
     other processes' memory, BPF, perf events, kernel modules, kexec, reboot, kernel
-    keyrings, ``userfaultfd``, file handles, io_uring (whose requests seccomp cannot see);
-    and ``socket`` for every family but ``AF_UNIX``. Calls of another ABI (32-bit x86 or
-    x32 on x86-64) kill the program. The list is modelled on Docker's default profile
-    (:data:`SECCOMP_PROFILE_SOURCE`): what Docker allows a container only with a
-    capability the sandbox does not have, or never, plus io_uring and the socket rule.
-  - **Resource limits**: address space, CPU time, file size, no core files, wall clock.
+    keyrings, ``userfaultfd``, file handles, io_uring (whose requests seccomp cannot see),
+    ``memfd_create``, ``shmget``, ``msgget``; and ``socket`` for every family but
+    ``AF_UNIX``. Calls of another ABI (32-bit x86 or x32 on x86-64) kill the program. The
+    list is modelled on Docker's default profile (:data:`SECCOMP_PROFILE_SOURCE`): what
+    Docker allows a container only with a capability the sandbox does not have, or never,
+    plus io_uring, the memory no limit counts and the socket rule.
+  - **Resource limits**: address space, CPU time, file size, descriptors, no core files,
+    wall clock.
 
   What it does not guarantee: the program runs as the calling user's uid (root stays uid 0,
-  without capabilities), so files it writes in its directory belong to that user; it shares
-  the host's kernel (a kernel bug reachable by the allowed calls is out of its reach to
-  stop); it can read what the interpreter's folders hold; it can measure time and the CPU
-  (timing side channels on other work of the machine: caches, branch predictors,
-  frequency); it can use the whole CPU time and memory of its limits; the disk space of its
-  own directory is bounded per file (``RLIMIT_FSIZE``), not in total; and it can read its
-  own source (HumanEval's sentinel is therefore no secret from it).
-  Run as a user other than root, bubblewrap needs unprivileged user namespaces.
+  without capabilities); it shares the host's kernel (a kernel bug reachable by the allowed
+  calls is out of its reach to stop); it can read what the interpreter's folders hold, the
+  host's kernel settings (``/proc/sys``, read-only) and what the rest of ``/proc`` shows of
+  the machine (CPUs, memory, load, uptime); it can measure time and the CPU (timing side
+  channels on other work of the machine: caches, branch predictors, frequency); it can use
+  the whole CPU time and memory of its limits; kernel memory that no limit counts remains:
+  the inodes of the files and folders it creates in its tmpfs mounts (about 1 KiB each;
+  bubblewrap cannot set tmpfs's ``nr_inodes``, so only the wall clock bounds their number:
+  430,000 empty files in 3 s measured on a 2-core VM, ~400 MiB, freed when the run ends)
+  and the buffers of its at most 256 descriptors (pipes, UNIX sockets, pseudo-terminals);
+  no cgroup bounds the sum; and it can read its own source (HumanEval's sentinel is
+  therefore no secret from it). Run as a user other than root, bubblewrap needs
+  unprivileged user namespaces.
 * ``"rlimit"``: the resource limits only. The code runs as the calling user with its
   filesystem and network: it can read what the user can read, write outside its directory
-  (each file capped by ``RLIMIT_FSIZE``), open sockets and fork (only the CPU and wall-clock
-  limits bound a fork bomb). Use it only for trusted code, or inside a container.
+  (each file capped by ``RLIMIT_FSIZE``: the total on the host's disk is not bounded, nor
+  are ``/dev/shm`` and the memory of tmpfs mounts it can write), open sockets and fork (only
+  the CPU and wall-clock limits bound a fork bomb, and a process that leaves the session
+  outlives the run). The caller still reads its output through descriptors and removes its
+  directory without following links. Use it only for trusted code, or inside a container.
 * ``"auto"`` (default): ``"bwrap"`` where bubblewrap works on this machine, else ``"rlimit"``
   with a :class:`SandboxWarning` (printed once per call site by Python's warning filter).
 
@@ -75,6 +107,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -83,7 +116,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from smcspec.errors import ConfigError
 
@@ -134,11 +167,34 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     # io_uring: seccomp does not see the operations it runs, socket creation among them
     # (Docker denies it since 25.0, moby/moby#46762)
     "io_uring_setup", "io_uring_enter", "io_uring_register",
+    # memory no limit counts (Docker allows these): files in memory on no mount
+    # (memfd_create: RLIMIT_FSIZE bounds each, nothing their sum), SysV shared memory
+    # segments and message queues, which keep their pages after the program unmaps them
+    "memfd_create", "shmget", "msgget",
 )  # fmt: skip
 
 # socket(2) succeeds for this family only (Docker denies AF_VSOCK alone); the host's UNIX
 # sockets lie outside the sandbox's view of the filesystem
 _ALLOWED_SOCKET_FAMILY = 1  # AF_UNIX
+
+# The /proc entries Docker's default container spec makes read-only (``ReadonlyPaths``) and
+# hides (``MaskedPaths``: a file behind /dev/null, a folder behind an empty read-only
+# tmpfs), in moby/moby daemon/pkg/oci/defaults.go (_PROC_PATHS_SOURCE). Writing
+# /proc/sys/kernel/core_pattern names a program the host kernel runs as root at the next
+# crash, and the kernel checks only the uid for the files of /proc/sys (root without
+# capabilities may write them); bubblewrap's own cover of /proc/sys is skipped, because its
+# write check (access(2) on the folder) says EACCES. Docker's /sys entries (/sys/firmware,
+# /sys/devices/virtual/powercap, the CPUs' thermal_throttle) are moot: no /sys is mounted.
+_PROC_PATHS_SOURCE = "https://github.com/moby/moby/blob/master/daemon/pkg/oci/defaults.go"
+_PROC_READONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
+_PROC_MASKED = (
+    "acpi", "asound", "interrupts", "kcore", "keys", "latency_stats", "sched_debug", "scsi",
+    "timer_list", "timer_stats",
+)  # fmt: skip
+
+# Descriptors the program may hold open (RLIMIT_NOFILE): each may hold kernel buffers (a
+# pipe's, a socket's) that no other limit counts, so their number is kept small.
+_OPEN_FILES = 256
 
 # Folders of the host the sandbox shows, read-only (a link, e.g. /bin -> usr/bin, stays a
 # link), and the /etc entries the dynamic loader and Python read.
@@ -199,8 +255,8 @@ class Limits:
         timeout_s: wall-clock limit in seconds (> 0); the CPU-time limit is its ceiling.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB (> 0).
         file_size_mb: largest file the program may write (``RLIMIT_FSIZE``) in MiB (> 0);
-            also caps the captured stdout and stderr; under bwrap the private ``/tmp`` holds
-            at most 4 times as much.
+            also caps the captured stdout and stderr; under bwrap its working directory,
+            ``/tmp`` and ``/dev/shm`` each hold at most :attr:`tmpfs_bytes`.
     Raises :class:`ValueError` for a limit that is not positive.
     """
 
@@ -216,6 +272,14 @@ class Limits:
     def cpu_s(self) -> int:
         """The CPU-time limit in seconds: ``ceil(timeout_s)``, at least 1."""
         return max(1, -int(-self.timeout_s // 1))
+
+    @property
+    def tmpfs_bytes(self) -> int:
+        """Bytes each of the sandbox's three writable tmpfs mounts (the working directory,
+        ``/tmp``, ``/dev/shm``) holds under bwrap: ``4 * file_size_mb`` MiB, at most a third
+        of ``memory_mb``, so that together they hold at most ``memory_mb`` MiB (> 0)."""
+        mib = 1024 * 1024
+        return min(4 * self.file_size_mb * mib, self.memory_mb * mib // 3)
 
 
 @dataclass
@@ -285,7 +349,7 @@ def bwrap_works() -> bool:
 def _run_bwrap_probe(exe: str, work: str, command: list[str]) -> bool:
     with _seccomp_fd() as fd:
         proc = subprocess.run(
-            [*_bwrap_argv(exe, work, fd, 1 << 20), *command],
+            [*_bwrap_argv(exe, work, fd, 1 << 20, None), *command],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=10,
@@ -315,25 +379,51 @@ def _bwrap_supports(exe: str, option: str) -> bool:
     return option in out.stdout + out.stderr
 
 
-def _bwrap_argv(exe: str, workdir: str, seccomp_fd: int, tmp_bytes: int) -> list[str]:
-    """bubblewrap's arguments (module docstring): the host view, private /dev, /proc and
-    /tmp (at most ``tmp_bytes`` where bwrap supports ``--size``), the interpreter's folders
-    and ``workdir`` (writable, the working directory), a read-only root; new namespaces (and
-    a user namespace unless root), no capabilities, the seccomp filter read from
-    ``seccomp_fd``."""
-    argv = [exe, *_host_view(), "--dev", "/dev", "--proc", "/proc"]
-    if _bwrap_supports(exe, "--size"):
-        argv += ["--size", str(tmp_bytes)]
-    argv += ["--tmpfs", "/tmp"]
+def _bwrap_argv(
+    exe: str, workdir: str, seccomp_fd: int, tmpfs_bytes: int, program: str | None
+) -> list[str]:
+    """bubblewrap's arguments (module docstring): the host view; private /dev (read-only
+    but for its devices and /dev/shm), /proc (its kernel settings read-only, Docker's
+    masked entries hidden) and /tmp; the interpreter's folders; ``workdir`` a private
+    tmpfs (the working directory) with ``program`` (a host file, or None) bound read-only
+    at its own path; a read-only root. /dev/shm, /tmp and ``workdir`` hold at most
+    ``tmpfs_bytes`` each where bwrap supports ``--size``. New namespaces (and a user
+    namespace unless root), no capabilities, the seccomp filter read from ``seccomp_fd``."""
+    size = ["--size", str(tmpfs_bytes)] if _bwrap_supports(exe, "--size") else []
+    argv = [exe, *_host_view()]
+    argv += ["--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    argv += ["--proc", "/proc", *_proc_cover(), *size, "--tmpfs", "/tmp"]
     for path in _interpreter_paths():
         argv += ["--ro-bind", path, path]
-    argv += ["--bind", workdir, workdir, "--chdir", workdir, "--remount-ro", "/"]
+    argv += [*size, "--tmpfs", workdir]
+    if program is not None:
+        argv += ["--ro-bind", program, program]
+    argv += ["--chdir", workdir, "--remount-ro", "/"]
     argv += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     argv += ["--unshare-cgroup-try", "--hostname", "sandbox"]
     if os.geteuid() != 0:
         argv.append("--unshare-user")
     argv += ["--cap-drop", "ALL", "--seccomp", str(seccomp_fd)]
     return [*argv, "--die-with-parent", "--new-session"]
+
+
+def _proc_cover() -> list[str]:
+    """bwrap arguments, after ``--proc /proc``, that bind the entries of
+    :data:`_PROC_READONLY` read-only (the caller's: the same kernel's settings; bwrap binds
+    from the host only) and hide those of :data:`_PROC_MASKED`, each where it exists (a
+    mount needs its mount point)."""
+    args: list[str] = []
+    for name in _PROC_READONLY:
+        path = f"/proc/{name}"
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for name in _PROC_MASKED:
+        path = f"/proc/{name}"
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
+    return args
 
 
 def _host_view() -> list[str]:
@@ -409,37 +499,43 @@ def run_python(
         workdir_parent: where the temporary directory is created (default: the system's).
 
     Returns:
-        A :class:`ChildRun`; nothing the program does makes this raise.
+        A :class:`ChildRun`; nothing the program does makes this raise or wait past the
+        limits.
 
     Raises:
         ConfigError: unknown ``sandbox``, or ``"bwrap"`` where bubblewrap cannot run.
     """
     lim = limits or Limits()
     used = _resolve(sandbox)
-    with tempfile.TemporaryDirectory(
-        prefix="smcspec-run-", dir=workdir_parent, ignore_cleanup_errors=True
-    ) as tmp:
+    tmp = tempfile.mkdtemp(prefix="smcspec-run-", dir=workdir_parent)
+    try:
         work = Path(tmp)
         prog_path = work / "program.py"
         prog_path.write_text(program, encoding="utf-8")
         command = [sys.executable, "-I", "-c", _BOOTSTRAP, *_rlimit_args(lim), str(prog_path)]
-        if used == "bwrap":
-            with _seccomp_fd() as fd:
-                exe = shutil.which("bwrap") or "bwrap"
-                tmp_bytes = 4 * lim.file_size_mb * 1024 * 1024
-                argv = [*_bwrap_argv(exe, tmp, fd, tmp_bytes), *command]
-                returncode, timed_out, seconds = _run_child(argv, work, lim.timeout_s, (fd,))
-        else:
-            returncode, timed_out, seconds = _run_child(command, work, lim.timeout_s, ())
-        cap = lim.file_size_mb * 1024 * 1024 + 1
-        stdout = _read_capped(work / "stdout", cap)
-        stderr = _read_capped(work / "stderr", cap).decode("utf-8", "replace")
-    return ChildRun(returncode, timed_out, seconds, stdout, stderr, used)
+        # stdout and stderr: files without a name, opened here before the program starts
+        # and read back through these descriptors: nothing the program does to the names
+        # in its directory (a link to a host file, a FIFO) reaches the caller
+        with tempfile.TemporaryFile(dir=tmp) as out, tempfile.TemporaryFile(dir=tmp) as err:
+            if used == "bwrap":
+                with _seccomp_fd() as fd:
+                    exe = shutil.which("bwrap") or "bwrap"
+                    bwrap = _bwrap_argv(exe, tmp, fd, lim.tmpfs_bytes, str(prog_path))
+                    result = _run_child([*bwrap, *command], work, lim.timeout_s, (fd,), out, err)
+            else:
+                result = _run_child(command, work, lim.timeout_s, (), out, err)
+            cap = lim.file_size_mb * 1024 * 1024 + 1
+            stdout = _read_capped(out.fileno(), cap)
+            stderr = _read_capped(err.fileno(), cap).decode("utf-8", "replace")
+    finally:
+        _remove_tree(tmp)
+    return ChildRun(*result, stdout, stderr, used)
 
 
 def _rlimit_args(lim: Limits) -> list[str]:
     """The bootstrap's (resource, soft, hard) triples, flattened: address space, CPU time
-    (hard one second above soft, so that SIGXCPU comes first), file size, no core files."""
+    (hard one second above soft, so that SIGXCPU comes first), file size, no core files,
+    :data:`_OPEN_FILES` descriptors."""
     memory = lim.memory_mb * 1024 * 1024
     fsize = lim.file_size_mb * 1024 * 1024
     triples = [
@@ -447,48 +543,84 @@ def _rlimit_args(lim: Limits) -> list[str]:
         (resource.RLIMIT_CPU, lim.cpu_s, lim.cpu_s + 1),
         (resource.RLIMIT_FSIZE, fsize, fsize),
         (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_NOFILE, _OPEN_FILES, _OPEN_FILES),
     ]
     return [str(v) for triple in triples for v in triple]
 
 
 def _run_child(
-    argv: list[str], work: Path, timeout_s: float, pass_fds: tuple[int, ...]
+    argv: list[str],
+    work: Path,
+    timeout_s: float,
+    pass_fds: tuple[int, ...],
+    stdout: IO[bytes],
+    stderr: IO[bytes],
 ) -> tuple[int, bool, float]:
-    """Run ``argv`` in ``work`` with a clean environment, stdout and stderr into files
-    there, in a new session whose process group is killed at the end or after
+    """Run ``argv`` in ``work`` with a clean environment, stdout and stderr into the files
+    given, in a new session whose process group is killed at the end or after
     ``timeout_s``; returns (exit status, whether the wall clock ended it, seconds)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
     env.update(_ONE_THREAD_ENV)
     timed_out = False
     start = time.monotonic()
-    with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
-        proc = subprocess.Popen(
-            argv,
-            cwd=work,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            close_fds=True,
-            pass_fds=pass_fds,
-        )
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            _kill_group(proc.pid)
-            proc.wait()
+    proc = subprocess.Popen(
+        argv,
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        close_fds=True,
+        pass_fds=pass_fds,
+    )
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        _kill_group(proc.pid)
+        proc.wait()
     return proc.returncode, timed_out, time.monotonic() - start
 
 
-def _read_capped(path: Path, limit: int) -> bytes:
+def _read_capped(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from the start of the regular file open as ``fd`` (the
+    caller's own: a read cannot block)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.pread(fd, limit - size, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove the run's directory and all in it without following a link out of it or
+    opening anything in it but folders: each real folder (``lstat``) is first made the
+    owner's to write and search again (a program may have taken the bits away), then
+    :func:`shutil.rmtree` unlinks links and FIFOs as names (its walk by descriptors follows
+    no link); a directory replaced by a link loses the link only. Under bwrap the program
+    never sees this directory (a tmpfs covers it); under rlimit nothing of the program's
+    runs by now but what it detached (trusted code). Errors are ignored: a leftover
+    directory must not turn a run into an exception."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read(limit)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):  # replaced (rlimit): drop the name only
+            os.unlink(path)
+            return
+        os.chmod(path, 0o700)
     except OSError:
-        return b""
+        pass
+    for root, dirs, _files in os.walk(path):  # does not descend into links
+        for name in dirs:
+            sub = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(sub).st_mode):
+                    os.chmod(sub, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_group(pid: int) -> None:

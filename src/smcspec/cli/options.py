@@ -11,20 +11,19 @@ from typing import Any
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
+    DEFAULT_PARTICLES,
     METHODS,
     GenerationConfig,
     check_min_ess,
     check_min_particles,
+    draft_named,
     field_type,
 )
-from smcspec.decoding.registry import BY_METHOD, choice, decoder_for
+from smcspec.decoding.registry import choice, decoder_for
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
-
-DEFAULT_PARTICLES = GenerationConfig.particles
-
 
 DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
 
@@ -166,7 +165,8 @@ def _decoding_group(d: argparse._ArgumentGroup, m_help: str) -> None:
         type=int,
         default=None,
         help="SMC particles N (default: smc and auto choose N >= --min-particles from measured "
-        f"costs; eval: {DEFAULT_PARTICLES})",
+        f"costs; eval: {DEFAULT_PARTICLES}); with --method sd, drafted chains a round (N >= 2: "
+        "exact multi-draft sd; default 1)",
     )
     d.add_argument(
         "--draft-tokens",
@@ -248,19 +248,19 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
 
         args.pair_stats_read = read_pair_stats(args.pair_stats)
     if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
-        if BY_METHOD[choice(args.method).method].particles:  # N would be chosen, G divides it
+        if choice(args.method).decoder.particles:  # N would be chosen, G divides it
             raise ConfigError("--groups needs -N: the number of particles the groups divide")
-    ngram = args.draft == "ngram"
-    if ngram and hasattr(args, "methods"):  # eval, bench: it applies to their sd settings
-        return replace(_config(args, **extra), draft="ngram")
-    return _config(args, draft="ngram" if ngram else "model", **extra)
+    draft = draft_named(args.draft)  # --draft ngram: n-gram drafts (else a model file)
+    if draft.from_text and hasattr(args, "methods"):  # eval, bench: for their sd settings
+        return replace(_config(args, **extra), draft=draft.name)
+    return _config(args, draft=draft.name, **extra)
 
 
 def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
     cfg = GenerationConfig(
         method=choice(args.method).method,  # auto validates as smc
         max_new_tokens=args.max_new_tokens,
-        particles=DEFAULT_PARTICLES if args.particles is None else args.particles,
+        particles=args.particles,  # None: the method's default N
         draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
         **{f.name: getattr(args, f.name) for f in cli_fields()},
         **extra,

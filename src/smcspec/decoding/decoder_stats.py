@@ -58,7 +58,9 @@ class SdStats:
     """Exact speculative decoding with ``draft_tokens`` K: ``rounds``, tokens ``drafted`` and
     ``accepted``; ``ngram``: drafts from the text (:mod:`smcspec.decoding.ngram`), whose gate
     cut or kept ``gated_rounds`` rounds from drafting (None: no gate); ``constraint_seconds``
-    as :class:`ArStats`."""
+    as :class:`ArStats`. Multi-draft sd (:meth:`multi_draft`) also counts ``chains`` N, and
+    per depth the rounds that reached it and accepted a token there; its ``drafted`` counts
+    K a round (the depth offered), so that the acceptance rate compares with chain sd's."""
 
     draft_tokens: int
     rounds: int
@@ -67,6 +69,28 @@ class SdStats:
     ngram: bool = False
     gated_rounds: int | None = None
     constraint_seconds: float | None = None
+    chains: int | None = None
+    depth_reached: list[int] | None = None
+    depth_accepted: list[int] | None = None
+    candidates: int | None = None
+
+    @classmethod
+    def multi_draft(cls, chains: int, draft_tokens: int) -> SdStats:
+        """Empty stats of multi-draft sd with ``chains`` N: per depth ``j`` (0-based) the
+        rounds that reached it and those that accepted a token there, and the candidates
+        examined over all rounds (:mod:`smcspec.decoding.multi_sd`)."""
+        zeros = [0] * draft_tokens
+        return cls(draft_tokens, 0, 0, 0, chains=chains, depth_reached=zeros,
+                   depth_accepted=list(zeros), candidates=0)  # fmt: skip
+
+    @property
+    def acceptance_by_depth(self) -> list[float] | None:
+        """Multi-draft sd: per depth, the share of the rounds that reached it which accepted
+        a token there (0.0 where none reached it); None for chain sd."""
+        if self.depth_reached is None or self.depth_accepted is None:
+            return None
+        return [a / r if r else 0.0 for a, r in zip(self.depth_accepted, self.depth_reached,
+                                                     strict=True)]  # fmt: skip
 
     @property
     def acceptance_rate(self) -> float:
@@ -89,6 +113,10 @@ class SdStats:
         }
         if self.ngram:
             out["draft"] = "ngram"
+        if self.chains is not None:
+            out["particles"] = self.chains
+            out["acceptance_by_depth"] = self.acceptance_by_depth
+            out["candidates_per_round"] = self.candidates / self.rounds if self.rounds else 0.0
         return _with_optional(
             out,
             gated_rounds=self.gated_rounds,
@@ -98,8 +126,9 @@ class SdStats:
 
     def describe(self) -> str:
         """K, the rounds, the acceptance rate and mean accepted length (and the gate's)."""
+        chains = f"N={self.chains} drafts " if self.chains is not None else ""
         line = (
-            f", K={self.draft_tokens}{', n-gram drafts' if self.ngram else ''}, rounds "
+            f", {chains}K={self.draft_tokens}{', n-gram drafts' if self.ngram else ''}, rounds "
             f"{self.rounds}, acceptance rate {self.acceptance_rate:.3f}, mean accepted length "
             f"{self.mean_accepted_length:.2f}"
         )
@@ -121,7 +150,10 @@ class SmcStats:
     ``degenerate_weights``, ``mean_round_ess``, ``banked`` particles and their
     ``banked_mass``, with a constraint or reward ``log_normalizer`` and ``dead_particles``,
     ``constraint_seconds``, and the rows each model computed over the rows it was fed
-    (``distinct_rows_target``, ``distinct_rows_draft``)."""
+    (``distinct_rows_target``, ``distinct_rows_draft``); ``mean_round_tokens``, the tokens a
+    running particle gained a round; with ``round_end="ess"`` ``cut_rounds``, the rounds cut
+    before their K-th drafted token; ``stopped_early`` where ``stop_epsilon`` ended the
+    request before every particle had."""
 
     particles: int
     draft_tokens: int
@@ -139,6 +171,9 @@ class SmcStats:
     log_normalizer: float | None = None
     dead_particles: int | None = None
     constraint_seconds: float | None = None
+    mean_round_tokens: float | None = None
+    cut_rounds: int | None = None
+    stopped_early: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The result's stats keys."""
@@ -158,6 +193,9 @@ class SmcStats:
             log_normalizer=self.log_normalizer,
             dead_particles=self.dead_particles,
             constraint_seconds=self.constraint_seconds,
+            mean_round_tokens=self.mean_round_tokens,
+            cut_rounds=self.cut_rounds,
+            stopped_early=self.stopped_early,
         )
         out["distinct_rows_target"] = self.distinct_rows_target
         out["distinct_rows_draft"] = self.distinct_rows_draft
@@ -172,6 +210,8 @@ class SmcStats:
             f"resamples {self.resamples}, mean ESS {self.mean_ess:.2f}, "
             f"min ESS {self.min_ess:.2f}, degenerate rounds {self.degenerate_rounds}"
         )
+        if self.cut_rounds is not None:
+            line += f", rounds cut {self.cut_rounds}, tokens a round {self.mean_round_tokens:.2f}"
         if self.log_normalizer is not None:  # a constraint or reward was set
             line += f", log Z {self.log_normalizer:.3f}, dead particles {self.dead_particles}"
         return line

@@ -11,8 +11,10 @@ runs captured as a CUDA graph (:mod:`smcspec.backends.torch.graphs`):
 * :func:`smc_block`: SMC-SD's steps 3a, 3b and 3d (``docs/smc-sd.md``): K draft steps for
   the N particles, each drawing from ``q_T`` (truncated only with ``truncate_draft``), the
   target's forward over the N x (K+1) block, the drafted tokens' ``log p~``, the bonus token
-  from ``∝ p~^alpha`` and its log-weight. Weights, ESS, resampling and banking stay in the
-  decoder (they read a few numbers per round, once).
+  from ``∝ p~^alpha`` and its log-weight (with ``round_end="ess"`` the target's logits
+  instead: the bonus is drawn where the round is cut, :mod:`smcspec.decoding.smc_cut`).
+  Weights, ESS, resampling and banking stay in the decoder (they read a few numbers per
+  round, once).
 * :func:`ar_round`: one target forward and the next token's draw; the ar decoder launches
   the next round before it reads this one's token (:class:`HostCopy`).
 * :func:`sd_round`: K draft steps, the target's forward over ``[pending, d_1..d_K]``, the
@@ -35,8 +37,8 @@ requests of one kind (``docs/architecture.md``, "Where a round runs").
 Fused rounds run where every model of the request runs rounds fused
 (:func:`fused_rounds`), its caches are static, and the request needs no host work inside a
 round (:func:`plain`: no constraint, no reward, no top-p, whose cut has a data-dependent
-shape; sd also no ``draft_p_min`` gate and only full K-token rounds). Everything else runs
-step by step, as on the CPU.
+shape, no log-probabilities asked for; sd also no ``draft_p_min`` gate and only full K-token
+rounds). Everything else runs step by step, as on the CPU.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from smcspec.sampling.distributions import (
     tempered_log_probs,
 )
 from smcspec.sampling.smc_weights import power_target_probs
+from smcspec.sampling.tree_verify import TreeVerdict, multi_draft_verify
 from smcspec.sampling.truncation import truncate_log_probs
 
 Tensors = dict[str, torch.Tensor]
@@ -73,9 +76,12 @@ def fused_rounds(*models: DecoderModel | None) -> bool:
 
 def plain(cfg: GenerationConfig) -> bool:
     """Whether a request needs no host work between a round's forwards: no constraint, no
-    reward, no top-p (whose cut has a data-dependent shape). Each decoder adds its own
-    conditions (sd: no ``draft_p_min`` gate)."""
-    return cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1
+    reward, no top-p (whose cut has a data-dependent shape), and no log-probabilities asked
+    for (``cfg.logprobs``, ``cfg.prompt_logprobs``: such requests run step by step, where the
+    decoders compute them, rather than as extra outputs of the captured rounds). Each decoder
+    adds its own conditions (sd: no ``draft_p_min`` gate)."""
+    no_logprobs = cfg.logprobs is None and not cfg.prompt_logprobs
+    return cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1 and no_logprobs
 
 
 def is_static(*caches: KVCache) -> bool:
@@ -185,16 +191,17 @@ def smc_block(
     w = pending_d.shape[1]
     d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
     span = window(max(d_start + w + k - 1, t_start + k + 1))
+    draws = k if cfg.round_end == "ess" else k + 1  # "ess": the bonus waits for the cut
     inputs = {
         "pending_d": pending_d,
         "pending_t": pending_t,
         "host": host if host is not None else torch.arange(n, device=dev),
-        "u": draw_uniforms((k + 1) * n, job.generator, dev).view(k + 1, n, 1),
+        "u": draw_uniforms(draws * n, job.generator, dev).view(draws, n, 1),
         "d_start": _scalar(d_start, dev),
         "t_start": _scalar(t_start, dev),
     }
     consts = (n, k, w, cfg.temperature, cfg.draft_temperature, cfg.alpha, cfg.truncation)
-    consts += (job.draft_truncation, job.vocab)
+    consts += (job.draft_truncation, job.vocab, cfg.round_end)
     key = ("smc", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
 
     def fn(x: Tensors) -> Tensors:
@@ -246,6 +253,10 @@ def _smc_rounds(job: Job, x: Tensors, slots: int, draft: Forward, target: Forwar
     logits = target(block, x["t_start"])[:, :, : job.vocab]
     lp = truncate_log_probs(tempered_log_probs(logits[:, :k], t_t, False), *trunc)
     target_lp = lp.gather(-1, drafted[:, :, None])[:, :, 0]
+    if cfg.round_end == "ess":  # the bonus is drawn at the cut, after the round
+        bad = bad | (nan_rows(lp).any(-1) | torch.isnan(logits[:, k, 0])).view(slots, -1).any(1)
+        out = {"drafted": drafted, "draft_lp": draft_lp, "target_lp": target_lp}
+        return {**out, "logits": logits.float(), "ok": ~bad}
     probs, norm = power_target_probs(logits[:, k], t_t, cfg.alpha, trunc, check=False)
     bonus, valid = categorical_from_uniforms(probs, x["u"][k])
     bad_rows = nan_rows(lp).any(-1) | ~valid | torch.isnan(probs[:, 0])
@@ -451,6 +462,36 @@ def sd_joined(job: Job):
     return fn
 
 
+def _sd_probs(cfg: GenerationConfig, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sd's sampling distributions of ``logits`` ``[..., V]``: tempered, truncated by the
+    request's filters, a point mass when greedy (float32 probabilities)."""
+    lp = truncate_log_probs(step_log_probs(logits, temperature, False), *cfg.truncation)
+    return (point_mass_log_probs(lp) if cfg.greedy else lp).exp()
+
+
+def _sd_drafts(
+    job: Job, x: Tensors, draft: Forward
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sd's K draft steps over every row (``pending_d`` ``[R, w]``, ``u_draft`` ``[K, R,
+    1]``): the drafted tokens int64 ``[R, K]``, their draft distributions ``[R, K, V]`` and a
+    bool ``[R]`` flag of NaN logits or an unsampleable row."""
+    cfg, vocab = job.config, job.vocab
+    t_d = 0.0 if cfg.greedy else cfg.draft_temperature
+    feed, start = x["pending_d"], x["d_start"]
+    bad = torch.zeros(feed.shape[0], dtype=torch.bool, device=feed.device)
+    tokens, q_rows = [], []
+    for j in range(cfg.draft_tokens):
+        logits = draft(feed, start)
+        start = start + feed.shape[1]
+        q = _sd_probs(cfg, logits[:, -1, :vocab], t_d)  # [R, V]
+        d, valid = categorical_from_uniforms(q, x["u_draft"][j])
+        bad = bad | ~valid | torch.isnan(q[:, 0])
+        tokens.append(d)
+        q_rows.append(q)
+        feed = d[:, None]
+    return torch.stack(tokens, 1), torch.stack(q_rows, 1), bad
+
+
 def _sd_rounds(job: Job, x: Tensors, draft: Forward, target: Forward) -> Tensors:
     """The sd round of ``B`` requests of one row each: ``pending_d`` ``[B, w]``,
     ``pending_t`` ``[B, 1]``, ``u_draft`` ``[K, B, 1]``, ``u_accept`` ``[B, K]``, ``u_next``
@@ -458,28 +499,9 @@ def _sd_rounds(job: Job, x: Tensors, draft: Forward, target: Forward) -> Tensors
     forwards. Returns ``result`` int64 ``[B, K+2]`` (the drafted tokens, how many were
     accepted, the next token) and ``ok`` bool ``[B]``."""
     cfg, vocab, k = job.config, job.vocab, job.config.draft_tokens
-    t_d = 0.0 if cfg.greedy else cfg.draft_temperature
-
-    def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        lp = truncate_log_probs(step_log_probs(logits, temperature, False), *cfg.truncation)
-        return (point_mass_log_probs(lp) if cfg.greedy else lp).exp()
-
-    feed, start = x["pending_d"], x["d_start"]
-    bad = torch.zeros(feed.shape[0], dtype=torch.bool, device=feed.device)
-    tokens, q_rows = [], []
-    for j in range(k):
-        logits = draft(feed, start)
-        start = start + feed.shape[1]
-        q = probs(logits[:, -1, :vocab], t_d)  # [B, V]
-        d, valid = categorical_from_uniforms(q, x["u_draft"][j])
-        bad = bad | ~valid | torch.isnan(q[:, 0])
-        tokens.append(d)
-        q_rows.append(q)
-        feed = d[:, None]
-    drafted = torch.stack(tokens, 1)  # [B, K]
+    drafted, q_all, bad = _sd_drafts(job, x, draft)  # [B, K], [B, K, V]
     block = torch.cat((x["pending_t"], drafted), 1)
-    p_all = probs(target(block, x["t_start"])[:, :, :vocab], cfg.temperature)  # [B, K+1, V]
-    q_all = torch.stack(q_rows, 1)  # [B, K, V]
+    p_all = _sd_probs(cfg, target(block, x["t_start"])[:, :, :vocab], cfg.temperature)
     q_d = q_all.gather(-1, drafted[..., None])[..., 0]
     p_d = p_all[:, :k].gather(-1, drafted[..., None])[..., 0]
     rejected = x["u_accept"] * q_d >= p_d  # [B, K]
@@ -492,3 +514,101 @@ def _sd_rounds(job: Job, x: Tensors, draft: Forward, target: Forward) -> Tensors
     nxt, valid = categorical_from_uniforms(residual, x["u_next"])
     bad = bad | ~valid | torch.isnan(p_all[:, :, 0]).any(1)
     return {"result": torch.cat((drafted, n[:, None], nxt[:, None]), 1), "ok": ~bad}
+
+
+# ------------------------------------------------------------------ multi-draft sd
+def multi_sd_round(
+    job: Job, tcache: KVCache, dcache: KVCache, pending_d: list[int], pending_t: int
+) -> Generator[Round, Tensors, tuple[list[list[int]], TreeVerdict]]:
+    """One round of multi-draft sd (:mod:`smcspec.decoding.multi_sd`) as a :class:`Round`,
+    which the scheduler may run batched with other requests' rounds of the same shape
+    (:class:`Join`, :func:`multi_sd_joined`): K draft steps for the N chains after feeding
+    ``pending_d`` (1 or 2 tokens, the same on every row), the target's forward over
+    ``[pending_t, d_1..d_K]`` on every row and the tree's verdict
+    (:func:`~smcspec.sampling.tree_verify.multi_draft_verify`), read back in one host read.
+
+    Returns ``(drafted, verdict)``: the N chains' K tokens and the :class:`TreeVerdict` of
+    the one tree (host tensors, ``B`` = 1). Both caches hold every row's block afterwards;
+    the caller makes every row the accepting chain's and rolls back. Raises NumericalError
+    after the round, ContextLengthError before it."""
+    cfg, dev, generator = job.config, job.device, job.generator
+    n, k, w = cfg.particles, cfg.draft_tokens, len(pending_d)
+    d_start, t_start = _claim(dcache, w + k - 1), _claim(tcache, k + 1)
+    span = window(max(d_start + w + k - 1, t_start + k + 1))
+    inputs = {
+        "pending_d": torch.tensor([pending_d] * n, dtype=torch.long, device=dev),
+        "pending_t": torch.full((n, 1), pending_t, dtype=torch.long, device=dev),
+        "u_draft": draw_uniforms(k * n, generator, dev).view(k, n, 1),  # k draws of n
+        "u_accept": torch.rand(k * n, generator=generator, device=dev).view(1, k, n),
+        "u_next": draw_uniforms(1, generator, dev),
+        "d_start": _scalar(d_start, dev),
+        "t_start": _scalar(t_start, dev),
+    }
+    consts = (n, k, w, cfg.temperature, cfg.draft_temperature, cfg.truncation, job.vocab)
+    key = ("multi-sd", span, consts, dcache.serial, dcache.prompt_window, tcache.prompt_window)
+
+    def fn(x: Tensors) -> Tensors:
+        out = _multi_sd_rounds(job, x, 1, *_cache_forwards(job, tcache, dcache, span))
+        return {name: t[0] for name, t in out.items()}
+
+    join = Join(("multi-sd", *consts), multi_sd_joined(job), span, (tcache, dcache))
+    out = yield Round(job.target, tcache, key, fn, inputs, join)
+    values = read_checked(out, "result")
+    drafted = [values[i * k : (i + 1) * k] for i in range(n)]
+    accepted, chain, token, *tried = values[n * k :]
+    verdict = TreeVerdict(
+        *(torch.tensor([v]) for v in (accepted, chain, token)),
+        tried=torch.tensor([tried]),
+        valid=torch.ones(1, dtype=torch.bool),
+    )
+    return drafted, verdict
+
+
+def multi_sd_joined(job: Job):
+    """The multi-draft sd rounds of every slot of a pair of banks at once (:class:`Join`; the
+    target's bank first): the inputs of :func:`multi_sd_round` stacked over ``B`` slots and
+    ``keep`` ``[B]``; outputs ``result`` int64 ``[B, N*K + 3 + K]`` and ``ok`` bool ``[B]``.
+    Only the request's constants are taken from ``job`` (the join key names them)."""
+    n = job.config.particles
+
+    def fn(banks, x: Tensors, span: int, prompt_windows: tuple[int, int]) -> Tensors:
+        keep = x["keep"]
+        b = keep.shape[0]
+        flat = {
+            "pending_d": x["pending_d"].reshape(b * n, -1),
+            "pending_t": x["pending_t"].reshape(b * n, 1),
+            "u_draft": x["u_draft"].transpose(0, 1).reshape(x["u_draft"].shape[1], b * n, 1),
+            "u_accept": x["u_accept"].reshape(b, *x["u_accept"].shape[-2:]),
+            "u_next": x["u_next"].reshape(b, 1),
+            "d_start": x["d_start"],
+            "t_start": x["t_start"],
+        }
+        forwards = _bank_forwards(job, banks, keep, span, prompt_windows)
+        return _multi_sd_rounds(job, flat, b, *forwards)
+
+    return fn
+
+
+def _multi_sd_rounds(job: Job, x: Tensors, slots: int, draft: Forward, target: Forward) -> Tensors:
+    """Multi-draft sd rounds of ``slots`` requests of N chains each, rows slot-major:
+    ``pending_d`` ``[S*N, w]``, ``pending_t`` ``[S*N, 1]``, ``u_draft`` ``[K, S*N, 1]``,
+    ``u_accept`` ``[S, K, N]``, ``u_next`` ``[S, 1]``. Returns ``result`` int64
+    ``[S, N*K + 3 + K]`` (each slot's drafted chains, then the accepted depth, the accepting
+    chain, the next token and the candidates tried per depth) and ``ok`` bool ``[S]``."""
+    cfg, vocab = job.config, job.vocab
+    n, k = cfg.particles, cfg.draft_tokens
+    drafted, q_all, bad = _sd_drafts(job, x, draft)  # [S*N, K], [S*N, K, V]
+    block = torch.cat((x["pending_t"], drafted), 1)
+    p_all = _sd_probs(cfg, target(block, x["t_start"])[:, :, :vocab], cfg.temperature)
+    v = multi_draft_verify(
+        drafted.view(slots, n, k),
+        None,
+        q_all.view(slots, n, k, -1),
+        p_all.view(slots, n, k + 1, -1),
+        x["u_accept"],
+        x["u_next"],
+    )
+    picked = torch.stack((v.accepted, v.chain, v.token), 1)
+    result = torch.cat((drafted.view(slots, n * k), picked, v.tried), 1)
+    bad = bad.view(slots, n).any(1) | torch.isnan(p_all[:, :, 0]).view(slots, -1).any(1)
+    return {"result": result, "ok": ~bad & v.valid}

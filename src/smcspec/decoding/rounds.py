@@ -15,6 +15,8 @@ decoders issue:
 * ``sd`` with n-gram drafts (K; no draft model): priced *at its gate's threshold*: one drafted
   token accepted with probability ``p_min``, ``1 + p_min`` tokens for a 2-token target
   forward (:mod:`smcspec.tuning.predict`'s notes say why).
+* ``sd`` with N >= 2 chains (multi-draft): SMC-SD's forwards; its tokens a round (the
+  accepted depth plus one) are measured, not modelled (:func:`multi_sd_cost`).
 * ``smc`` (N, K): K draft forwards of N rows (the first with 2 tokens a row: the deferred
   bonus), one target forward of N x (K+1) tokens; a round yields K+1 tokens (Emara et al.
   2026, arXiv:2604.15672). With distinct rows a forward computes only the fraction
@@ -28,7 +30,7 @@ the target and one for the draft (:class:`RoundCosts`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,12 +43,15 @@ Shape = tuple[int, int]
 @dataclass(frozen=True)
 class RoundCosts:
     """What a round's price needs: median seconds of the measured forwards by shape, the
-    draft's acceptance ``alpha`` (sd; None: not measured) and the n-gram gate's ``p_min``."""
+    draft's acceptance ``alpha`` (sd; None: not measured), the n-gram gate's ``p_min`` and
+    multi-draft sd's measured tokens a round by ``(N, K)`` (``multi_tokens``; a setting not
+    in it is not priced)."""
 
     target: Mapping[Shape, float]
     draft: Mapping[Shape, float]
     alpha: float | None = None
     p_min: float = 0.0
+    multi_tokens: Mapping[Shape, float] = field(default_factory=dict)
 
 
 def sd_tokens_per_round(alpha: float, k: int) -> float:
@@ -71,7 +76,7 @@ def seconds_for_rows(costs: Mapping[Shape, float], rows: float) -> float:
     return float(np.interp(rows, xs, ys))
 
 
-# ------------------------------------------------------------------ the four decoders
+# ------------------------------------------------------------------ the decoders
 def ar_shapes(n: int, k: int) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
     """Target and draft forwards of an ``ar`` round."""
     return ((1, 1),), ()
@@ -110,6 +115,23 @@ def ngram_cost(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> tuple[fl
     """n-gram sd at its gate's threshold: one drafted token accepted with probability
     ``p_min``, ``1 + p_min`` tokens for a two-token target forward."""
     return 1.0 + c.p_min, c.target[(1, 2)]
+
+
+def multi_sd_cost(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> tuple[float, float]:
+    """Tokens and seconds of a multi-draft sd round of N chains and K drafts: its forwards
+    are SMC-SD's (:func:`smc_cost`: the tree's distinct rows at the fraction ``distinct``);
+    its tokens a round, accepted depth plus one, are the measured ``c.multi_tokens[(n, k)]``
+    (recursive rejection's acceptance depends on how the draft's and the target's
+    distributions overlap at every node, which the chain ``alpha`` does not give).
+
+    Raises:
+        ConfigError: that setting's tokens a round were not measured.
+    """
+    if (n, k) not in c.multi_tokens:
+        raise ConfigError(
+            f"a multi-draft sd prediction (N={n} K={k}) needs its measured tokens a round"
+        )
+    return c.multi_tokens[(n, k)], smc_cost(n, k, c, distinct)[1]
 
 
 def smc_shapes(n: int, k: int) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:

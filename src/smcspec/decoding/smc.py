@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+import smcspec.decoding.smc_cut as smc_cut
 import smcspec.decoding.smc_potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
@@ -58,8 +59,10 @@ from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SmcStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, smc_block
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, ParticleOutput, TokenCallback, as_prompt_tensor
-from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import DecodeOutput, ParticleOutput, as_prompt_tensor
+from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
+from smcspec.decoding.smc_logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -105,7 +108,10 @@ class _Particles:
     log_running: torch.Tensor  # float64 [G]: banking: each group's running mass (log)
     states: list[ConstraintState] = field(default_factory=list)  # matchers (constraint)
     dead: int = 0  # particles killed by dead ends
+    width: int = 1  # the common length of the running particles (tokens written)
     rounds: int = 0
+    cut_rounds: int = 0  # round_end "ess": rounds cut before their K-th drafted token
+    stopped_early: bool = False  # stop_epsilon ended the request before every particle
     resamples: int = 0
     ess_trace: list[float] = field(default_factory=list)
     equal_start: bool = True  # the round being run began with equal weights
@@ -115,6 +121,8 @@ class _Particles:
     # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
     # (itself while running; see _host_ended), or None before any particle ended
     host: torch.Tensor | None = None
+    # requests that ask for logprobs: every particle's tokens' values (smc_logprobs)
+    logprobs: ParticleLogprobs | None = None
 
 
 @dataclass
@@ -128,6 +136,14 @@ class _Block:
     target_lp: torch.Tensor | None = None  # float32 [N, K]: log p~ of each drafted token
     bonus: torch.Tensor | None = None  # int64 [N]: the target's token at position K+1
     bonus_norm: torch.Tensor | None = None  # float64 [N]: the bonus log-weight (or None)
+    # round_end "ess": the target's logits at every position (float32 [N, K+1, V]), whose
+    # row at the cut gives the deferred bonus, and the tokens each matcher consumed
+    logits: torch.Tensor | None = None
+    consumed: torch.Tensor | None = None  # int64 [N] (constraint)
+    # requests that ask for logprobs: the constraint's mask at each drafted position (bool
+    # [N, V] each) and the values of the block's tokens ([N, K or K+1] positions)
+    masks: list[torch.Tensor] = field(default_factory=list)
+    values: Values | None = None
 
 
 def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
@@ -201,25 +217,37 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
-    p = as_prompt_tensor(job.ids, job.device)
-    first = (yield Prefill(job.target, p, tcache))[: job.vocab]
-    yield Prefill(job.draft, p, dcache)
+    first, prompt_lps = yield from target_prefill(job, tcache)
+    first = first[: job.vocab]
+    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
     ps, clock = _initial_particles(job, first, cap)
-    emitted = _emit(ps, 0, job.on_tokens)
+    emitted = _emit(ps, 0, job)
     fused = not cfg.has_potential and is_static(tcache, dcache)
-    while not bool(ps.finished.all()):
+    while not bool(ps.finished.all()) and not _mass_stop(job, ps):
+        lengths0 = (tcache.length, dcache.length, ps.pending_d.shape[1])
         if fused:  # 3a, 3b, 3d as one round on the device
             block = yield from _fused_block(job, ps, tcache, dcache)
         else:
             block = yield from _draft_block(job, ps, dcache)  # 3a
             yield from _score_block(job, ps, block, tcache)  # 3b, 3d
         was_running = ~ps.finished
-        newly_finished = _advance(job, ps, block)  # 3c, 3e, 4
-        _end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        if block.logits is None:  # round_end "block": the whole block and its bonus
+            newly_finished = _advance(job, ps, block)  # 3c, 3e, 4
+            _end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
+        else:  # round_end "ess": resample where the ESS falls, the bonus after it
+            cut = smc_cut.cut_position(job, ps, block)
+            newly_finished = _advance(job, ps, block, cut)
+            anc = _end_round(job, ps, newly_finished, was_running, tcache, dcache)
+            smc_cut.truncate(tcache, dcache, lengths0, cut, job.config.draft_tokens)
+            ended = smc_cut.deferred_bonus(job, ps, block, anc, cut)
+            if bool(ended.any()):  # particles the bonus ended: banked now
+                _end_round(job, ps, ended, ended, tcache, dcache, bank_only=True)
         _host_ended(ps, tcache, dcache)
-        emitted = _emit(ps, emitted, job.on_tokens)
+        emitted = _emit(ps, emitted, job)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
-    return _output(job, ps, keep, emitted, clock, tcache, dcache)
+    out = _output(job, ps, keep, emitted, clock, tcache, dcache)
+    out.prompt_logprobs = prompt_lps
+    return out
 
 
 def _initial_particles(
@@ -250,6 +278,7 @@ def _initial_particles(
         tokens[:, 0] = x0
         done = x0 in job.stop_ids or cfg.max_new_tokens == 1
         ps.finished = torch.full((n,), done, dtype=torch.bool, device=dev)
+        m0 = None
     else:
         root, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
         m0 = smc_potentials.masks(
@@ -276,6 +305,12 @@ def _initial_particles(
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()
+    if job.wants_logprobs:  # x0's values, from the target's row after the prompt
+        ps.logprobs = ParticleLogprobs.start(n, cap, cfg.logprobs, dev)
+        rows = first[None].expand(n, -1)[:, None]
+        masks = m0.expand(n, -1)[:, None] if m0 is not None else None
+        values = position_values(cfg, rows, tokens[:, :1], masks)
+        ps.logprobs.write(0, torch.zeros_like(ps.finished), values)
     return ps, clock
 
 
@@ -287,6 +322,8 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
     drafted = torch.empty(n, k, dtype=torch.long, device=dev)
     draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
     open_ = dead_pos = None
+    consumed = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each matcher consumed
+    masks: list[torch.Tensor] = []  # the constraint's masks, for logprobs
     if cfg.has_potential:
         open_ = ~ps.finished  # still consuming tokens this round
         dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
@@ -301,6 +338,8 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
             lq = smc_potentials.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+            if job.wants_logprobs:
+                masks.append(m)
         d = sample_categorical(lq.exp(), job.generator)
         if ps.host is not None:  # ended rows draft what their host drafts (_host_ended)
             d = d[ps.host]
@@ -312,8 +351,11 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
+            consumed += open_.long()
         x = d[:, None]
-    return _Block(drafted, draft_lp, dead_pos, open_)
+    b = _Block(drafted, draft_lp, dead_pos, open_)
+    b.consumed, b.masks = consumed, masks
+    return b
 
 
 def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> Program:
@@ -321,21 +363,29 @@ def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> 
     (:func:`smcspec.decoding.fused.smc_block`): the same draws as :func:`_draft_block` and
     :func:`_score_block`, without a host read between the forwards."""
     out = yield from smc_block(job, ps.pending_d, ps.pending_t, ps.host, tcache, dcache)
-    b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out["bonus"])
-    b.bonus_norm = out.get("bonus_norm")
+    b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out.get("bonus"))
+    b.bonus_norm, b.logits = out.get("bonus_norm"), out.get("logits")
     return b
 
 
 def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Program:
     """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
     ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
-    with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``)."""
+    with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``). With round_end
+    "ess" the bonus waits for the cut: ``b.logits`` keeps the target's logits instead."""
     cfg = job.config
     k = cfg.draft_tokens
     t_block = torch.cat((ps.pending_t, b.drafted), 1)
     t_logits = (yield Forward(job.target, t_block, tcache))[:, :, : job.vocab]
     lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], cfg.temperature), *cfg.truncation)
     b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
+    if job.wants_logprobs:  # the drafted tokens' values (the bonus's below)
+        masks = torch.stack(b.masks, 1) if b.masks else None
+        b.values = position_values(cfg, t_logits[:, :k], b.drafted, masks)
+    if cfg.round_end == "ess":  # the backend's buffer: kept until the cut's bonus is drawn
+        b.logits = t_logits.clone()
+        return
+    m = None
     if cfg.has_potential:  # after all K drafted tokens
         m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
         probs, norm = smc_potentials.masked_power_target(
@@ -351,35 +401,48 @@ def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Progra
     b.bonus = sample_categorical(probs, job.generator)
     if ps.host is not None:
         b.bonus = b.bonus[ps.host]
+    if b.values is not None:  # the bonus's values, beside the drafted tokens'
+        mask = m[:, None] if m is not None and job.constraint is not None else None
+        bonus = position_values(cfg, t_logits[:, k : k + 1], b.bonus[:, None], mask)
+        b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus, strict=True))
     if job.constraint is not None:
         alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, job.stop_tensor)
         bad = smc_potentials.consume(ps.states, alive, b.bonus)
         b.dead_pos[bad] = k + 1
 
 
-def _advance(job: Job, ps: _Particles, b: _Block) -> torch.Tensor:
+def _advance(job: Job, ps: _Particles, b: _Block, cut: int | None = None) -> torch.Tensor:
     """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
     ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
-    twist ``phi(new) / phi(old)``, and the new tokens. Returns bool ``[N]``: the particles
+    twist ``phi(new) / phi(old)``, and the new tokens. ``cut`` (round_end "ess"): the block is
+    the first ``cut`` drafted tokens only, the bonus comes later
+    (:func:`smcspec.decoding.smc_cut.deferred_bonus`). Returns bool ``[N]``: the particles
     that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
     cfg = job.config
     k = cfg.draft_tokens
-    block = torch.cat((b.drafted, b.bonus[:, None]), 1)  # [N, K+1]
-    block_pos = torch.arange(1, k + 2, device=job.device)
-    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, k + 2).min(1).values
-    kept = torch.minimum(first_stop.clamp(max=k + 1), cfg.max_new_tokens - ps.lengths)
+    if cut is None:
+        block, norm = torch.cat((b.drafted, b.bonus[:, None]), 1), b.bonus_norm  # [N, K+1]
+    else:
+        block, norm = b.drafted[:, :cut], None
+    m = block.shape[1]
+    block_pos = torch.arange(1, m + 1, device=job.device)
+    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, m + 1).min(1).values
+    kept = torch.minimum(first_stop.clamp(max=m), cfg.max_new_tokens - ps.lengths)
     kept = torch.where(ps.finished, torch.zeros_like(kept), kept)
     ps.logw = ps.logw + incremental_log_weights(
-        b.target_lp, b.draft_lp, cfg.alpha, b.bonus_norm, kept
+        b.target_lp[:, : min(m, k)], b.draft_lp[:, : min(m, k)], cfg.alpha, norm, kept
     )
     killed = None
     if cfg.has_potential:  # a particle that reached a dead end inside what it keeps dies
         killed = ~ps.finished & (b.dead_pos <= kept)
         ps.logw = torch.where(killed, torch.full_like(ps.logw, -math.inf), ps.logw)
         ps.dead += int(killed.sum())
-    start = 1 + ps.rounds * (k + 1)  # every unfinished particle has this length
-    window = ps.tokens[:, start : start + k + 1]
-    ps.tokens[:, start : start + k + 1] = torch.where(ps.finished[:, None], window, block)
+    start = ps.width  # every unfinished particle has this length
+    window = ps.tokens[:, start : start + m]
+    ps.tokens[:, start : start + m] = torch.where(ps.finished[:, None], window, block)
+    if ps.logprobs is not None:
+        ps.logprobs.write(start, ps.finished, tuple(v[:, :m] for v in b.values))
+    ps.width += m
     ps.lengths = ps.lengths + kept
     was_finished = ps.finished
     ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= cfg.max_new_tokens)
@@ -397,8 +460,9 @@ def _advance(job: Job, ps: _Particles, b: _Block) -> torch.Tensor:
                 "every particle reached a dead end of the constraint (no allowed "
                 "continuation has target probability)"
             )
-    ps.pending_t = b.bonus[:, None]
-    ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
+    if cut is None:
+        ps.pending_t = b.bonus[:, None]
+        ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
     ps.rounds += 1
     return ps.finished & ~was_finished
 
@@ -410,21 +474,25 @@ def _end_round(
     was_running: torch.Tensor,
     tcache: KVCache,
     dcache: KVCache,
-) -> None:
+    bank_only: bool = False,
+) -> torch.Tensor:
     """The end of a round, group by group (one group without ``cfg.groups``): a group in
     which particles ended this round banks them (:func:`_bank_group`, under the bank rule);
     any other group that ran this round is resampled if its ESS fell below ``kappa`` times
-    its size (step 3f, :func:`_resample_group`). The ancestors of every group are then
-    taken at once. ``ended``, ``was_running``: bool ``[N]``. The ESS recorded for the round
-    is the sum of the groups' ESS."""
+    its size (step 3f, :func:`_resample_group`; not with ``bank_only``, a second banking
+    after the deferred bonus of round_end "ess"). The ancestors of every group are then
+    taken at once and returned (int64 ``[N]``, ``arange`` where nothing moved). ``ended``,
+    ``was_running``: bool ``[N]``. The ESS recorded for the round is the sum of the groups'
+    ESS."""
     cfg = job.config
     anc = torch.arange(cfg.particles, device=ps.logw.device)
     reset = torch.zeros(cfg.particles, dtype=torch.bool, device=ps.logw.device)
     ess = effective_sample_sizes([ps.logw[cfg.group(g)] for g in range(cfg.groups)])
-    ps.ess_trace.append(sum(ess))
-    if ps.equal_start:
-        ps.fresh_ess.append(ps.ess_trace[-1])
-    ps.equal_start = False
+    if not bank_only:
+        ps.ess_trace.append(sum(ess))
+        if ps.equal_start:
+            ps.fresh_ess.append(ps.ess_trace[-1])
+        ps.equal_start = False
     # which groups ran this round and which had particles end in it: one host read
     ran, ends = torch.stack((was_running, ended)).view(2, cfg.groups, -1).any(2).tolist()
     reset_groups = [False] * cfg.groups
@@ -434,6 +502,8 @@ def _end_round(
             continue  # every particle of the group had ended before this round
         if cfg.banks_finished and ends[g]:
             a = _bank_group(job, ps, g, ended)
+        elif bank_only:
+            continue
         else:
             a = _resample_group(job, ps, g, ess[g])
         if a is not None:
@@ -441,6 +511,27 @@ def _end_round(
             reset[sl] = reset_groups[g] = True
     if any(reset_groups):
         _take_ancestors(ps, anc, reset, all(reset_groups), tcache, dcache)
+    return anc
+
+
+def _mass_stop(job: Job, ps: _Particles) -> bool:
+    """Whether the request may end before every particle has (``cfg.stop_epsilon``, the bank
+    rule): every group has banked a particle and the particles still running carry less than
+    ``stop_epsilon`` of the probability mass (the mean of the groups' running masses, the
+    groups counting equally). Their descendants could take at most that mass, so drawing the
+    output from the bank now moves its distribution by at most ``stop_epsilon`` in total
+    variation (``docs/smc-sd.md``, "Stopping when the running mass is small"). The running
+    particles are then marked ended and left out of the output."""
+    cfg = job.config
+    if cfg.stop_epsilon <= 0 or not cfg.banks_finished or not ps.banked:
+        return False
+    if len({g for _, m, g in ps.banked if m > -math.inf}) < cfg.groups:
+        return False
+    if float(ps.log_running.exp().mean()) >= cfg.stop_epsilon:
+        return False
+    ps.finished[:] = True
+    ps.stopped_early = True
+    return True
 
 
 def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.Tensor | None:
@@ -461,6 +552,8 @@ def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.
         j = sl.start + i
         seq = ps.tokens[j, : int(ps.lengths[j])].tolist()
         ps.banked.append((seq, float(ps.log_running[g]) + float(log_shares[i]), g))
+        if ps.logprobs is not None:
+            ps.logprobs.bank(j, seq)
     ps.log_running[g] += log_run
     running = ~ps.finished[sl]
     if not math.isfinite(log_run) or not bool(running.any()):
@@ -541,6 +634,8 @@ def _take_ancestors(
     tcache.reorder(anc)
     dcache.reorder(anc)
     ps.phi = ps.phi[anc]
+    if ps.logprobs is not None:
+        ps.logprobs.reorder(anc)
     if ps.states:
         ps.states = reorder(ps.states, anc)
     ps.logw = torch.where(reset, torch.zeros_like(ps.logw), ps.logw)
@@ -551,12 +646,15 @@ def _take_ancestors(
 def _emit(
     ps: _Particles,
     emitted: int,
-    on_tokens: TokenCallback | None,
+    job: Job,
     final: list[int] | None = None,
+    final_logprobs: TokenLogprobs | None = None,
 ) -> int:
     """Stream the tokens every particle holds, banked ones included (final: resampling only
-    copies particles), or the rest of the ``final`` output; returns how many tokens have
-    been emitted."""
+    copies particles), with the first particle's log-probabilities of them where the
+    request asks (the same prefix in every particle: the same distributions), or the rest
+    of the ``final`` output with its ``final_logprobs``; returns how many tokens have been
+    emitted."""
     if final is None:
         upto, row = _common_prefix(ps.tokens, ps.lengths)
         held = row[:upto]
@@ -565,8 +663,13 @@ def _emit(
         seq = row[:upto]
     else:
         upto, seq = len(final), final
-    if upto > emitted and on_tokens:
-        on_tokens(seq[emitted:upto])
+    if upto > emitted and (job.on_tokens or job.on_logprobs):
+        new, lps = seq[emitted:upto], None
+        if final_logprobs is not None:
+            lps = final_logprobs.slice(emitted, upto)
+        elif ps.logprobs is not None and job.on_logprobs is not None:
+            lps = ps.logprobs.row(0, new, emitted)
+        job.emit(new, lps)
     return max(emitted, upto)
 
 
@@ -611,7 +714,10 @@ def _output(
     w, all_inf = group_normalized_weights(masses, group_ids, cfg.groups)
     log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(cfg.groups)
     choice = int(sample_categorical(w.to(job.device), job.generator)) if len(seqs) > 1 else 0
-    _emit(ps, emitted, job.on_tokens, final=seqs[choice])
+    lps = None
+    if ps.logprobs is not None:  # the drawn particle's
+        lps = ps.logprobs.banked[choice] if ps.banked else ps.logprobs.row(choice, seqs[choice])
+    _emit(ps, emitted, job, seqs[choice], lps)
     stats = _stats(cfg, ps, all_inf, tcache, dcache)
     if ps.banked:  # the banked particles' total probability mass (per group): 1 once all ended
         stats.banked_mass = float(torch.logsumexp(masses, 0).exp()) / cfg.groups
@@ -627,6 +733,7 @@ def _output(
         stats=stats,
         particles=particles,
         log_normalizer=log_z if math.isfinite(log_z) else None,
+        logprobs=lps,
     )
 
 
@@ -656,6 +763,9 @@ def _stats(
         banked=len(ps.banked),
         distinct_rows_target=distinct(tcache),
         distinct_rows_draft=distinct(dcache),
+        mean_round_tokens=(ps.width - 1) / ps.rounds if ps.rounds else 0.0,
+        cut_rounds=ps.cut_rounds if cfg.round_end == "ess" else None,
+        stopped_early=True if ps.stopped_early else None,
     )
 
 

@@ -22,7 +22,13 @@ from tqdm import tqdm
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
 from smcspec.decoding.output import hit_token_cap
-from smcspec.decoding.registry import BY_METHOD, Decoder, decoder_for, parse_label
+from smcspec.decoding.registry import (
+    BASELINE,
+    Decoder,
+    decoder_for,
+    method_decoder,
+    parse_label,
+)
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
@@ -96,7 +102,7 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
 _BASELINES = re.compile(r"ar-(?:(?P<greedy>greedy)|(?P<select>sc|bon)-n(?P<n>\d+))")
 _PARTICLE_SUFFIX = re.compile(
     r"(?P<keep>-keep)?(?:-a(?P<alpha>[\d.]+))?(?P<reward>-reward(?P<beta>[\d.]+)?)?"
-    r"(?:-g(?P<groups>\d+))?(?P<vote>-vote)?"
+    r"(?:-g(?P<groups>\d+))?(?P<ess>-ess)?(?:-eps(?P<eps>[\d.]+))?(?P<vote>-vote)?"
 )
 
 
@@ -107,15 +113,15 @@ def _specs_named(
     baseline on ``ar`` (``ar-greedy``, ``ar-sc-nN``, ``ar-bon-nN``), or a setting as the
     decoder table names it (``sd-k4``, ``sd-ngram-k4``, ``smc-n8-k2``), which for particles
     may carry the suffixes of :func:`_particle_spec`. Raises :class:`ConfigError`."""
-    if name in BY_METHOD:  # a bare method: each (N, K) of the grid it has
-        d = BY_METHOD[name]
+    d = method_decoder(name)
+    if d is not None:  # a bare method: each (N, K) of the grid it has
         return [
             MethodSpec(d.label(n, k), _configure(d, base, n, k))
             for n in (ns if d.particles else [1])
             for k in (ks if d.draft_tokens else [0])
         ]
     if m := _BASELINES.fullmatch(name):
-        ar = replace(base, method=BY_METHOD["ar"].method)
+        ar = replace(base, method=BASELINE.method)
         if m.group("greedy"):
             return [MethodSpec(name, replace(ar, temperature=0.0))]
         n = int(m.group("n"))
@@ -132,28 +138,36 @@ def _specs_named(
             return [MethodSpec(name, _configure(d, base, n, k))]
     raise ConfigError(
         f"unknown method {name!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
-        "sd, smc, sd-kK, sd-ngram-kK, smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-vote]"
+        "sd, smc, sd-kK, sd-nN-kK, sd-ngram-kK, "
+        "smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-ess][-epsEPS][-vote]"
     )
 
 
 def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> GenerationConfig:
     """``base`` on decoder ``d`` at N = ``n``, K = ``k``: particles draft with the draft
     model, n-gram sd with n-grams, sd as ``base.draft`` says."""
-    if d.from_text or d.particles:
+    if d.from_text or d.uses_n:
         return d.configure(base, n, k)
-    return replace(base, method=d.method, draft_tokens=k) if d.draft_tokens else d.configure(base)
+    if d.draft_tokens:  # chain sd, drafting as ``base.draft`` says
+        return replace(base, method=d.method, draft_tokens=k, particles=1)
+    return d.configure(base)
 
 
 def _particle_spec(name: str, m: re.Match, cfg: GenerationConfig) -> MethodSpec:
     """A particle setting's suffixes: ``-keep`` (the paper's rule for finished particles),
     ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
-    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart) and
-    ``-vote`` (the weighted vote answers)."""
+    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart),
+    ``-ess`` (rounds cut where the ESS falls, ``round_end="ess"``), ``-epsEPS`` (the epsilon
+    stop, ``stop_epsilon``) and ``-vote`` (the weighted vote answers)."""
     cfg = replace(cfg, finished_particles="keep" if m.group("keep") else "bank")
     if m.group("alpha"):
         cfg = replace(cfg, alpha=float(m.group("alpha")))
     if m.group("groups"):
         cfg = replace(cfg, groups=int(m.group("groups")))
+    if m.group("ess"):
+        cfg = replace(cfg, round_end="ess")
+    if m.group("eps"):
+        cfg = replace(cfg, stop_epsilon=float(m.group("eps")))
     beta = None
     if m.group("reward"):
         beta = float(m.group("beta")) if m.group("beta") else REWARD_BETA

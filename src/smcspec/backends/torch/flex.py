@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from smcspec.backends.torch.graphs import compiled_region
+
 BLOCK = 128
 """Query and key block of the block mask (flex_attention's default)."""
 
@@ -152,7 +154,7 @@ def compiled_attend_flex():
         RuntimeError (at the first call): Inductor cannot compile here (no C++ compiler on a
             CPU, no Triton on a GPU).
     """
-    compiled = torch.compile(attend_flex, dynamic=False, fullgraph=True)
+    compiled = compiled_region(torch.compile(attend_flex, dynamic=False, fullgraph=True))
 
     def call(q, pk, pv, sk, sv, mask: ParticleMask, scale: float) -> torch.Tensor:
         args = (q, pk, pv, sk, sv)

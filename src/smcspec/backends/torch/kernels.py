@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from smcspec.backends.torch.graphs import compiled_region
+
 log = logging.getLogger(__name__)
 
 
@@ -163,7 +165,10 @@ def compiled_kernels() -> LayerKernels:
             CPU, no Triton on a GPU).
     """
     _allow_recompiles()
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+
+    def compile_(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return compiled_region(torch.compile(fn, dynamic=True, fullgraph=True))
+
     return LayerKernels(
         compile_(rms_norm), compile_(rotate), compile_(silu_mul), compile_(attend), "compiled"
     )
@@ -199,7 +204,7 @@ def layer_kernels() -> LayerKernels:
     from smcspec.backends.torch.flex import attend_flex
 
     _allow_recompiles()
-    compiled = torch.compile(_run_layer, dynamic=False, fullgraph=True)
+    compiled = compiled_region(torch.compile(_run_layer, dynamic=False, fullgraph=True))
 
     def layer(block, x: torch.Tensor, view) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(x, 0)
