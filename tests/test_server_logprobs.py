@@ -194,8 +194,8 @@ def test_impossible_alternatives_are_sent_as_minus_9999(server):
     """top-k 2 with 5 alternatives: the 3 outside the sampling distribution are -inf, sent
     as -9999.0 (JSON has no infinity)."""
     r = server.client().chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=3, top_k=2, logprobs=True, top_logprobs=5,
-        seed=1, extra_body={"smc": {"method": "ar"}},
+        model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=5,
+        seed=1, extra_body={"smc": {"method": "ar"}, "top_k": 2},
     )  # fmt: skip
     for e in r.choices[0].logprobs.content:
         assert [t.logprob for t in e.top_logprobs][2:] == [NEG_INF_LOGPROB] * 3

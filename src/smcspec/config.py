@@ -471,7 +471,7 @@ class GenerationConfig:
                 raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
         if self.draft_kind.from_text and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
-        if self.draft == "ngram" and self.applies_min_tokens:
+        if self.draft_kind.from_text and self.applies_min_tokens:
             raise ConfigError(
                 "the n-gram draft does not support min_tokens (a mask on the stop tokens); "
                 "use ar or sd with the draft model"

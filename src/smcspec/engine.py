@@ -29,7 +29,7 @@ from smcspec.decoding.job import Job
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import LogprobCallback, hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
-from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair
 from smcspec.potentials import Constraint, MinTokens
@@ -333,9 +333,9 @@ class Engine:
         else:
             ids = self.encode(prompt, chat, parse_special, tools)
         if not ids:
-            raise ConfigError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         if any(not 0 <= i < self.vocab for i in ids):
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
+            raise PromptError(f"prompt token ids must be in [0, {self.vocab})")
         if fit_context:
             room = self._context_room(len(ids), cfg, decoder)
             if 1 <= room < cfg.max_new_tokens:

@@ -20,6 +20,10 @@ class ConfigError(SmcspecError, ValueError):
     exit_code = 2
 
 
+class PromptError(ConfigError):
+    """A prompt that cannot be decoded: empty, or a token id outside the vocabulary."""
+
+
 class RpcServerError(ConfigError):
     """An RPC server (``--rpc HOST:PORT``) cannot be used: the connection is refused, the
     peer does not answer llama.cpp's RPC handshake in time, answers another protocol, or

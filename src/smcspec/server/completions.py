@@ -24,7 +24,7 @@ from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
 from smcspec.decoding.job import Job
 from smcspec.decoding.registry import method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
-from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
 from smcspec.potentials import DeadEndError
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
@@ -259,7 +259,8 @@ class Completion:
             )
         except (ConfigError, ContextLengthError) as exc:
             where = f"prompt[{i}]: " if count > 1 else ""
-            raise ApiError(400, f"{where}{exc}", param="prompt" if count > 1 else None) from exc
+            about_prompt = count > 1 or isinstance(exc, PromptError)
+            raise ApiError(400, f"{where}{exc}", param="prompt" if about_prompt else None) from exc
 
     def _engine_request(self, c: Choice, job: Job) -> EngineRequest:
         """Choice ``c``'s scheduler request: its text, log-probabilities (where asked for)
