@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import campaign_kernels
 import llama_speculative_gpu
 import torch
 
@@ -59,7 +60,7 @@ from smcspec import Engine, GenerationConfig
 from smcspec.backends.base import LoadedModel
 from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.fp8 import convert_to_fp8
-from smcspec.backends.torch.kernels import EAGER, compiled_kernels
+from smcspec.backends.torch.kernels import KERNEL_SETS
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
 from smcspec.decoding.registry import decoder_named
@@ -358,7 +359,7 @@ class System:
     batch: int = 1
     upper_bound: bool = False  # sd with draft = target
     rounds: str = "auto"  # the torch models' round mode (ROUND_MODES): auto = graphs on CUDA
-    compiled: bool = False  # torch: the layers' small kernels through torch.compile
+    kernels: str = "auto"  # torch: the layers' kernel set (KERNEL_MODES): auto = flex on CUDA
 
     @property
     def label(self) -> str:
@@ -369,7 +370,7 @@ class System:
         else:
             name = f"smc-n{self.n}-k{self.k}"
         name = name if self.rounds == "auto" else f"{name} [{self.rounds}]"
-        return f"{name} [compiled]" if self.compiled else name
+        return name if self.kernels == "auto" else f"{name} [{self.kernels}]"
 
 
 def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> dict:
@@ -378,8 +379,8 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
     for m in engine.models().values():  # torch models: how rounds run (steps or graphs)
         if hasattr(m, "rounds"):  # auto: graphs, which a CPU runs uncaptured (the rehearsal)
             m.rounds = "graphs" if system.rounds == "auto" else system.rounds
-        if hasattr(m, "use_kernels"):  # and with which small kernels
-            m.use_kernels(compiled_kernels() if system.compiled else EAGER)
+        if hasattr(m, "use_kernels"):  # and with which kernels between the GEMMs
+            m.use_kernels(system.kernels)
     cfg = GenerationConfig(
         method=system.method,
         particles=max(system.n, 1),
@@ -396,8 +397,10 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
     ]
     if system.batch == 1:
         r = engine.generate(prompts[0], cfg)
-        return {"tokens": r.new_tokens, "seconds": r.seconds, "stats": _small(r.stats)}
-    return run_batch(engine, prompts, cfg, system.batch)
+        out = {"tokens": r.new_tokens, "seconds": r.seconds, "stats": _small(r.stats)}
+    else:
+        out = run_batch(engine, prompts, cfg, system.batch)
+    return {**out, "kernels": _kernels_run(engines)}
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b: int) -> dict:
@@ -450,10 +453,10 @@ BATCH_NK = (8, 8)  # the SMC-SD setting of the batch groups, beside ar
 def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
     """The groups of systems compared side by side (each group alternated run by run): on
     torch with ``--compare-steps`` first ``ar`` and SMC-SD N=8 K=8 with rounds step by step
-    and as graphs; with ``--compare-compiled`` ``ar`` and SMC-SD with the layers' small
-    kernels as written and through ``torch.compile`` (:mod:`smcspec.backends.torch.kernels`);
-    then the grid (``ar``, SMC-SD at every N x K, the acceptance-1 ``sd`` rows); then the
-    batches."""
+    and as graphs; with ``--compare-kernels`` ``ar`` and SMC-SD with each kernel set of
+    ``--kernel-sets`` (:mod:`smcspec.backends.torch.kernels`: written, compiled small kernels,
+    flex attention, whole layers compiled); then the grid (``ar``, SMC-SD at every N x K, the
+    acceptance-1 ``sd`` rows); then the batches."""
     groups = []
     if backend == "torch" and args.compare_steps:
         n, k = args.compare_steps
@@ -461,12 +464,12 @@ def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
             [System("ar", rounds="steps"), System("ar"),
              System("smc", n, k, rounds="steps"), System("smc", n, k)]
         )  # fmt: skip
-    if backend == "torch" and args.compare_compiled:
-        n, k = args.compare_compiled
+    if backend == "torch" and args.compare_kernels:
+        n, k = args.compare_kernels
         groups.append(
-            [System("ar"), System("ar", compiled=True),
-             System("smc", n, k), System("smc", n, k, compiled=True)]
-        )  # fmt: skip
+            [System("ar", kernels=s) for s in args.kernel_sets]
+            + [System("smc", n, k, kernels=s) for s in args.kernel_sets]
+        )
     grid = [System("smc", n, k) for n in args.particles for k in args.draft_tokens]
     groups.append([System("ar"), *grid])
     if upper_bound:  # the acceptance-1 sd rows (draft = the target's own weights)
@@ -541,6 +544,10 @@ def measure(c: Campaign, backend: str, pair_name: str) -> None:
         time_group(c, engines, group, {**base, "group": i})
     if args.profile and backend == "torch" and c.left() > args.min_step_s:
         profile_round(c, engines, base)
+    if args.profile_kernels and backend == "torch":
+        n, k = args.compare_kernels or (8, 8)
+        request = (n, k, args.prompt_tokens, min(64, args.max_new_tokens))
+        campaign_kernels.device_profile(c, engines["pair"], base, args.profile_kernels, *request)
     if args.compare_fp8 and backend == "torch" and args.weights != "fp8":
         fp8_group(c, engines, target.model, draft.model, base)  # last: it converts the models
     if args.llama_speculative and backend == "llamacpp" and pair_name == "llama":
@@ -572,6 +579,7 @@ def rooflines(
         for m in (target, draft):  # the step-by-step forwards (eager on torch)
             if hasattr(m, "rounds"):
                 m.rounds = "steps"
+                m.use_kernels("auto")  # the default kernels, whatever a group ran last
         costs = smc_forward_costs(target, draft, n, k, SMC)
         c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k, SMC),
               **base)  # fmt: skip
@@ -618,6 +626,7 @@ def tuned(c: Campaign, engine: Engine, base: dict) -> None:
     for m in engine.models().values():
         if hasattr(m, "rounds"):
             m.rounds = "auto"
+            m.use_kernels("auto")
     grid = TuningGrid(
         draft_tokens=tuple(args.tune_draft_tokens), max_forward_tokens=GPU_MAX_FORWARD_TOKENS
     )
@@ -756,7 +765,8 @@ def time_group(c: Campaign, engines: dict[str, Engine], group: list[System], bas
             batch=s.batch,
             upper_bound=s.upper_bound,
             rounds=s.rounds,
-            compiled=s.compiled,
+            kernel_mode=s.kernels,
+            kernels=runs[-1].get("kernels"),
             reps=len(runs),
             tokens_per_s=statistics.median(tps),
             all_tokens_per_s=tps,
@@ -888,6 +898,7 @@ def report(c: Campaign, env: dict, argv: list[str]) -> None:
         lines.append("")
     for r in (r for r in rows if r["kind"] == "tuned"):
         lines += _tuned_lines(r)
+    lines += campaign_kernels.prediction_lines(rows, env["tiny"])
     ar_batch1 = {(r["phase"], r["backend"], r["pair"]): r["tokens_per_s"] for r in runs
                  if r["method"] == "ar" and r["batch"] == 1 and r["rounds"] == "auto"}  # fmt: skip
     lines += llama_speculative_gpu.report_lines(rows, ar_batch1)
@@ -948,9 +959,16 @@ def _tuned_lines(r: dict) -> list[str]:
     ]
 
 
+def _kernels_run(engines: dict[str, Engine]) -> str | None:
+    """The kernel set the pair's target ran (``auto`` resolved); None off torch."""
+    kernels = getattr(engines["pair"].target.model, "kernels", None)
+    return getattr(kernels, "name", None)
+
+
 def _ar_key(r: dict) -> tuple:
     keys = ("phase", "backend", "pair", "group", "batch", "rounds")
-    return (*(r[k] for k in keys), r.get("compiled", False))
+    mode = r.get("kernel_mode", "compiled" if r.get("compiled") else "auto")  # older rows
+    return (*(r[k] for k in keys), mode)
 
 
 def _report_line(r: dict, ar: dict, roof: dict, several: bool) -> str:
@@ -1054,10 +1072,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "both ways, in a first group ('none' for none)",
     )
     ap.add_argument(
-        "--compare-compiled",
+        "--compare-kernels",
         default="8,8",
-        help="torch: N,K of the SMC-SD setting also run with the layers' small kernels "
-        "through torch.compile, beside ar both ways, in a group of its own ('none' for none)",
+        help="torch: N,K of the SMC-SD setting run with each of --kernel-sets, beside ar with "
+        "each, in a group of its own ('none' for none)",
+    )
+    ap.add_argument(
+        "--kernel-sets",
+        default="eager,compiled,flex,layer",
+        help="torch: the kernel sets of --compare-kernels (smcspec.backends.torch.kernels)",
     )
     ap.add_argument(
         "--compare-fp8",
@@ -1069,6 +1092,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         action="store_true",
         help="torch: one SMC-SD request under cProfile after each pair's groups",
+    )
+    ap.add_argument(
+        "--profile-kernels",
+        default="",
+        help="torch: kernel sets whose SMC-SD request (N,K of --compare-kernels) runs under "
+        "torch.profiler after the groups, kernels and device time a round beside their "
+        "prediction (benchmarks/campaign_kernels.py; e.g. eager,layer)",
     )
     ap.add_argument(
         "--bandwidth",
@@ -1126,7 +1156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     args.compare_steps = _n_k(args.compare_steps)
-    args.compare_compiled = _n_k(args.compare_compiled)
+    args.compare_kernels = _n_k(args.compare_kernels)
+    args.kernel_sets = [x for x in args.kernel_sets.split(",") if x]
+    args.profile_kernels = [x for x in args.profile_kernels.split(",") if x]
+    unknown = sorted(set(args.kernel_sets + args.profile_kernels) - set(KERNEL_SETS))
+    if unknown:
+        ap.error(f"--kernel-sets/--profile-kernels: {unknown} not among {list(KERNEL_SETS)}")
     args.compare_fp8 = _n_k(args.compare_fp8)
     args.workdir = args.workdir or str(Path(args.out) / "models")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1142,6 +1177,10 @@ def _n_k(text: str) -> tuple[int, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cpu":  # the rehearsal counts kernels from CPU events (kernel_count)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     c = Campaign(args)
     env = environment(args)
     command = ["python", "benchmarks/gpu_campaign.py", *(sys.argv[1:] if argv is None else argv)]

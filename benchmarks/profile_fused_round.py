@@ -7,7 +7,8 @@ writes the kernels' device time grouped by name (``key_averages``, sorted by dev
 the number of kernels per round and the device time per round. Then one request with the
 rounds captured (``graphs``) for the wall time beside it.
 
-Usage (on a GPU; ``--tiny`` runs the same on a CPU with tiny shapes):
+Usage (on a GPU; ``--tiny`` runs the same on a CPU with tiny shapes; ``--kernels SET``: a
+kernel set of ``smcspec.backends.torch.kernels``, default the models' ``auto``):
   python benchmarks/profile_fused_round.py --pair llama --n 8 --k 8 --out OUT
 """
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=64, help="new tokens of the profiled request")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--kernels", default="auto", help="the models' kernel set (KERNEL_MODES)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(mode: str):
         for m in models:
             m.rounds = mode
+            m.use_kernels(args.kernels)
         return engine.generate(prompt, cfg)
 
     run("eager")  # warm-up: caches, cuBLAS
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     summary = {
         "pair": args.pair,
+        "kernel_set": next(iter(models)).kernels.name,
         "n": args.n,
         "k": args.k,
         "new_tokens": result.new_tokens,

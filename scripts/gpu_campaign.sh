@@ -25,17 +25,21 @@
 # benchmarks start nothing after S seconds (the rest is the llamacpp backend's).
 # The torch backend runs TORCH_PAIRS (default llama: 8B/1B) with CAMPAIGN_ARGS, a cProfile
 # of one round and the tuner on the device (its forward costs measured there, the real default
-# pair's acceptance statistics from PAIR_STATS, benchmarks/pair_stats/), then BIG_PAIRS
+# pair's acceptance statistics from PAIR_STATS, benchmarks/pair_stats/; TUNE=0: no tuner,
+# PAIR_STATS still giving llama-speculative's predicted speed), then BIG_PAIRS
 # (default qwen32,llama70: 32B/0.5B and 70B/1B; empty: none) with BIG_ARGS appended (default
 # a small grid, N 4,8 and K 8, with FP8 projections, the sixth lending having run them in bf16;
-# no steps or compiled-kernels comparison);
+# no steps or kernel-set comparison); PROFILE_KERNELS (default every kernel set; --tiny: eager
+# and layer) the sets whose
+# SMC-SD request runs under torch.profiler after the main pair's groups (kernels and device
+# time a round beside their prediction, docs/benchmarks/layer-kernels/);
 # --big-s S keeps S seconds of --torch-s for the large pairs. Results: DIR/results.jsonl,
 # DIR/report.md, DIR/tokens_per_s.png, logs beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" BIG_S=0 PY=${PYTHON:-python3}
 BIG_PAIRS=${BIG_PAIRS-qwen32,llama70}
-BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-compiled none --compare-fp8 none --weights fp8}
+BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-kernels none --compare-fp8 none --weights fp8}
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
@@ -69,10 +73,16 @@ BENCH=("$PY" benchmarks/gpu_campaign.py --device "$DEVICE" --out "$OUT"
        --workdir "$WORK/models")
 # shellcheck disable=SC2206  # CAMPAIGN_ARGS: extra benchmark arguments, split on spaces
 BENCH+=(${CAMPAIGN_ARGS:-})
-if [ "$TINY" = 1 ]; then
+if [ "$TINY" = 1 ]; then  # every step once, small: one N, two K, the tuner's K two
     BENCH+=(--tiny --reps 1 --prompt-tokens 16 --max-new-tokens 16 --kv-cells 16384
-            --particles 4,8 --draft-tokens 2,8 --batches 4 --upper-bound-pairs qwen,llama)
+            --particles 8 --draft-tokens 2,8 --tune-draft-tokens 2,8 --batches 4
+            --upper-bound-pairs qwen,llama)
+    BIG_ARGS="$BIG_ARGS --particles 8"
+    PROFILE_KERNELS=${PROFILE_KERNELS-eager,layer}  # the path once; the group runs every set
 fi
+PROFILE_KERNELS=${PROFILE_KERNELS-eager,compiled,flex,layer}
+PAIR_STATS=${PAIR_STATS:-benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json}
+TUNE_STATS=$([ "${TUNE:-1}" = 0 ] || echo "$PAIR_STATS")  # the torch phase's: its tuner
 
 if [ "$PHASE" != llamacpp ]; then
     log "torch: GPU tests"
@@ -80,7 +90,8 @@ if [ "$PHASE" != llamacpp ]; then
     log "torch: benchmarks"
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$LOG"
     "${BENCH[@]}" --backends torch --pairs "${TORCH_PAIRS:-llama}" --profile \
-        --pair-stats "${PAIR_STATS:-benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json}" \
+        --profile-kernels "$PROFILE_KERNELS" \
+        --pair-stats "$TUNE_STATS" \
         --deadline-s $(( ${TORCH_S:-$BUDGET_S} - ($(date +%s) - START) - BIG_S - 30 )) >>"$LOG" 2>&1
     log "torch: benchmarks exit $?"
     if [ -n "$BIG_PAIRS" ]; then
@@ -111,7 +122,7 @@ if [ "$PHASE" != torch ]; then
         SPEC=()  # llama.cpp's own tool, where this run builds llama.cpp (not the rehearsal)
         [ -f "$WORK/build.started" ] && SPEC=(--llama-speculative "$LIBS/llama-speculative")
         "${BENCH[@]}" --backends llamacpp --pairs llama,qwen "${SPEC[@]}" \
-            --pair-stats "${PAIR_STATS:-benchmarks/pair_stats/qwen2.5-coder-1.5b-q4km_0.5b.json}" \
+            --pair-stats "$PAIR_STATS" \
             --deadline-s $(( BUDGET_S - ($(date +%s) - START) - 30 )) >>"$LOG" 2>&1
         log "llamacpp: benchmarks exit $?"
     else

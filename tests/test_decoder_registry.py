@@ -32,6 +32,8 @@ TABLES = {"DECODERS", "BY_METHOD", "CHOICES"}
 
 NOT_METHODS = {
     ("backends/torch/transformer.py", "self.rounds == 'auto'"),  # how rounds run
+    ("backends/torch/transformer.py", "mode == 'auto'"),  # which kernel set the layers run
+    ("backends/torch/transformer.py", "self.kernel_mode != 'auto'"),
     ("models/loading.py", "backend == 'auto'"),  # which backend loads a file
     ("models/pair.py", "backend == 'auto'"),
     ("sandbox.py", "sandbox == 'auto'"),  # which sandbox runs code

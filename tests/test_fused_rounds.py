@@ -457,10 +457,36 @@ def test_captured_rounds_are_keyed_by_the_kernel_set(pair, monkeypatch):
     cfg = GenerationConfig(method="ar", max_new_tokens=3, temperature=1.0)
     model = pair[0]
     _run(decode_ar, (model,), "eager", cfg)
-    model.use_kernels(replace(EAGER, compiled=True))  # the written functions, marked compiled
+    model.use_kernels(replace(EAGER, name="compiled"))  # the written functions, named compiled
     try:
         _run(decode_ar, (model,), "eager", cfg)
     finally:
-        model.use_kernels(EAGER)
+        model.use_kernels("auto")
     half = len(keys) // 2
     assert keys[half:] == [(*k, "compiled") for k in keys[:half]]
+
+
+def test_auto_falls_back_to_the_written_kernels_when_compiling_fails(pair, monkeypatch, caplog):
+    """``auto`` (flex on CUDA) whose compiled attention fails to compile (a machine without
+    Triton or a C++ compiler): the round runs again on the written kernels and the request
+    gets what it gets on them; the failure is logged once and ``auto`` stays on the written
+    kernels in the process. Fails if the error is raised instead (tried)."""
+    from smcspec.backends.torch import kernels, transformer
+
+    def no_compiler(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler here")
+
+    failing = replace(kernels.EAGER, name="flex", flex=no_compiler)
+    monkeypatch.setattr(kernels, "_auto_failures", [])
+    monkeypatch.setattr(
+        transformer, "auto_kernels", lambda *a: kernels.EAGER if kernels._auto_failures else failing
+    )
+    for m in pair:
+        m.use_kernels("auto")
+    want = _run(decode_smc, pair, "eager", SMC)  # auto resolves to the written kernels here
+    kernels._auto_failures.clear()
+    with caplog.at_level("WARNING", logger="smcspec.backends.torch.kernels"):
+        got = _run(decode_smc, pair, "eager", SMC)
+    _same(want, got)
+    assert len(kernels._auto_failures) == 1 and "no C++ compiler" in caplog.text
+    assert all(m.kernels is kernels.EAGER for m in pair)

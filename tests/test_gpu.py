@@ -207,33 +207,52 @@ def test_the_captured_prefill_matches_the_eager_one(tmp_path):
     )
 
 
-def test_compiled_kernels_replay_in_graphs_like_the_written_ones(tmp_path):
-    """The layer pieces through torch.compile (Triton kernels) captured in the rounds' CUDA
-    graphs: a forward's logits within bf16 tolerance of the written kernels', and every method
-    generating to the budget with them (the campaign's `[compiled]` rows)."""
-    from smcspec.backends.torch.kernels import EAGER, compiled_kernels
-
+@pytest.mark.parametrize("name", ["compiled", "flex", "layer"])
+def test_kernel_sets_replay_in_graphs_like_the_written_ones(tmp_path, name):
+    """Each compiled kernel set (Triton kernels: ``compiled`` the layer pieces one by one,
+    ``flex`` the rounds' attention as one flex_attention kernel, ``layer`` each layer one
+    compiled function) captured in the rounds' CUDA graphs: a static forward's logits within
+    bf16 tolerance of the written kernels', and every method generating to the budget with
+    it (the campaign's ``[compiled]``, ``[flex]``, ``[layer]`` rows), its graphs keyed by the
+    set."""
     d = [make_tiny_hf_model(tmp_path / str(s), "llama", seed=s) for s in (0, 1)]
     e = Engine(load_hf_dir(d[0], device="cuda", dtype="bfloat16"),
                load_hf_dir(d[1], device="cuda", dtype="bfloat16"))  # fmt: skip
     target = e.target.model
     prompt = torch.arange(3, 40, device="cuda")
+    tokens = torch.tensor([[5, 6], [7, 8]], device="cuda")
+    start = torch.zeros((), dtype=torch.long, device="cuda")
     logits = {}
-    for name, kernels in (("eager", EAGER), ("compiled", compiled_kernels())):
+    target.rounds = "eager"
+    for kernels in ("eager", name):
         target.use_kernels(kernels)
-        cache = target.new_cache(2, 8)
+        cache = target.new_cache(2, 8, static=True, prompt_len=37)
         target.prefill(prompt, cache)
-        logits[name] = target.decode(torch.tensor([[5, 6], [7, 8]], device="cuda"), cache)
-    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=2e-2, atol=2e-2)
+        logits[kernels] = target.decode_static(tokens, cache, start, 64).float()
+        cache.close()
+    torch.testing.assert_close(logits[name], logits["eager"], rtol=2e-2, atol=2e-2)
+    target.release_static()
     for m in e.models().values():
-        m.use_kernels(compiled_kernels())
+        m.use_kernels(name)
         m.rounds = "graphs"
     for method in ("ar", "sd", "smc"):
         r = e.generate([5, 6, 7], GenerationConfig(method=method, max_new_tokens=33, seed=1,
                                                   ignore_eos=True), chat=False)  # fmt: skip
         assert r.new_tokens == 33
     graphs = [k for c in target.static_slots.slots for k in c.graphs]
-    assert graphs and all(k[-1] == "compiled" for k in graphs)  # captured with them
+    assert graphs and all(k[-1] == name for k in graphs)  # captured with them
+
+
+def test_auto_runs_the_flex_attention_on_cuda(tmp_path):
+    """The default kernel set on CUDA is ``flex`` (``kernels.auto_kernels``): a request's
+    rounds run it, and no compile failure made it fall back."""
+    from smcspec.backends.torch import kernels
+
+    e = Engine(load_hf_dir(make_tiny_hf_model(tmp_path, "llama", seed=0), device="cuda",
+                           dtype="bfloat16"))  # fmt: skip
+    r = e.generate([5, 6, 7], GenerationConfig(method="ar", max_new_tokens=9), chat=False)
+    assert r.new_tokens == 9 and e.target.model.kernels.name == "flex"
+    assert not kernels._auto_failures
 
 
 def test_fp8_weights_run_in_captured_rounds(tmp_path):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from smcspec.backends.torch.kernels import KERNEL_SETS
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_campaign  # noqa: E402
@@ -63,6 +65,11 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_rehearsal(out)
+
+
+def check_rehearsal(out: Path) -> None:
+    """What a rehearsal's folder ``out`` must hold (every step ran, the report's sections)."""
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["kind"] in ("error", "skipped")], rows
     backends = ["torch"]
@@ -70,23 +77,30 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
         backends.append("llamacpp")
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
-    # torch: llama (ar and smc-n8-k8 as steps and graphs, and with the written and the compiled
-    # kernels; ar + 2x2 smc + 2 sd; ar and smc at batch 4; ar and smc-n8-k8 with FP8
-    # projections), then qwen32 and llama70 with FP8 projections (ar + 2 smc + 2 sd; batch 4)
-    assert len(torch_runs) == 4 + 4 + 7 + 2 + 2 + 2 * 7
-    fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 7, "llama70-fp8": 7}
+    # torch: llama (ar and smc-n8-k8 as steps and graphs, and with each kernel set; ar + 2
+    # smc + 2 sd; ar and smc at batch 4; ar and smc-n8-k8 with FP8 projections), then qwen32
+    # and llama70 with FP8 projections (ar + 1 smc + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 8 + 5 + 2 + 2 + 2 * 6
+    fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 6, "llama70-fp8": 6}
     assert {p: sum(r["pair"] == p for r in torch_runs) for p in fp8_pairs} == fp8_pairs
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
-    compiled = [r["system"] for r in torch_runs if r["compiled"]]
-    assert compiled == ["ar [compiled]", "smc-n8-k8 [compiled]"]
-    # llamacpp: 2 pairs x (ar + 2x2 smc + 2 sd upper bounds + ar and smc at batch 4)
-    assert len(runs) - len(torch_runs) == (2 * 9 if "llamacpp" in backends else 0)
+    sets = ["eager", "compiled", "flex", "layer"]
+    chosen = [(r["system"], r["kernels"]) for r in torch_runs if r["kernel_mode"] != "auto"]
+    assert chosen == [(f"{m} [{s}]", s) for m in ("ar", "smc-n8-k8") for s in sets]
+    assert {r["kernels"] for r in torch_runs if r["kernel_mode"] == "auto"} == {"eager"}  # CPU
+    # the request profiled on the written and the whole-layer kernels (the rehearsal's two):
+    # kernels a round, the whole-layer set's fewer
+    profiles = {r["kernels_run"]: r["kernels_per_round"] for r in rows
+                if r["kind"] == "device-profile"}  # fmt: skip
+    assert set(profiles) == {"eager", "layer"} and profiles["layer"] < profiles["eager"]
+    # llamacpp: 2 pairs x (ar + 2 smc + 2 sd upper bounds + ar and smc at batch 4)
+    assert len(runs) - len(torch_runs) == (2 * 7 if "llamacpp" in backends else 0)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
     assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["method"] == "sd")
     kinds = [r["kind"] for r in rows]
-    cells = 4 + 1 + 2 + 2  # (N, K) cells of the torch pairs (llama-fp8: its group's one)
+    cells = 2 + 1 + 1 + 1  # (N, K) cells of the torch pairs (llama-fp8: its group's one)
     assert kinds.count("roofline-fused") == kinds.count("bound") == cells
-    assert kinds.count("roofline") == cells + (2 * 4 if "llamacpp" in backends else 0)
+    assert kinds.count("roofline") == cells + (2 * 2 if "llamacpp" in backends else 0)
     assert all(r["measured_costs"] > 0 for r in rows if r["kind"].startswith("roofline"))
     assert kinds.count("profile") == 1
     # the tuner on the device: the main torch pair's costs, the real pair's acceptance file
@@ -107,6 +121,8 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     loads = {r["pair"]: r["weights"] for r in torch_loads}
     assert loads == {"llama": "native", "qwen32-fp8": "fp8", "llama70-fp8": "fp8"}
     assert "## The tuner on this device: torch, tiny-llama-target" in report
+    assert "## Kernel sets: item 1's prediction beside the measurement" in report
+    assert "| smc-n8-k8 [layer] (llama) | layer |" in report
     assert (out / "tokens_per_s.png").stat().st_size > 1000
     # what a lent machine can bring back: at most 8 files, none in a subfolder
     assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())
@@ -253,3 +269,79 @@ def test_llama_speculative_log_gives_round_cost_and_a_labelled_prediction():
         "| llama | 8 | 26.00 | 185.7 | 200.0 | 0.53 | 146.7 (alpha 0.760) | 0.98 predicted |"
         in text
     )
+
+
+def test_kernel_predictions_stand_beside_the_measurements():
+    """The report's kernel-set section: each run's tokens/s beside the predicted tokens/s of
+    its kernel set, each device profile beside the predicted kernels and device time a round,
+    a ratio more than 20% from 1 flagged; rows the predictions do not cover (another N or K,
+    rounds step by step, another pair) are left out. Broken variants: flagging only past 50%;
+    keeping every pair's rows."""
+    import campaign_kernels
+
+    pred = {
+        "tokens": {"layer": {"set": "layer", "n": 8, "k": 8,
+                             "predicted_h200": {"ar_tokens_per_s": 182.0,
+                                                "smc_tokens_per_s": 577.8}}},
+        "request": {"layer": {"set": "layer", "kernels_per_round": 2900.0,
+                              "predicted_h200": {"device_ms_per_round": 18.0}}},
+    }  # fmt: skip
+    run = {"kind": "run", "backend": "torch", "batch": 1, "pair": "llama", "kernels": "layer"}
+    rows = [
+        {**run, "system": "ar [layer]", "method": "ar", "n": 1, "k": 0, "tokens_per_s": 170.0},
+        {**run, "system": "smc-n8-k8 [layer]", "method": "smc", "n": 8, "k": 8,
+         "tokens_per_s": 400.0},
+        {**run, "system": "smc-n4-k8 [layer]", "method": "smc", "n": 4, "k": 8,
+         "tokens_per_s": 300.0},
+        {**run, "system": "ar [steps]", "method": "ar", "n": 1, "k": 0, "rounds": "steps",
+         "tokens_per_s": 30.0},
+        {**run, "system": "ar", "pair": "llama-fp8", "method": "ar", "n": 1, "k": 0,
+         "tokens_per_s": 300.0},
+        {"kind": "device-profile", "kernels_run": "layer", "pair": "llama", "n": 8, "k": 8,
+         "prompt": 128, "new": 64, "kernels_per_round": 3000.0, "device_ms_per_round": 17.1},
+    ]  # fmt: skip
+    text = "\n".join(campaign_kernels.prediction_lines(rows, tiny=False, predictions=pred))
+    assert "| ar [layer] (llama) | layer | 170.0 | 182.0 | 0.93 |" in text
+    assert "| smc-n8-k8 [layer] (llama) | layer | 400.0 | 577.8 | 0.69 (off by more than" in text
+    assert "smc-n4-k8" not in text  # no prediction at N=4, for steps or for another pair
+    assert "[steps]" not in text and "llama-fp8" not in text
+    assert "| layer (llama) | N=8 K=8, 128+64 | 3000.0 | 2900.0 | 17.1 | 18.0 | 0.95 |" in text
+    assert campaign_kernels.prediction_lines(rows[:0], tiny=False, predictions=pred) == []
+
+
+def prepared_call(doc: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the script's arguments of docs/gpu.md's prepared call (the first
+    ``bash`` block under "The next lending")."""
+    import shlex
+
+    section = doc.split("## The next lending", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    env = dict(w.split("=", 1) for w in words[: words.index("bash")])
+    assert words[words.index("bash") + 1] == "scripts/gpu_campaign.sh"
+    return env, words[words.index("bash") + 2 :]
+
+
+def test_prepared_call_matches_the_script_and_the_lending():
+    """docs/gpu.md's prepared call for the next lending: every variable it sets is one the
+    script reads, every script option one it takes, its CAMPAIGN_ARGS and the script's own
+    torch options parse (kernel sets named right), and its budget fits one 600 s command with
+    the machine's start and the transfers inside 15 device minutes. Broken variants: the doc
+    still passing ``--compare-compiled 8,8`` (the option renamed) or ``PROFILE_KERNELS=
+    eager,compield``, or a ``--budget-s`` of 600 (no time left for the transfers)."""
+    env, argv = prepared_call((ROOT / "docs" / "gpu.md").read_text())
+    script = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
+    assert all(f"${{{name}" in script for name in env), env
+    options = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert set(options) <= {"--out", "--budget-s", "--torch-s", "--big-s", "--phase"}
+    assert all(f"        {o})" in script for o in options)
+    budget, torch_s = float(options["--budget-s"]), float(options["--torch-s"])
+    assert torch_s < budget <= 570  # a 600 s command, its start and transfers within 15 min
+    profile = env.get("PROFILE_KERNELS", "eager,compiled,flex,layer")
+    args = gpu_campaign.parse_args(
+        ["--device", "cpu", "--out", "/tmp/x", *env.get("CAMPAIGN_ARGS", "").split(),
+         "--backends", "torch", "--pairs", env.get("TORCH_PAIRS", "llama"), "--profile",
+         "--profile-kernels", profile]
+    )  # fmt: skip
+    assert args.compare_kernels == (8, 8) and args.kernel_sets == list(KERNEL_SETS)
+    assert args.profile_kernels == list(KERNEL_SETS)

@@ -24,7 +24,7 @@ float32, rotate-half RoPE, SwiGLU); q/k/v and gate/up projections are fused for 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +35,20 @@ from torch import nn
 from smcspec.backends.pool import Lease, ResourcePool
 from smcspec.backends.shared_rows import RowPlan
 from smcspec.backends.torch.architecture import ModelConfig
+from smcspec.backends.torch.flex import particle_mask
 from smcspec.backends.torch.graphs import RoundFn, run_round
-from smcspec.backends.torch.kernels import EAGER, LayerKernels
+from smcspec.backends.torch.kernels import (
+    EAGER,
+    KERNEL_MODES,
+    LayerKernels,
+    auto_failed,
+    auto_kernels,
+    is_compile_error,
+    kernel_set,
+)
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots, bucket
+from smcspec.backends.torch.static_view import LayerView, StaticView
 
 ROUND_MODES = ("auto", "steps", "eager", "graphs")
 """How the decoders' rounds run on a :class:`Transformer` (:attr:`Transformer.rounds`):
@@ -146,47 +156,6 @@ class Segment:
         return self.plan.distinct if self.plan is not None else self.rows * self.tokens
 
 
-@dataclass
-class StaticView:
-    """What every layer of one static forward reads (built once per forward, all on the
-    device): ``slots`` x ``rows`` x ``tokens`` new tokens, rows slot-major, over the suffix
-    storage ``suffix_k/v`` ``[layers, slots * rows, Hkv, capacity, D]`` and the prompt
-    storage ``prefix_k/v`` ``[layers, slots, Hkv, prefix_capacity, D]`` (one cache: one
-    slot; a bank: every slot). Keys and values go to suffix positions ``write_at``: int64
-    ``[T]`` for every row, or ``scatter_at`` (int64 ``[slots * rows, Hkv, T, D]``, each
-    slot's positions) with ``keep`` (bool ``[slots * rows, 1, 1, 1]``, False: the row's
-    stored values are written back unchanged). Attention covers the first ``prefix_window``
-    prompt and ``suffix_window`` suffix positions; True in ``mask_prefix`` ``[slots, Pw]``
-    and ``mask_suffix`` ``[slots, g*T, Sw]`` (queries ordered (head in group, token)) hides
-    one. ``cos``/``sin``: RoPE of every row's
-    positions ``[slots * rows * T, D]``."""
-
-    suffix_k: torch.Tensor
-    suffix_v: torch.Tensor
-    prefix_k: torch.Tensor
-    prefix_v: torch.Tensor
-    tokens: int
-    prefix_window: int
-    suffix_window: int
-    mask_prefix: torch.Tensor
-    mask_suffix: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    write_at: torch.Tensor | None = None
-    scatter_at: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's new keys and values ``[slots * rows, Hkv, T, D]``."""
-        for store, new in ((self.suffix_k[layer], k), (self.suffix_v[layer], v)):
-            if self.write_at is not None:
-                store.index_copy_(2, self.write_at, new)
-                continue
-            if self.keep is not None:
-                new = torch.where(self.keep, new, store.gather(2, self.scatter_at))
-            store.scatter_(2, self.scatter_at, new)
-
-
 class Block(nn.Module):
     """One pre-norm decoder layer: GQA attention + SwiGLU MLP."""
 
@@ -254,23 +223,33 @@ class Block(nn.Module):
     def forward_static(self, x: torch.Tensor, view: StaticView) -> torch.Tensor:
         """One layer over every row of a static forward (:meth:`Transformer.decode_static`,
         :meth:`Transformer.decode_bank`): ``x`` ``[R*T, hidden]``, rows row-major; no host
-        read, fixed shapes."""
+        read, fixed shapes. Runs :attr:`kernels`' whole-layer function where it has one."""
+        layer = view.layer(self.layer)
+        if self.kernels.layer is not None:
+            return self.kernels.layer(self, x, layer)
+        return self.forward_layer(x, layer)
+
+    def forward_layer(self, x: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """:meth:`forward_static` on this layer's :class:`LayerView`: projections, RoPE, the
+        cache write, attention (flex where ``view.flex`` is set), output and MLP."""
         q, k, v = self.project(x, view.cos, view.sin)
         t = view.tokens
         r = x.shape[0] // t
-        q = q.view(r, t, self.h, self.d).transpose(1, 2)
         k = k.view(r, t, self.hkv, self.d).transpose(1, 2)
         v = v.view(r, t, self.hkv, self.d).transpose(1, 2)
-        view.write(self.layer, k, v)
-        pk = view.prefix_k[self.layer, :, :, : view.prefix_window]  # [slots, Hkv, Pw, D]
-        pv = view.prefix_v[self.layer, :, :, : view.prefix_window]
-        sk = view.suffix_k[self.layer, :, :, : view.suffix_window]  # [R, Hkv, Sw, D]
-        sv = view.suffix_v[self.layer, :, :, : view.suffix_window]
-        g = self.h // self.hkv
-        qg = q.reshape(r, self.hkv, g * t, self.d)
+        view.write(k, v)
+        if view.flex is not None:  # one kernel: each slot's n*T queries over prompt + rows
+            qf = q.view(view.pk.shape[0], -1, self.h, self.d).transpose(1, 2)
+            if self.kernels.layer is not None:  # the RoPE kernel writes this layout (and
+                qf = qf.clone(memory_format=torch.contiguous_format)  # PyTorch 2.13's C++
+                # flex template misreads a query that is a view of another buffer)
+            out = self.kernels.flex(qf, view.pk, view.pv, view.sk, view.sv, view.flex, self.scale)
+            return self.finish(x, out.transpose(1, 2).reshape(r * t, self.h * self.d))
+        q = q.view(r, t, self.h, self.d).transpose(1, 2)
+        qg = q.reshape(r, self.hkv, (self.h // self.hkv) * t, self.d)
         masks = view.mask_prefix, view.mask_suffix
-        out = self.kernels.attend(qg, pk, pv, sk, sv, *masks, self.scale)
-        out = out.view(r, self.hkv, g, t, self.d).permute(0, 3, 1, 2, 4)
+        out = self.kernels.attend(qg, view.pk, view.pv, view.sk, view.sv, *masks, self.scale)
+        out = out.view(r, self.hkv, self.h // self.hkv, t, self.d).permute(0, 3, 1, 2, 4)
         return self.finish(x, out.reshape(r * t, self.h * self.d))
 
     def prefill_static(
@@ -349,18 +328,58 @@ class Transformer(nn.Module):
         self.rounds = "auto"  # see ROUND_MODES
         self.static_slots = StaticSlots(self._make_static, lambda: self.pool, self._kv_bytes)
         self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
-        self.kernels = EAGER  # see use_kernels
+        self.kernels = EAGER  # what the layers run now: kernel_mode resolved (_sync_kernels)
+        self.kernel_mode: str | LayerKernels = "auto"  # see use_kernels
         self.joined_calls = self.joined_rounds = 0  # run_joined: calls, rounds they ran
 
-    def use_kernels(self, kernels: LayerKernels) -> None:
-        """Run every layer's norms, RoPE, gating and attention with ``kernels``
-        (:data:`~smcspec.backends.torch.kernels.EAGER`, the default, or
-        :func:`~smcspec.backends.torch.kernels.compiled_kernels`). Captured rounds are kept
-        per kernel set (:meth:`run_round`), so switching back and forth captures nothing
-        again."""
-        for m in self.modules():
-            if hasattr(m, "kernels"):
-                m.kernels = kernels
+    def use_kernels(self, kernels: LayerKernels | str) -> None:
+        """Run every layer's norms, RoPE, gating and attention with ``kernels``: a name of
+        :data:`~smcspec.backends.torch.kernels.KERNEL_MODES` (``eager``, ``compiled``,
+        ``flex``, ``layer``, or ``auto``, the default: ``flex`` on CUDA, ``eager`` elsewhere,
+        :func:`~smcspec.backends.torch.kernels.auto_kernels`) or a
+        :class:`~smcspec.backends.torch.kernels.LayerKernels`. Captured rounds are kept per
+        kernel set (:meth:`run_round`), so switching back and forth captures nothing again.
+        Raises ValueError for an unknown name."""
+        if isinstance(kernels, str) and kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {kernels!r}")
+        self.kernel_mode = kernels
+        self._sync_kernels()
+
+    def _sync_kernels(self) -> LayerKernels:
+        """Give every module the set :attr:`kernel_mode` names now (``auto`` depends on the
+        device and on whether compiling failed); returns it."""
+        mode = self.kernel_mode
+        if isinstance(mode, LayerKernels):
+            want = mode
+        else:
+            auto = mode == "auto"
+            want = auto_kernels(self.device, self.cfg.head_dim) if auto else kernel_set(mode)
+        if want is not self.kernels:
+            for m in self.modules():
+                if hasattr(m, "kernels"):
+                    m.kernels = want
+        return want
+
+    def _keyed(self, key: tuple) -> tuple:
+        """A round's graph key with the kernel set its layers run now (a graph replays the
+        kernels it captured)."""
+        kernels = self._sync_kernels()
+        return (*key, kernels.name) if kernels.compiled else key
+
+    def _falling_back(self, call: Callable[[], Any]) -> Any:
+        """``call()``; where ``auto`` chose a compiled set and compiling it fails, once more
+        with the written kernels (the failure logged, :func:`~smcspec.backends.torch.
+        kernels.auto_failed`). The round's writes before the failure are the ones the second
+        call makes again (same inputs, same positions)."""
+        try:
+            return call()
+        except Exception as exc:
+            if self.kernel_mode != "auto" or not self.kernels.compiled:
+                raise
+            if not is_compile_error(exc):
+                raise
+            auto_failed(exc)
+            return call()
 
     @property
     def round_mode(self) -> str:
@@ -484,13 +503,15 @@ class Transformer(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Run a decoder's round ``fn(inputs)`` as :attr:`round_mode` says, its graph kept
         with ``cache`` under ``key`` (:func:`smcspec.backends.torch.graphs.run_round`), and
-        under ``(*key, "compiled")`` when the layers run :attr:`kernels` that are compiled
-        (a graph replays the kernels it captured)."""
+        under ``(*key, name)`` when the layers run a compiled kernel set ``name`` (a graph
+        replays the kernels it captured; :meth:`_falling_back`)."""
         cache.rounds_run += 1
-        if self.kernels.compiled:
-            key = (*key, "compiled")
-        with torch.inference_mode():
-            return run_round(self.round_mode, cache.graphs, key, fn, inputs, self)
+
+        def call() -> dict[str, torch.Tensor]:
+            with torch.inference_mode():
+                return run_round(self.round_mode, cache.graphs, self._keyed(key), fn, inputs, self)
+
+        return self._falling_back(call)
 
     def joinable(self, join: Any) -> tuple | None:
         """Where a round's :class:`~smcspec.decoding.program.Join` may run batched: the
@@ -532,18 +553,20 @@ class Transformer(nn.Module):
         p_windows = tuple(max(j.caches[i].prompt_window for j in joins) for i in range(len(banks)))
         key = ("joined", joins[0].key, banks[0].slots, span, p_windows)
         key += tuple(b.serial for b in banks)
-        if self.kernels.compiled:
-            key = (*key, "compiled")
         fn = joins[0].fn
         for j in joins:
             j.caches[0].rounds_run += 1
         self.joined_calls += 1
         self.joined_rounds += len(joins)
-        with torch.inference_mode():
-            out = run_round(
-                self.round_mode, banks[0].graphs, key, lambda x: fn(banks, x, span, p_windows),
-                stacked, self,
-            )  # fmt: skip
+
+        def call() -> dict[str, torch.Tensor]:
+            with torch.inference_mode():
+                return run_round(
+                    self.round_mode, banks[0].graphs, self._keyed(key),
+                    lambda x: fn(banks, x, span, p_windows), stacked, self,
+                )  # fmt: skip
+
+        out = self._falling_back(call)
         return [{name: t[b] for name, t in out.items()} for b in slots]
 
     def release_static(self) -> None:
@@ -584,6 +607,7 @@ class Transformer(nn.Module):
     def _run(self, segments: list[Segment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Forward of several segments, each computing its distinct rows ``tokens[i]`` (int64
         ``[U_i]``); the logits of each segment as ``[rows, tokens or 1, V]``."""
+        self._sync_kernels()
         # a request's tokens may be on the CPU (distinct rows, built from lists) or the device
         flat = torch.cat([t.to(self.device) for t in tokens]) if len(tokens) > 1 else tokens[0]
         pos, picks = [], []
@@ -824,16 +848,15 @@ class Transformer(nn.Module):
         storage (``suffix_k, suffix_v, prefix_k, prefix_v``) of ``B`` slots, their prompt
         lengths ``[B]`` and the suffix positions written ``[B, T]``; one slot without
         ``keep`` writes every row at the same positions (``index_copy_``), several
-        scatter per slot."""
+        scatter per slot. The masks are the written attention's or the flex attention's,
+        whichever the layers' kernels run."""
         b, t = write_at.shape
         rows = stores[0].shape[1] // b
         n, dev = b * rows, write_at.device
         positions = prompt_lens[:, None] + write_at  # [B, T]; rows slot-major, then tokens
         cos = self._cos[positions].to(self.dtype)[:, None].expand(b, rows, t, -1).reshape(n * t, -1)
         sin = self._sin[positions].to(self.dtype)[:, None].expand(b, rows, t, -1).reshape(n * t, -1)
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
         hkv, d = self.cfg.num_kv_heads, self.cfg.head_dim
-        spos = torch.arange(suffix_window, device=dev)
         per_slot = {}
         if b > 1 or keep is not None:
             at = write_at[:, None, None, :, None].expand(b, rows, hkv, t, d)
@@ -842,15 +865,24 @@ class Transformer(nn.Module):
                 per_slot["keep"] = keep[:, None].expand(b, rows).reshape(n, 1, 1, 1)
         else:
             per_slot["write_at"] = write_at[0]
+        if self._sync_kernels().flex is not None:
+            mask = particle_mask(prompt_lens, write_at, rows, prompt_window, suffix_window)
+            masks = {"flex": mask}
+        else:
+            g = self.cfg.num_heads // hkv
+            spos = torch.arange(suffix_window, device=dev)
+            masks = {
+                "mask_prefix": torch.arange(prompt_window, device=dev) >= prompt_lens[:, None],
+                "mask_suffix": spos > write_at.repeat(1, g)[:, :, None],  # [B, g*T, Sw]
+            }
         return StaticView(
             *stores,
             tokens=t,
             prefix_window=prompt_window,
             suffix_window=suffix_window,
-            mask_prefix=torch.arange(prompt_window, device=dev) >= prompt_lens[:, None],
-            mask_suffix=spos > write_at.repeat(1, g)[:, :, None],  # [B, g*T, Sw]
             cos=cos,
             sin=sin,
+            **masks,
             **per_slot,
         )
 
