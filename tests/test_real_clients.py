@@ -228,7 +228,7 @@ def test_lm_eval_local_chat_completions_gsm8k(tiny, tmp_path):
     before = srv.metrics().get('smcspec_requests_total{"method": "ar", "outcome": "success"}', 0)
     res = lm_eval(srv, out, tasks, "local-chat-completions", "gsm8k_local",
                   "--apply_chat_template", "--gen_kwargs",
-                  'max_gen_toks=8,smc={"method": "ar"}')  # fmt: skip
+                  '{"max_gen_toks": 8, "smc": {"method": "ar"}}')  # fmt: skip
     assert "exact_match,flexible-extract" in res["results"]["gsm8k_local"]
     assert len({s["doc_id"] for s in samples(out, "gsm8k_local")}) == 8
     after = srv.metrics()['smcspec_requests_total{"method": "ar", "outcome": "success"}']
