@@ -360,15 +360,17 @@ class System:
     upper_bound: bool = False  # sd with draft = target
     rounds: str = "auto"  # the torch models' round mode (ROUND_MODES): auto = graphs on CUDA
     kernels: str = "auto"  # torch: the layers' kernel set (KERNEL_MODES): auto = flex on CUDA
+    round_end: str = "block"  # smc: where a round ends (block, or ess: cut where the ESS falls)
 
     @property
     def label(self) -> str:
         if self.method == "ar":
             name = "ar"
-        elif self.method == "sd":
-            name = f"sd-k{self.k} (draft=target)"
+        elif self.method == "sd":  # N >= 2: multi-draft sd (N chains a round)
+            name = f"sd-n{self.n}-k{self.k}" if self.n > 1 else f"sd-k{self.k}"
+            name += " (draft=target)" if self.upper_bound else ""
         else:
-            name = f"smc-n{self.n}-k{self.k}"
+            name = f"smc-n{self.n}-k{self.k}" + ("-ess" if self.round_end == "ess" else "")
         name = name if self.rounds == "auto" else f"{name} [{self.rounds}]"
         return name if self.kernels == "auto" else f"{name} [{self.kernels}]"
 
@@ -385,6 +387,7 @@ def run_system(engines: dict[str, Engine], system: System, args, rep: int) -> di
         method=system.method,
         particles=max(system.n, 1),
         draft_tokens=max(system.k, 1),
+        round_end=system.round_end,
         max_new_tokens=args.max_new_tokens,
         ignore_eos=True,
         temperature=0.7,
@@ -443,7 +446,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b
 
 
 def _small(stats: dict) -> dict:
-    keep = ("acceptance_rate", "resamples", "rounds", "mean_ess", "ess_min")
+    keep = ("acceptance_rate", "mean_accepted_length", "resamples", "rounds", "mean_ess",
+            "ess_min", "mean_round_tokens", "cut_rounds")  # fmt: skip
     return {k: stats[k] for k in keep if k in stats}
 
 
@@ -474,6 +478,12 @@ def systems(args, upper_bound: bool, backend: str) -> list[list[System]]:
     groups.append([System("ar"), *grid])
     if upper_bound:  # the acceptance-1 sd rows (draft = the target's own weights)
         groups[-1] += [System("sd", 1, k, upper_bound=True) for k in (4, 8)]
+    if backend == "torch" and args.compare_frontier:  # issue 74's decoders, side by side
+        n, k, sd_k = args.compare_frontier
+        groups.append(
+            [System("smc", n, k), System("smc", n, k, round_end="ess"),
+             System("sd", 1, sd_k), System("sd", n, sd_k)]
+        )  # fmt: skip
     for b in args.batches:
         if b == 1:  # the grid above is the batch-1 group: a second one would repeat it
             continue
@@ -765,6 +775,7 @@ def time_group(c: Campaign, engines: dict[str, Engine], group: list[System], bas
             batch=s.batch,
             upper_bound=s.upper_bound,
             rounds=s.rounds,
+            round_end=s.round_end,
             kernel_mode=s.kernels,
             kernels=runs[-1].get("kernels"),
             reps=len(runs),
@@ -1083,6 +1094,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch: the kernel sets of --compare-kernels (smcspec.backends.torch.kernels)",
     )
     ap.add_argument(
+        "--compare-frontier",
+        default="8,8,4",
+        help="torch: N,K,K_sd: after the grid, SMC-SD N,K with block and with ESS-cut "
+        "rounds, chain sd K_sd and multi-draft sd N,K_sd, on the pair's own draft ('none' "
+        "for none)",
+    )
+    ap.add_argument(
         "--compare-fp8",
         default="8,8",
         help="torch: after the pair's other groups, convert its projections to FP8 and run ar "
@@ -1157,6 +1175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.upper_bound_pairs = args.upper_bound_pairs.split(",")
     args.compare_steps = _n_k(args.compare_steps)
     args.compare_kernels = _n_k(args.compare_kernels)
+    args.compare_frontier = _n_k(args.compare_frontier)
+    if args.compare_frontier and len(args.compare_frontier) != 3:
+        ap.error("--compare-frontier takes N,K,K_sd or none")
     args.kernel_sets = [x for x in args.kernel_sets.split(",") if x]
     args.profile_kernels = [x for x in args.profile_kernels.split(",") if x]
     unknown = sorted(set(args.kernel_sets + args.profile_kernels) - set(KERNEL_SETS))

@@ -39,7 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda TINY=0 OUT="" PHASE=all BUDGET_S=36000 TORCH_S="" BIG_S=0 PY=${PYTHON:-python3}
 BIG_PAIRS=${BIG_PAIRS-qwen32,llama70}
-BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-kernels none --compare-fp8 none --weights fp8}
+BIG_ARGS=${BIG_ARGS:---particles 4,8 --draft-tokens 8 --compare-steps none --compare-kernels none --compare-frontier none --compare-fp8 none --weights fp8}
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;

@@ -78,9 +78,12 @@ def check_rehearsal(out: Path) -> None:
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
     # torch: llama (ar and smc-n8-k8 as steps and graphs, and with each kernel set; ar + 2
-    # smc + 2 sd; ar and smc at batch 4; ar and smc-n8-k8 with FP8 projections), then qwen32
-    # and llama70 with FP8 projections (ar + 1 smc + 2 sd; batch 4)
-    assert len(torch_runs) == 4 + 8 + 5 + 2 + 2 + 2 * 6
+    # smc + 2 sd; the frontier group; ar and smc at batch 4; ar and smc-n8-k8 with FP8
+    # projections), then qwen32 and llama70 with FP8 projections (ar + 1 smc + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 8 + 5 + 4 + 2 + 2 + 2 * 6
+    frontier = [r["system"] for r in torch_runs
+                if (r["method"], r["n"]) == ("sd", 8) or r["round_end"] == "ess"]  # fmt: skip
+    assert sorted(frontier) == ["sd-n8-k4", "smc-n8-k8-ess"]
     fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 6, "llama70-fp8": 6}
     assert {p: sum(r["pair"] == p for r in torch_runs) for p in fp8_pairs} == fp8_pairs
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
@@ -96,7 +99,7 @@ def check_rehearsal(out: Path) -> None:
     # llamacpp: 2 pairs x (ar + 2 smc + 2 sd upper bounds + ar and smc at batch 4)
     assert len(runs) - len(torch_runs) == (2 * 7 if "llamacpp" in backends else 0)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
-    assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["method"] == "sd")
+    assert all(r["stats"]["acceptance_rate"] == 1.0 for r in runs if r["upper_bound"])
     kinds = [r["kind"] for r in rows]
     cells = 2 + 1 + 1 + 1  # (N, K) cells of the torch pairs (llama-fp8: its group's one)
     assert kinds.count("roofline-fused") == kinds.count("bound") == cells
