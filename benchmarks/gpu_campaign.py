@@ -62,6 +62,7 @@ from smcspec.backends.torch.fp8 import convert_to_fp8
 from smcspec.backends.torch.kernels import EAGER, compiled_kernels
 from smcspec.backends.torch.transformer import Transformer
 from smcspec.backends.torch.weights import empty_model
+from smcspec.decoding.registry import decoder_named
 from smcspec.eval.roofline import (
     batch_bound,
     physics_bound,
@@ -75,6 +76,7 @@ from smcspec.scheduler import BatchScheduler, Request
 from smcspec.tuning.cache import cpu_model
 
 STD = 0.02  # the Hugging Face initializer_range of both families
+SMC = decoder_named("smc")  # the decoder the roofline prices
 
 
 @dataclass(frozen=True)
@@ -570,14 +572,14 @@ def rooflines(
         for m in (target, draft):  # the step-by-step forwards (eager on torch)
             if hasattr(m, "rounds"):
                 m.rounds = "steps"
-        costs = smc_forward_costs(target, draft, n, k)
-        c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k),
+        costs = smc_forward_costs(target, draft, n, k, SMC)
+        c.row(kind="roofline", n=n, k=k, costs_s=costs, **predicted_speedup(costs, n, k, SMC),
               **base)  # fmt: skip
         if fused:
             target.rounds = draft.rounds = "graphs"
-            costs = static_forward_costs(target, draft, n, k)
+            costs = static_forward_costs(target, draft, n, k, SMC)
             c.row(kind="roofline-fused", n=n, k=k, costs_s=costs,
-                  **predicted_speedup(costs, n, k), **base)  # fmt: skip
+                  **predicted_speedup(costs, n, k, SMC), **base)  # fmt: skip
         if backend == "torch":
             tb, db = weight_bytes_read(target), weight_bytes_read(draft)
             c.row(kind="bound", n=n, k=k, target_bytes=tb, draft_bytes=db,

@@ -13,7 +13,9 @@ whole request's totals are given beside it.
 
 What runs inside a round (:func:`smcspec.backends.torch.graphs.run_round`) is not counted: a
 CUDA graph replays it without the host. Kernels are the aten operations that are not views
-(:data:`NOT_KERNELS` aside); reads are :data:`~smcspec.backends.torch.graphs.HOST_READS`.
+(:data:`NOT_KERNELS` aside); reads are what :class:`~smcspec.backends.torch.graphs.HostReadGuard`
+records (:data:`~smcspec.backends.torch.graphs.HOST_READS`, boolean indexing, and the aten
+operations torch tags data-dependent, :func:`~smcspec.backends.torch.graphs.data_dependent`).
 
 Usage:
   python benchmarks/round_host_work.py [--pair llama] [--n 8] [--k 8] [--rounds 8] [--json F]

@@ -29,8 +29,11 @@ from pathlib import Path
 import torch
 
 from smcspec import Engine, GenerationConfig
+from smcspec.decoding.registry import decoder_named
 from smcspec.eval.gsm8k import packaged_test_path
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
+
+SMC = decoder_named("smc")  # the decoder the roofline prices
 
 CODING = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -123,7 +126,7 @@ def main() -> int:
             print(json.dumps(log[-1]), flush=True)
 
     costs = {
-        f"{n}x{k}": smc_forward_costs(engine.target.model, engine.draft.model, n, k)
+        f"{n}x{k}": smc_forward_costs(engine.target.model, engine.draft.model, n, k, SMC)
         for n, k in {(4, 4), (bn, bk)}
     }
     base_tps = statistics.median(results["hf-ar"]) if "hf-ar" in results else None
@@ -161,7 +164,7 @@ def main() -> int:
     ar_tps = statistics.median(results["ar"]) if "ar" in results else None
     for key, sysname in (("4x4", "smc-4x4"), (f"{bn}x{bk}", "smc-best")):
         n, k = (int(v) for v in key.split("x"))
-        rf = predicted_speedup(costs[key], n, k)
+        rf = predicted_speedup(costs[key], n, k, SMC)
         meas = (
             f"{statistics.median(results[sysname]) / ar_tps:.2f}x"
             if ar_tps and sysname in results

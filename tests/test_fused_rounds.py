@@ -293,6 +293,47 @@ def test_the_host_read_guard_catches_writes_through_a_boolean_mask():
     assert torch.equal(picked, torch.tensor([1.0, 1.0]))
 
 
+def test_the_host_read_guard_catches_data_dependent_aten_operations():
+    """Whatever Python spelling reaches them, the aten operations whose output shape or
+    work depends on device values are host reads: ``index_put_`` / ``index_put`` with a
+    mask (what ``x[mask] = v`` becomes), ``torch.where(mask)`` (a ``nonzero``),
+    ``torch.equal`` (a value handed to Python), a ``repeat_interleave`` by a tensor without
+    ``output_size`` and ``unique`` raise inside a round and are counted once each by name
+    outside; an integer ``index_put_``, ``nonzero_static``, ``repeat_interleave`` with
+    ``output_size``, ``masked_fill`` and ``index_select`` are not reads. Each read is
+    counted once: ``x[mask]`` is ``__getitem__`` alone, not also the ``index`` inside it.
+
+    Broken variant it catches: the guard of cb48c1a, a list of Python method names
+    (``index_put_``, ``index_put``, ``where`` and ``equal`` not caught: 4 rounds run
+    without a raise, 4 reads missing from the count)."""
+    mask = torch.tensor([True, False, True])
+    x = {"a": torch.tensor([1.0, 2.0, 3.0]), "m": mask}
+    reads = {
+        "index_put_": lambda t: {"b": t["a"].clone().index_put_((t["m"],), t["a"][:1])},
+        "index_put": lambda t: {"b": t["a"].index_put((t["m"],), t["a"][:1], accumulate=True)},
+        "nonzero": lambda t: {"b": torch.where(t["m"])[0]},
+        "equal": lambda t: {"b": t["a"] * torch.equal(t["a"], t["a"])},
+        "repeat_interleave": lambda t: {"b": t["a"].repeat_interleave(t["m"].long())},
+        "_unique2": lambda t: {"b": torch.unique(t["a"])},
+    }
+    for name, read in reads.items():
+        with pytest.raises(HostReadError, match=name):
+            run_round("eager", {}, ("k",), read, x, object())
+    fine = [
+        lambda t: {"b": t["a"].clone().index_put_((torch.tensor([0, 2]),), t["a"][:1])},
+        lambda t: {"b": torch.nonzero_static(t["m"], size=3)},
+        lambda t: {"b": t["a"].repeat_interleave(t["m"].long(), output_size=2)},
+        lambda t: {"b": t["a"].masked_fill(t["m"], 0.0)},
+        lambda t: {"b": t["a"].index_select(0, torch.tensor([2, 0]))},
+    ]
+    for ok in fine:
+        run_round("eager", {}, ("k",), ok, x, object())
+    with HostReadGuard(strict=False) as guard:
+        for read in (*reads.values(), *fine, lambda t: {"b": t["a"][t["m"]]}):
+            read(x)
+    assert guard.reads == [*reads, "__getitem__"]
+
+
 def test_which_requests_run_fused(pair):
     target, draft = pair
     assert not fused_rounds(target, draft)  # auto on a CPU: step by step

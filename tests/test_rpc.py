@@ -288,3 +288,76 @@ def _health_app():
         return {"status": "ok"}
 
     return app
+
+
+@pytest.mark.parametrize("case", ["port-in-use", "foreign-address", "not-an-ipv4-host"])
+def test_an_rpc_server_that_cannot_listen_is_one_error_line_and_a_failure(case):
+    """``smcspec rpc-server`` on a port another process holds, on an address not this
+    machine's, or on a host that is no IPv4 address: one ``error:`` line naming the host and
+    a non-zero status (1: the machine; 2: the option), within 30 s. On cb48c1a llama.cpp
+    printed "Failed to create server socket" and the command returned 0 (broken variant:
+    ``serve_rpc`` without ``listen_address`` and returning normally)."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    host, port, code = {
+        "port-in-use": ("127.0.0.1", holder.getsockname()[1], 1),
+        "foreign-address": ("192.0.2.1", free_port(), 1),  # TEST-NET-1: never assigned
+        "not-an-ipv4-host": ("no-such-host.invalid", free_port(), 2),
+    }[case]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "smcspec", "rpc-server", "--host", host, "--port", str(port),
+             "--threads", "1"], capture_output=True, text=True, timeout=30, env=QUIET,
+        )  # fmt: skip
+    finally:
+        holder.close()
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert len(lines) == 1 and host in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_an_rpc_server_loop_that_returns_is_an_error(monkeypatch):
+    """llama.cpp's server loop returns only when it could not listen or accept (the port
+    taken between the check and its own bind): that is an RpcServerError, not a normal
+    end (it returned, and the command exited 0)."""
+    import socket
+
+    from smcspec.backends.llamacpp import rpc
+    from smcspec.errors import RpcServerError
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        monkeypatch.setattr(rpc, "listen_address", lambda host, port: "127.0.0.1")
+        with pytest.raises(RpcServerError, match="stopped"):
+            rpc.serve_rpc("127.0.0.1", port, 1)
+
+
+def test_an_rpc_server_on_localhost_serves():
+    """``--host localhost``: llama.cpp takes dotted IPv4 addresses only, so the name is
+    resolved first (on cb48c1a: "Invalid host address: localhost", exit 0)."""
+    from smcspec.backends.llamacpp.rpc import RPC_PROTO_VERSION, check_reachable
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smcspec", "rpc-server", "--host", "localhost", "--port",
+         str(port), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                assert check_reachable(f"127.0.0.1:{port}")[0] == RPC_PROTO_VERSION[0]
+                break
+            except Exception:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert check_reachable(f"127.0.0.1:{port}")[0] == RPC_PROTO_VERSION[0]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

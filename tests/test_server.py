@@ -181,7 +181,14 @@ def test_disconnect_frees_the_rows(server):
     "body, param",
     [
         ({"model": "nope", "prompt": "ab"}, "model"),
-        ({"model": MODEL, "prompt": "ab", "max_tokens": 0}, None),
+        ({"model": MODEL, "prompt": "ab", "max_tokens": 0}, "max_tokens"),
+        # the same rules for OpenAI's newer name (0 ran to the end of turn on cb48c1a)
+        ({"model": MODEL, "prompt": "ab", "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"model": MODEL, "prompt": "ab", "max_completion_tokens": -3}, "max_completion_tokens"),
+        (
+            {"model": MODEL, "prompt": "ab", "max_completion_tokens": 4, "max_tokens": 5},
+            "max_tokens",
+        ),
         ({"model": MODEL, "prompt": "ab", "smc": {"particles": 0}}, None),
         ({"model": MODEL, "prompt": "ab", "smc": {"draft_tokens": 1000}}, None),
         ({"model": MODEL, "prompt": "ab", "temperature": -0.5}, None),
@@ -201,6 +208,58 @@ def test_bad_input_gets_400_and_the_server_keeps_serving(server, body, param):
     if param:
         assert err["param"] == param
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+# OpenAI's nullable request fields (openai-python's ``Optional`` params, generated from its
+# OpenAPI spec), seed aside; the last ones are OpenAI fields smcspec ignores
+NULLABLE = ["frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+            "stop", "stream", "stream_options", "temperature", "top_p"]  # fmt: skip
+NULLABLE_CHAT = NULLABLE + ["max_completion_tokens", "top_logprobs", "store", "metadata",
+                            "modalities", "audio", "prediction", "service_tier"]  # fmt: skip
+NULLABLE_COMPLETIONS = NULLABLE + ["best_of", "echo", "suffix"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_openai_nullable_fields_sent_as_null_take_their_defaults(server, chat):
+    """SDKs send explicit nulls: every field OpenAI's request schemas make nullable is
+    accepted as null and means its default (the same reply as without it). On cb48c1a
+    ``"n": null`` and ``"stream": null`` were 400s."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": MODEL, "seed": 7, "smc": {"method": "sd"}}
+    base |= {"messages": [{"role": "user", "content": "ab cd"}]} if chat else {"prompt": "ab cd"}
+    nulls = dict.fromkeys(NULLABLE_CHAT if chat else NULLABLE_COMPLETIONS)
+    plain = httpx.post(server.url(path), json=base, timeout=60)
+    nulled = httpx.post(server.url(path), json={**base, **nulls}, timeout=60)
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert nulled.headers["content-type"].startswith("application/json")  # stream: false
+    key = "message" if chat else "text"
+    assert [c[key] for c in nulled.json()["choices"]] == [c[key] for c in plain.json()["choices"]]
+    unseeded = httpx.post(server.url(path), json={**base, **nulls, "seed": None}, timeout=60)
+    assert unseeded.status_code == 200 and len(unseeded.json()["choices"]) == 1
+
+
+def test_a_null_prompt_is_openais_document_start(server):
+    """``"prompt": null``: OpenAI's documented default, ``<|endoftext|>``, as if given."""
+    base = {"model": MODEL, "seed": 1, "max_tokens": 4}
+    nulled = httpx.post(server.url("/v1/completions"), json={**base, "prompt": None}, timeout=60)
+    given = httpx.post(server.url("/v1/completions"), json={**base, "prompt": "<|endoftext|>"},
+                       timeout=60)  # fmt: skip
+    assert nulled.status_code == given.status_code, (nulled.text, given.text)
+    if given.status_code == 200:  # a 400 where the text maps outside the model's vocabulary
+        assert nulled.json()["usage"] == given.json()["usage"]
+        assert nulled.json()["choices"][0]["text"] == given.json()["choices"][0]["text"]
+    else:
+        assert nulled.json() == given.json()
+
+
+def test_max_completion_tokens_caps_like_max_tokens(server):
+    replies = []
+    for name in ("max_tokens", "max_completion_tokens"):
+        body = {"model": MODEL, "prompt": "ab", "seed": 2, name: 3, "smc": {"method": "ar"}}
+        r = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+        replies.append((r.json()["usage"], r.json()["choices"][0]["text"]))
+    assert replies[0] == replies[1]
 
 
 def test_malformed_json_is_400(server):
@@ -296,6 +355,27 @@ def test_finished_particles_rule_is_a_request_option(server):
         )  # fmt: skip
         stats[rule] = r.choices[0].model_extra["smcspec"]
     assert stats["bank"]["banked"] >= 1 and stats["keep"]["banked"] == 0
+
+
+def test_multi_draft_sd_and_cut_rounds_are_request_options(server):
+    """``smc.particles`` with ``"method": "sd"`` runs multi-draft sd (its stats give N and the
+    per-depth acceptance), ``"method": "sd"`` alone stays chain sd on this smc server (N 1,
+    not the server's 4 particles), and ``round_end`` / ``stop_epsilon`` reach SMC-SD."""
+    c = server.client()
+
+    def stats(smc: dict) -> dict:
+        r = c.completions.create(model=MODEL, prompt="ab cd", max_tokens=10, seed=2,
+                                 extra_body={"smc": smc})  # fmt: skip
+        return r.choices[0].model_extra["smcspec"]
+
+    multi = stats({"method": "sd", "particles": 4, "draft_tokens": 3})
+    assert multi["particles"] == 4 and len(multi["acceptance_by_depth"]) == 3
+    assert "particles" not in stats({"method": "sd", "draft_tokens": 3})  # chain sd
+    cut = stats({"method": "smc", "particles": 4, "draft_tokens": 4, "round_end": "ess"})
+    assert "cut_rounds" in cut and cut["mean_round_tokens"] >= 1
+    r = httpx.post(server.url("/v1/completions"), json={
+        "model": MODEL, "prompt": "ab", "smc": {"stop_epsilon": 1.5}}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "stop_epsilon" in r.json()["error"]["message"]
 
 
 def _held_programs(engine, monkeypatch, gate: threading.Event, holding: threading.Event):

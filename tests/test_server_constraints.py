@@ -12,7 +12,7 @@ import re
 import httpx
 import pytest
 from live_server import Server
-from tiny_models import make_tiny_chat_pair
+from tiny_models import make_tiny_chat_pair, make_tiny_tool_chat_pair
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
@@ -170,3 +170,95 @@ def test_invalid_votes_get_400(server, smc):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+# ------------------------------------------------------------------ tools whose schemas use refs
+NODE = {
+    "type": "object",
+    "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+    "required": ["next"],
+    "additionalProperties": False,
+}
+REF_TOOLS = {  # a recursive $defs schema, and one whose "#" is its own root
+    "walk": {"$defs": {"node": NODE}, "type": "object",
+             "properties": {"head": {"$ref": "#/$defs/node"}}, "required": ["head"],
+             "additionalProperties": False},
+    "tree": {"type": "object", "properties": {"kid": {"$ref": "#"}},
+             "additionalProperties": False},
+}  # fmt: skip
+
+
+def _tools(schemas: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": name, "parameters": params}}
+            for name, params in schemas.items()]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The tiny pair with a template that renders tools and ``<tool_call>`` tokens."""
+    dirs = make_tiny_tool_chat_pair(tmp_path_factory.mktemp("tools"), max_position_embeddings=4096)
+    engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=40), model_name=MODEL))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "tree"])
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+def test_tools_with_refs_are_served_under_every_tool_choice(tool_server, method, choice):
+    """Recursive ``$defs`` and ``#``-rooted tool schemas, under auto (the default), required
+    and a named tool, on every method: 200, and every complete call validates against its
+    tool's own schema (``jsonschema_rs``, the tool's schema alone as the root). On cb48c1a
+    auto gave 400 "Pointer '/$defs/node' does not exist" (broken variant: ``own_root``
+    returning the schema unchanged)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    picked = choice if choice in ("auto", "required") else {
+        "type": "function", "function": {"name": choice}}  # fmt: skip
+    r = httpx.post(tool_server.url("/v1/chat/completions"), timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "ab"}], "seed": 0,
+        "max_tokens": 24, "tools": _tools(REF_TOOLS), "tool_choice": picked,
+        "smc": {"method": method, "particles": 2},
+    })  # fmt: skip
+    assert r.status_code == 200, r.text
+    out = r.json()["choices"][0]
+    calls = out["message"].get("tool_calls") or []
+    assert bool(calls) == (out["finish_reason"] == "tool_calls") or out["finish_reason"] == "length"
+    for call in calls if out["finish_reason"] == "tool_calls" else []:
+        fn = call["function"]
+        assert choice in ("auto", "required") or fn["name"] == choice
+        jsonschema_rs.validate(REF_TOOLS[fn["name"]], json.loads(fn["arguments"]))
+
+
+def _nested_items(depth: int) -> str:
+    """The JSON text of a schema nested ``depth`` levels deep (arrays of arrays of ints),
+    written as text: ``json.dumps`` itself cannot write it at ~1000 levels."""
+    return '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+
+
+def test_schemas_nested_too_deep_are_400_at_every_depth(tool_server):
+    """Tool parameters and a response_format schema nested 940-980 levels deep (as a
+    client can send: the body parses) are each a 400 in the error shape, never a 5xx; on
+    cb48c1a 952-961 levels gave RecursionError as a 500 (json.dumps in the server, after the
+    body had parsed: the window moves with the stack above it; broken variant: no depth
+    check)."""
+    url = tool_server.url("/v1/chat/completions")
+    head = (
+        f'{{"model": "{MODEL}", "max_tokens": 2, "messages": [{{"role": "user", "content": "ab"}}]'
+    )
+    statuses = {}
+    for depth in range(940, 981):
+        schema = _nested_items(depth)
+        params = f'{{"type": "object", "properties": {{"a": {schema}}}}}'
+        tool = f'{{"type": "function", "function": {{"name": "f", "parameters": {params}}}}}'
+        fmt = f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {schema}}}}}'
+        bodies = {"tools": f'{head}, "tools": [{tool}]}}',
+                  "response_format": f'{head}, "response_format": {fmt}}}'}  # fmt: skip
+        for what, body in bodies.items():
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"},
+                           timeout=60)  # fmt: skip
+            statuses[what, depth] = r.status_code
+            if r.status_code == 400:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert set(statuses.values()) == {400}, {k: v for k, v in statuses.items() if v != 400}
+    assert httpx.get(tool_server.url("/health")).status_code == 200

@@ -22,6 +22,7 @@ from tiny_models import build_tiny_hf_model, make_tokenizer
 
 from smcspec import ConfigError, Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
+from smcspec.potentials import MAX_SCHEMA_DEPTH, JsonSchema, json_depth
 from smcspec.tool_calls import (
     ArgumentsDelta,
     CallStart,
@@ -31,6 +32,7 @@ from smcspec.tool_calls import (
     ToolCalls,
     parse_tool_calls,
 )
+from smcspec.tool_calls.spec import FENCE_CLOSE, FENCE_OPEN
 
 V = 64  # model vocabulary: the BPE tokens (eos at 61) and the two call markers (62, 63)
 EOS = 61
@@ -220,6 +222,123 @@ def test_a_schema_llguidance_cannot_compile_is_a_config_error(tok):
 def test_a_vocabulary_without_call_tokens_is_refused():
     with pytest.raises(ConfigError, match="no <tool_call> token"):
         ToolCalls((F,), "required").compile(make_tokenizer(V), V, [EOS])
+
+
+# ----------------------------------------------------------------------------- each tool's root
+NODE = {
+    "type": "object",
+    "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+    "required": ["next"],
+    "additionalProperties": False,
+}
+WALK = FunctionTool("walk", parameters={
+    "$defs": {"node": NODE}, "type": "object", "properties": {"head": {"$ref": "#/$defs/node"}},
+    "required": ["head"], "additionalProperties": False,
+})  # fmt: skip
+TREE = FunctionTool(  # "#" is the tool's own root: a kid is another tree
+    "tree", parameters={"type": "object", "properties": {"kid": {"$ref": "#"}},
+                        "additionalProperties": False},
+)  # fmt: skip
+OLD = FunctionTool("old", parameters={  # draft-07 "definitions"
+    "definitions": {"n": {"type": "object", "properties": {"n": {"$ref": "#/definitions/n"}},
+                          "additionalProperties": False}},
+    "type": "object", "properties": {"x": {"$ref": "#/definitions/n"}},
+    "additionalProperties": False,
+})  # fmt: skip
+# (tool, arguments valid under the tool's own schema, arguments that are not)
+ROOTED = [
+    (WALK, {"head": {"next": {"next": None}}}, {"head": {"next": {}}}),
+    # with "#" read as the root of the fenced call's schema, a kid could be a whole call
+    (TREE, {"kid": {"kid": {}}}, {"kid": {"name": "tree", "arguments": {}}}),
+    (OLD, {"x": {"n": {"n": {}}}}, {"x": {"m": {}}}),
+]
+
+
+def _call_forms(name: str, args: dict, choice: str) -> list[str]:
+    """The texts of one call that ``choice`` allows: the <tool_call> form, and under auto
+    also the fenced json block and the bare object."""
+    forms = [call_text(name, args)]
+    if choice == "auto":
+        body = json.dumps({"name": name, "arguments": args})
+        forms += [FENCE_OPEN + body + FENCE_CLOSE, body]
+    return forms
+
+
+@pytest.fixture(scope="module")
+def fence_tok():
+    tok = make_tokenizer(V - 2, extra='{}":,_\u010a`')
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    return tok
+
+
+def _accepts(constraint, tok, text: str) -> bool:
+    state = constraint.start()
+    try:
+        state.consume(tok.encode(text, add_special_tokens=False))
+    except Exception:
+        return False
+    return state.is_accepting()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+@pytest.mark.parametrize("tool, good, bad", ROOTED, ids=[t.name for t, _, _ in ROOTED])
+def test_each_tools_refs_resolve_against_its_own_root(fence_tok, choice, tool, good, bad):
+    """A tool's ``$ref``s (``#/$defs/...``, ``#`` itself, ``#/definitions/...``) mean what
+    they mean in its schema alone, under every tool_choice and in every call form. Under
+    auto the fenced form nests the arguments' schema under ``properties.arguments`` of the
+    call's: before each tool became a resource of its own (``$id``), ``#/$defs/node`` was a
+    ConfigError "Pointer '/$defs/node' does not exist" and ``#`` silently meant the call
+    (broken variant: ``own_root`` returning the schema unchanged)."""
+    picked = tool.name if choice == "named" else choice
+    c = ToolCalls((tool, G), picked).compile(fence_tok, V, [EOS])
+    for text in _call_forms(tool.name, good, choice):
+        assert _accepts(c, fence_tok, text), text
+    for text in _call_forms(tool.name, bad, choice):
+        assert not _accepts(c, fence_tok, text), text
+
+
+def test_tools_that_share_an_id_keep_their_own_roots(fence_tok):
+    """Two tools whose schemas carry the same ``$id`` (and one that names it in a ref): in
+    one fenced schema the later would answer both (broken variant: keeping the tools' own
+    ``$id``)."""
+    same = "https://example.com/args"
+    tree = FunctionTool("tree", parameters={**TREE.parameters, "$id": same})
+    old = dict(
+        OLD.parameters, **{"$id": same, "properties": {"x": {"$ref": same + "#/definitions/n"}}}
+    )
+    c = ToolCalls((tree, FunctionTool("old", parameters=old)), "auto").compile(fence_tok, V, [EOS])
+    for tool, good, bad in ROOTED[1:]:
+        for text in _call_forms(tool.name, good, "auto"):
+            assert _accepts(c, fence_tok, text), text
+        for text in _call_forms(tool.name, bad, "auto"):
+            assert not _accepts(c, fence_tok, text), text
+
+
+def _nested_parameters(depth: int) -> dict:
+    """Tool parameters nested exactly ``depth`` JSON levels deep (arrays of arrays)."""
+    inner: dict = {"type": "integer"}
+    while json_depth({"type": "object", "properties": {"a": inner}}, depth) < depth:
+        inner = {"type": "array", "items": inner}
+    return {"type": "object", "properties": {"a": inner}}
+
+
+def test_schemas_nested_past_what_the_compiler_takes_are_refused_before_compiling(fence_tok):
+    """The deepest schema allowed (:data:`MAX_SCHEMA_DEPTH` levels) compiles under every
+    tool_choice and as a response format; one level more is a ConfigError when the tool or
+    the schema is made, before anything recurses over it (a ~950-deep one was a
+    RecursionError: a 500 in the server). Broken variant: no depth check."""
+    deepest = _nested_parameters(MAX_SCHEMA_DEPTH)
+    assert json_depth(deepest, 10**6) == MAX_SCHEMA_DEPTH
+    tool = FunctionTool("f", parameters=deepest)
+    for choice in ("auto", "required", "f"):
+        ToolCalls((tool, G), choice).compile(fence_tok, V, [EOS])
+    JsonSchema(deepest).compile(fence_tok, V, [EOS])
+    for depth in (MAX_SCHEMA_DEPTH + 1, 2000):
+        too_deep = _nested_parameters(depth)
+        with pytest.raises(ConfigError, match="nested deeper than"):
+            FunctionTool("f", parameters=too_deep)
+        with pytest.raises(ConfigError, match="nested deeper than"):
+            JsonSchema(too_deep)
 
 
 # ----------------------------------------------------------------------------- reading back

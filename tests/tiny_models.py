@@ -176,6 +176,36 @@ def make_tiny_chat_pair(tmp_path: Path, **overrides) -> list[Path]:
     return dirs
 
 
+TOOL_CHAT_TEMPLATE = (
+    "{% for t in tools or [] %}{{ t | tojson }}\n{% endfor %}"
+    "{% for m in messages %}{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n'
+    "</tool_call>{% endfor %} {% endfor %}"
+)
+"""A chat template that renders ``tools`` (each as JSON) and assistant calls in the
+``<tool_call>`` form of Qwen2.5's template (what :func:`smcspec.chat.check_tool_template`
+requires), message contents joined by spaces."""
+
+
+def make_tiny_tool_chat_pair(tmp_path: Path, **overrides) -> list[Path]:
+    """Target (seed 0) and draft (seed 1) tiny qwen2 models of 64 tokens for tool calls: the
+    BPE letters, JSON punctuation and a newline, eos ``<|im_end|>`` at 61, and
+    ``<tool_call>``/``</tool_call>`` added at 62 and 63 (as Qwen2.5's vocabulary has them),
+    with :data:`TOOL_CHAT_TEMPLATE`."""
+    tok = make_tokenizer(62, extra='{}":,[]_\u010a`')
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    dirs = []
+    for seed in (0, 1):
+        model = build_tiny_hf_model("qwen2", vocab_size=64, seed=seed, eos_token_id=61, **overrides)
+        out = Path(tmp_path) / f"tools-qwen2-s{seed}"
+        model.save_pretrained(str(out), safe_serialization=True)
+        tok.save_pretrained(str(out))
+        dirs.append(out)
+    return dirs
+
+
 # ---------------------------------------------------------------------------------- GGUF
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp ``convert_hf_to_gguf.LlamaModel.permute`` for q (n_head) / k (n_kv_head)."""

@@ -16,21 +16,59 @@ from smcspec.sampling.distributions import GREEDY_BELOW
 from smcspec.sampling.resampling import RESAMPLERS
 
 METHODS = ("smc", "sd", "ar")
-DRAFTS = ("model", "ngram")  # GenerationConfig.draft
 FINISHED_PARTICLES = ("bank", "keep")  # GenerationConfig.finished_particles
 DRAFT_SCHEDULES = ("fixed", "adaptive", "confidence")  # GenerationConfig.draft_schedule
 ROUND_ENDS = ("block", "ess")  # GenerationConfig.round_end
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a token's log-probability reports (OpenAI's ``top_logprobs`` bound)."""
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+"""``GenerationConfig.logprobs_mode``: the sampling distribution, or the model's own
+(:mod:`smcspec.decoding.logprobs`)."""
 MAX_PARTICLES = 256
 DEFAULT_PARTICLES = 4
 """smc's N when a request gives none (the SMC-SD authors' default)."""
 METHOD_PARTICLES = {"smc": DEFAULT_PARTICLES, "sd": 1, "ar": 1}
 """Each method's N when a request gives none (``GenerationConfig.particles`` None): smc's
-particles; one chain for ``sd`` (N >= 2 is multi-draft sd) and one row for ``ar``."""
+particles; one chain for ``sd`` (N >= 2 is multi-draft sd) and one row for ``ar``. Data here,
+not a field of the decoder table's rows (``decoding/registry.py``): a config resolves its N
+when it is made, and this module sits below ``decoding/``; ``tests/test_decoder_registry.py``
+checks it against the table (N > 1 exactly where the method's decoder weighs particles)."""
 MAX_DRAFT_TOKENS = 64
 NGRAM_DRAFT_P_MIN = 0.8
 """The n-gram draft's gate when ``draft_p_min`` is not given: measured over 20 rewrite and 20
 open-chat prompts (K=4, T=0.7; ``docs/benchmarks/ngram-cpu/gated-drafts-20.md``), gated
 n-gram sd ran at 1.04x and 0.94x ``ar``'s decode tokens/s against 0.97x and 0.58x ungated."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Where drafted tokens come from: one value of ``GenerationConfig.draft``. The decoder
+    table (``decoding/registry.py``) names each decoder's draft by these rows; code reads
+    their fields, never their names.
+
+    Attributes:
+        name: the value (``"model"``, ``"ngram"``).
+        from_text: the drafts are copied from the prompt and text so far by an n-gram
+            index, no model (a point-mass proposal: not for SMC-SD, no constraint yet).
+        p_min: the gate when ``draft_p_min`` is not given (0: off).
+    """
+
+    name: str
+    from_text: bool
+    p_min: float
+
+
+MODEL_DRAFT = Draft("model", from_text=False, p_min=0.0)
+NGRAM_DRAFT = Draft("ngram", from_text=True, p_min=NGRAM_DRAFT_P_MIN)
+DRAFT_KINDS = {d.name: d for d in (MODEL_DRAFT, NGRAM_DRAFT)}
+"""The drafts by name."""
+DRAFTS = tuple(DRAFT_KINDS)  # GenerationConfig.draft's choices
+
+
+def draft_named(value: str | None) -> Draft:
+    """The draft a ``--draft`` value names: a draft's name (``ngram``: no model file), else
+    (a model file, or none given) the draft model."""
+    return DRAFT_KINDS.get(value or "", MODEL_DRAFT)
 
 
 @dataclass(frozen=True)
@@ -122,6 +160,22 @@ class GenerationConfig:
         return_particles: also return every particle with its normalised weight (smc).
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
         ignore_eos: never stop before ``max_new_tokens`` (for benchmarks, like vLLM's).
+        min_tokens: the stop tokens (EOS, end of turn, ``stop_token_ids``) cannot end the
+            answer before this many tokens (vLLM's ``min_tokens``): they are masked out at
+            the first ``min_tokens`` positions (a constraint: ar and sd sample the
+            locally-masked target, smc the target conditioned on it; not with another
+            constraint nor n-gram drafts). 0: off; moot with ``ignore_eos``.
+        logprobs: report each generated token's log-probability and this many most likely
+            alternatives (0 to 20; :mod:`smcspec.decoding.logprobs` says under which
+            distribution). None (the default): not computed, at no cost. Requests that ask
+            for them run their rounds step by step, never fused
+            (:func:`smcspec.decoding.fused.plain`).
+        prompt_logprobs: also report the prompt tokens' log-probabilities (the model's raw
+            ones, from the prefill; OpenAI's ``echo`` with ``logprobs``), with
+            ``logprobs or 0`` alternatives.
+        logprobs_mode: ``"processed_logprobs"`` (the distribution each token is sampled
+            from, after temperature, filters and mask) or ``"raw_logprobs"`` (the model's
+            ``log_softmax`` at temperature 1), as vLLM's ``logprobs_mode`` names them.
         top_k: keep the k most likely tokens (ties with the k-th kept); 0 or -1: off.
         top_p: nucleus mass in (0, 1]; keep the smallest set of most likely tokens whose
             mass reaches it (the top token always); 1: off.
@@ -207,6 +261,12 @@ class GenerationConfig:
     return_particles: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    logprobs_mode: str = field(
+        default="processed_logprobs", metadata={"server_choices": LOGPROBS_MODES}
+    )
     top_k: int = option(0, 5, help="keep the k most likely tokens (0 or -1: off)")
     top_p: float = option(
         1.0, 6, help="nucleus: keep the most likely tokens up to this mass, in (0, 1] (1: off)"
@@ -278,6 +338,11 @@ class GenerationConfig:
         return (self.top_k, self.top_p, self.min_p)
 
     @property
+    def applies_min_tokens(self) -> bool:
+        """``min_tokens`` masks stop tokens (set, and EOS not ignored)."""
+        return self.min_tokens > 0 and not self.ignore_eos
+
+    @property
     def has_potential(self) -> bool:
         """A constraint or a reward reweights the particles (``docs/constraints.md``)."""
         return self.constraint is not None or self.reward is not None
@@ -311,7 +376,13 @@ class GenerationConfig:
         drafts)."""
         if self.draft_p_min is not None:
             return float(self.draft_p_min)
-        return NGRAM_DRAFT_P_MIN if self.draft == "ngram" else 0.0
+        return self.draft_kind.p_min
+
+    @property
+    def draft_kind(self) -> Draft:
+        """The :class:`Draft` row of ``draft`` (KeyError before :meth:`validate` for an
+        unknown one)."""
+        return DRAFT_KINDS[self.draft]
 
     def validate(self) -> GenerationConfig:
         """Check every field; returns ``self``. Raises :class:`ConfigError` with the reason."""
@@ -371,6 +442,24 @@ class GenerationConfig:
         p_min = self.draft_p_min
         if p_min is not None and not (math.isfinite(p_min) and 0 <= p_min <= 1):
             raise ConfigError(f"draft_p_min must be in [0, 1] (0 is off), got {p_min}")
+        self._check_output_ranges()
+
+    def _check_output_ranges(self) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise ConfigError(
+                f"logprobs (alternatives per token) must be an integer in [0, "
+                f"{MAX_TOP_LOGPROBS}] or None (off), got {lp!r}"
+            )
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ConfigError(
+                f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}"
+            )
 
     def _check_choices(self) -> None:
         for f in fields(self):  # every field declared with its choices (option or server)
@@ -380,8 +469,13 @@ class GenerationConfig:
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ConfigError(f"unknown {f.name} {value!r}; choose from {', '.join(choices)}")
-        if self.draft == "ngram" and self.constraint is not None:
+        if self.draft_kind.from_text and self.constraint is not None:
             raise ConfigError("the n-gram draft does not support constraints yet; use ar or sd")
+        if self.draft_kind.from_text and self.applies_min_tokens:
+            raise ConfigError(
+                "the n-gram draft does not support min_tokens (a mask on the stop tokens); "
+                "use ar or sd with the draft model"
+            )
 
     def _check_potentials(self) -> None:
         if self.constraint is not None and not isinstance(
@@ -395,6 +489,11 @@ class GenerationConfig:
             raise ConfigError(
                 "ignore_eos cannot be combined with a constraint: the constraint decides where "
                 "the output ends (its stop token is allowed only once the output is complete)"
+            )
+        if self.constraint is not None and self.applies_min_tokens:
+            raise ConfigError(
+                "min_tokens cannot be combined with a constraint: the constraint decides where "
+                "the output ends"
             )
         # which methods take a reward, a vote or n-gram drafts is the decoder table's to say
         # (smcspec.decoding.registry.decoder_for, run by Engine.prepare and the CLI)

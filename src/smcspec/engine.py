@@ -26,12 +26,13 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
-from smcspec.decoding.output import hit_token_cap
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import LogprobCallback, hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
-from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair
-from smcspec.potentials import Constraint
+from smcspec.potentials import Constraint, MinTokens
 from smcspec.tool_calls import ToolCalls
 
 # end-of-generation tokens of common chat templates, used when present in the vocabulary
@@ -47,7 +48,13 @@ class GenerationResult:
     """The outcome of :meth:`Engine.generate`.
 
     ``seconds`` is wall time from the start of prefill to the last token; ``tokens_per_second``
-    is ``new_tokens / seconds``. ``particles`` (smc with ``return_particles``) holds
+    is ``new_tokens / seconds``. ``logprobs`` (with ``config.logprobs``): each new token's
+    log-probability and alternatives (:class:`~smcspec.decoding.logprobs.TokenLogprobs`);
+    ``prompt_logprobs`` (with ``config.prompt_logprobs``): prompt tokens 1 .. P-1's.
+    ``first_token_s`` and ``max_gap_s``: the stream's timing (seconds to the first token, from
+    the start of the prefill with :meth:`Engine.generate` and from submission in the server;
+    the longest wait between two streamed tokens; None until measured).
+    ``particles`` (smc with ``return_particles``) holds
     ``{"text", "tokens", "weight"}`` dicts with normalised weights. ``vote`` (smc with
     ``vote``) is the weighted vote over the particles' answers
     (:class:`~smcspec.aggregate.Vote`): ``{"answer", "share", "text", "answers"}``, the
@@ -68,6 +75,16 @@ class GenerationResult:
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
     vote: dict[str, Any] | None = None
     decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    first_token_s: float | None = None  # seconds to the first streamed token
+    max_gap_s: float | None = None  # the longest wait between two streamed tokens
+    max_burst: int | None = None  # Engine.generate: the most tokens streamed at once
+
+    @property
+    def stream_stats(self) -> dict[str, float]:
+        """The stream's timing as JSON fields (:func:`stream_stats`)."""
+        return stream_stats(self.first_token_s, self.max_gap_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready fields (seconds to 4 decimals, tokens/s to 3), the
@@ -80,6 +97,7 @@ class GenerationResult:
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "finish_reason": self.finish_reason,
+            **self.stream_stats,
             **self.stats,
         }
         if self.particles is not None:
@@ -88,6 +106,45 @@ class GenerationResult:
         if self.vote is not None:
             d["vote"] = self.vote
         return d
+
+
+def stream_stats(first_token_s: float | None, max_gap_s: float | None) -> dict[str, float]:
+    """A result's stream timing (its stats' ``time_to_first_token_s``, from the request's
+    start, and ``max_token_gap_s``, the longest wait between two streamed tokens): seconds to
+    4 decimals, each only once measured."""
+    out = {}
+    if first_token_s is not None:
+        out["time_to_first_token_s"] = round(first_token_s, 4)
+    if max_gap_s is not None:
+        out["max_token_gap_s"] = round(max_gap_s, 4)
+    return out
+
+
+class TokenClock:
+    """Times a stream: wraps a token callback (``None``: times only) and records the
+    seconds from ``start`` to the first token, the longest gap between two calls that
+    carried tokens, and the most tokens one call carried (``max_burst``: tokens held back,
+    then released at once; a count, unlike the gap, that another process's load does not
+    change)."""
+
+    def __init__(self, callback: Callable[[list[int]], None] | None, start: float) -> None:
+        self.callback, self.start = callback, start
+        self.first_s: float | None = None
+        self.max_gap_s: float | None = None
+        self.max_burst = 0
+        self._last: float | None = None
+
+    def __call__(self, ids: list[int]) -> None:
+        self.max_burst = max(self.max_burst, len(ids))
+        if ids:
+            now = time.perf_counter()
+            if self._last is None:
+                self.first_s = now - self.start
+            else:
+                self.max_gap_s = max(self.max_gap_s or 0.0, now - self._last)
+            self._last = now
+        if self.callback is not None:
+            self.callback(ids)
 
 
 class TextStreamer:
@@ -125,6 +182,8 @@ class Engine:
         if draft is not None:
             check_same_vocabulary(target, draft)
             self.vocab = min(self.vocab, draft.vocab_size)
+            if hasattr(target.model, "share_pool"):  # torch: one default KV pool a device
+                target.model.share_pool(draft.model)
         self.stop_ids = frozenset(self._stop_ids())
 
     @classmethod
@@ -209,13 +268,17 @@ class Engine:
             )
         try:
             t0 = time.perf_counter()
-            out = run_program(self.program(job, streamer, reservation))
+            clock = TokenClock(streamer, t0)
+            out = run_program(self.program(job, clock, reservation))
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()  # inside the timed region
             seconds = time.perf_counter() - t0
         finally:
             reservation.release()
-        return self.finish(job, out, seconds)
+        result = self.finish(job, out, seconds)
+        result.first_token_s, result.max_gap_s = clock.first_s, clock.max_gap_s
+        result.max_burst = clock.max_burst
+        return result
 
     # ------------------------------------------------------------------ pools
     def models(self) -> dict[str, Any]:
@@ -270,9 +333,9 @@ class Engine:
         else:
             ids = self.encode(prompt, chat, parse_special, tools)
         if not ids:
-            raise ConfigError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         if any(not 0 <= i < self.vocab for i in ids):
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab})")
+            raise PromptError(f"prompt token ids must be in [0, {self.vocab})")
         if fit_context:
             room = self._context_room(len(ids), cfg, decoder)
             if 1 <= room < cfg.max_new_tokens:
@@ -287,9 +350,13 @@ class Engine:
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
-        allowed only where the output is complete) and give ``cfg.reward`` the detokenizer.
+        allowed only where the output is complete), or ``cfg.min_tokens`` as a
+        :class:`~smcspec.potentials.MinTokens` constraint, and give ``cfg.reward`` the
+        detokenizer.
         Raises :class:`ConfigError` for an invalid pattern, schema or grammar."""
         out: dict[str, Any] = {}
+        if cfg.applies_min_tokens and stop_ids:  # no other constraint (validate refuses it)
+            out["constraint"] = MinTokens(sorted(stop_ids), self.vocab, cfg.min_tokens)
         if isinstance(cfg.constraint, Constraint):
             out["constraint"] = cfg.constraint.compile(
                 self.tokenizer, self.vocab, sorted(stop_ids or self.stop_ids)
@@ -306,11 +373,17 @@ class Engine:
         job: Job,
         on_tokens: Callable[[list[int]], None] | None = None,
         reservation: Reservation | None = None,
+        on_logprobs: LogprobCallback | None = None,
+        on_prompt_logprobs: LogprobCallback | None = None,
     ) -> Program:
         """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), started
         with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`), its caches
-        drawn on ``reservation`` (:meth:`try_reserve`)."""
-        return job.decoder.program(job.started(on_tokens, reservation))
+        drawn on ``reservation`` (:meth:`try_reserve`); ``on_logprobs``: each streamed
+        token's log-probabilities, before ``on_tokens`` streams it (requests with
+        ``config.logprobs``); ``on_prompt_logprobs``: the prompt's, once prefilled (with
+        ``config.prompt_logprobs``)."""
+        started = job.started(on_tokens, reservation, on_logprobs, on_prompt_logprobs)
+        return job.decoder.program(started)
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -347,6 +420,8 @@ class Engine:
             log_normalizer=out.log_normalizer,
             vote=vote,
             decode_stats=out.stats,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             finish_reason=(
                 "length" if hit_token_cap(out.tokens, cfg.max_new_tokens, job.stop_ids) else "stop"
             ),

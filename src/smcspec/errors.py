@@ -20,10 +20,16 @@ class ConfigError(SmcspecError, ValueError):
     exit_code = 2
 
 
+class PromptError(ConfigError):
+    """A prompt that cannot be decoded: empty, or a token id outside the vocabulary."""
+
+
 class RpcServerError(ConfigError):
     """An RPC server (``--rpc HOST:PORT``) cannot be used: the connection is refused, the
     peer does not answer llama.cpp's RPC handshake in time, answers another protocol, or
-    speaks another protocol version. Exits with 1: the command was right, the peer was not."""
+    speaks another protocol version; or ``smcspec rpc-server`` cannot listen (its port in
+    use, an address not this machine's). Exits with 1: the command was right, the peer or
+    the machine was not."""
 
     exit_code = 1
 

@@ -33,6 +33,20 @@ class ServerMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.max_gap = Histogram(
+            "smcspec_max_token_gap_seconds",
+            "Longest wait between two streamed tokens of a request, by method",
+            ["method"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.method_ttft = Histogram(
+            "smcspec_method_time_to_first_token_seconds",
+            "Time to first token, by method",
+            ["method"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.tpot = Histogram(
             "smcspec_time_per_output_token_seconds",
             "Mean time per output token after the first, per request",
@@ -111,13 +125,17 @@ class ServerMetrics:
     def observe_request(self, method: str, outcome: str, req, result, prompt_tokens: int) -> None:
         """Count one finished request: its outcome under the ``method`` it ran (greedy
         ``smc`` runs as ``sd``), tokens, time to first token and, when it produced a result,
-        its time per output token and its decoder's own counters
+        its time per output token and its decoder's own counters; per method, the time to
+        first token and the longest gap between two streamed tokens
         (:meth:`~smcspec.decoding.decoder_stats.SmcStats.observe` and the like)."""
         self.requests.labels(method, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(req.tokens)
         if req.first_token_s is not None:
             self.ttft.observe(req.first_token_s)
+            self.method_ttft.labels(method).observe(req.first_token_s)
+        if req.max_gap_s is not None:
+            self.max_gap.labels(method).observe(req.max_gap_s)
         if result is None:
             return
         if result.new_tokens > 1 and req.first_token_s is not None:

@@ -125,6 +125,39 @@ class Regex(Constraint):
         return grammar_from("regex", self.pattern)
 
 
+MAX_SCHEMA_DEPTH = 100
+"""The deepest JSON nesting a schema may have (a ``JsonSchema``, a tool's parameters; the
+schema object itself is level 1). llguidance refuses JSON nested past 128 levels (serde_json's
+recursion limit: "recursion limit exceeded") and the tool-call grammar wraps each tool's
+schema in a few more; deeper schemas are a :class:`ConfigError` before anything recurses
+over them (``json.dumps`` of a ~950-deep schema raised RecursionError)."""
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of dicts and lists in ``value`` (a scalar: 0, ``{}``: 1), counted
+    without recursion; counting stops at ``limit + 1`` (anything deeper reads as that)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def check_schema_depth(schema: Any, what: str) -> None:
+    """Raises :class:`ConfigError` when ``schema`` nests deeper than :data:`MAX_SCHEMA_DEPTH`
+    (``what`` names it in the message)."""
+    if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ConfigError(
+            f"{what}: nested deeper than {MAX_SCHEMA_DEPTH} levels, more than the schema "
+            "compiler takes"
+        )
+
+
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,20}"
 """Whitespace allowed between JSON tokens unless a schema's ``x-guidance`` says otherwise: at
 most 20 characters at a time, as llama.cpp's JSON-schema grammars bound it (``space ::= | " "
@@ -144,13 +177,17 @@ class JsonSchema(Constraint):
     schema: dict | str
 
     def __post_init__(self) -> None:
-        if isinstance(self.schema, str):
+        schema = self.schema
+        if isinstance(schema, str):
             try:
-                json.loads(self.schema)
+                schema = json.loads(schema)
             except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ConfigError(f"invalid json_schema: not JSON ({e})") from e
-        elif not isinstance(self.schema, dict):
-            raise ConfigError(f"json schema must be a dict or a string, got {self.schema!r}")
+        elif not isinstance(schema, dict):
+            raise ConfigError(
+                f"json schema must be a dict or a string, got {type(schema).__name__}"
+            )
+        check_schema_depth(schema, "the json schema")
 
     def grammar(self) -> str:
         schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
@@ -248,6 +285,53 @@ class LLGuidanceState(ConstraintState):
 
     def is_accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
+
+
+class MinTokens(TokenConstraint):
+    """The stop tokens may not end the output before ``n`` tokens (vLLM's ``min_tokens``):
+    the mask forbids ``stop_ids`` at the first ``n`` positions and allows every token after.
+
+    Args:
+        stop_ids: the tokens that would end the output (EOS, end of turn, the request's).
+        vocab_size: the mask's length.
+        n: the fewest tokens (>= 1).
+    """
+
+    def __init__(self, stop_ids: Sequence[int], vocab_size: int, n: int) -> None:
+        self.vocab_size, self.n = vocab_size, n
+        self._early = torch.ones(vocab_size, dtype=torch.bool)
+        self._early[[i for i in stop_ids if 0 <= i < vocab_size]] = False
+        self._late = torch.ones(vocab_size, dtype=torch.bool)
+
+    def start(self) -> ConstraintState:
+        return MinTokensState(self, 0)
+
+
+class MinTokensState(ConstraintState):
+    """How many tokens a :class:`MinTokens` output holds so far."""
+
+    def __init__(self, constraint: MinTokens, count: int) -> None:
+        self.constraint, self.count = constraint, count
+
+    def allowed(self) -> torch.Tensor:
+        c = self.constraint
+        return (c._early if self.count < c.n else c._late).clone()
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        early = self.constraint._early
+        for t in tokens:
+            if self.count < self.constraint.n and not bool(early[t]):
+                raise DeadEndError(f"a stop token ({t}) before min_tokens={self.constraint.n}")
+            self.count += 1
+
+    def rollback(self, n: int) -> None:
+        self.count -= min(n, self.count)
+
+    def copy(self) -> ConstraintState:
+        return MinTokensState(self.constraint, self.count)
+
+    def is_accepting(self) -> bool:
+        return self.count >= self.constraint.n
 
 
 # ------------------------------------------------------------------------------ timing

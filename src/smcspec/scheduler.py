@@ -8,6 +8,13 @@ running batch at the next step after it arrives, and its particles share every w
 with the other requests' particles. Each request keeps its own random generator, so its
 output does not depend on what else is in the batch (beyond floating-point noise).
 
+**Prefill in chunks.** A long prompt is prefilled in chunks, over several steps where it
+takes long (:mod:`smcspec.decoding.chunked_prefill`: chunks of at most ``prefill_chunk``
+tokens, fewer on a model too slow to run that many in ``prefill_step_s``, and about
+``prefill_step_s`` seconds of prefill a step at most), so that a step stays short whatever
+the prompt's length: other requests' forwards run between the chunks, and a request
+cancelled during its prefill is dropped at the next step.
+
 **Pools.** A request is admitted only when everything it can ever take from the models'
 shared pools (llama.cpp sequence ids and KV cells, the torch backend's KV bytes; see
 :mod:`smcspec.backends.pool`) can be reserved for it (:meth:`Engine.try_reserve`); until then
@@ -42,8 +49,10 @@ from dataclasses import dataclass, field
 import torch
 
 from smcspec.backends.pool import Reservation
+from smcspec.decoding.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.job import Job
-from smcspec.decoding.program import Forward, Prefill, Program, Round, execute, execute_rounds
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.program import Forward, Prefill, Program, Round, execute_rounds
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ContextLengthError, SmcspecError
 
@@ -68,19 +77,30 @@ class Request:
 
     ``on_tokens`` is called (on the worker thread) with token ids as they become final;
     ``on_done`` exactly once, with the result or the exception that ended the request.
+    ``on_logprobs`` (requests with ``config.logprobs``) with each token's log-probabilities
+    just before ``on_tokens`` streams it, ``on_prompt_logprobs`` with the prompt's once it is
+    prefilled (``config.prompt_logprobs``). ``first_token_s``: seconds from submission to
+    the first streamed token; ``max_gap_s``: the longest wait between two streamed tokens
+    (what a client waits at most once the answer has started; SMC-SD streams only what every
+    particle holds); both also in the result (``GenerationResult.first_token_s``, ``max_gap_s``).
     """
 
     job: Job
     on_tokens: Callable[[list[int]], None] | None
     on_done: Callable[[GenerationResult | BaseException], None]
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None
+    on_prompt_logprobs: Callable[[TokenLogprobs], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token_s: float | None = None
+    max_gap_s: float | None = None
+    last_token_at: float | None = None
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     program: Program | None = None
     pending: Prefill | Forward | Round | None = None
     tokens: int = 0
     reservation: Reservation | None = None
+    prefill_turn: int = -1  # the step that last ran a chunk of its prefill
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step."""
@@ -96,6 +116,7 @@ class StepStats:
     seconds: float
     # model role -> distinct rows its forward computed (smcspec.backends.shared_rows)
     distinct_rows: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: int = 0  # prompt tokens prefilled (chunks of every request's prompt)
 
 
 class BatchScheduler:
@@ -109,6 +130,10 @@ class BatchScheduler:
         on_fatal: called (on the worker thread) with the exception if the worker dies.
         leak_grace_s: how long a lease of this scheduler may stay held while nothing runs
             before it is declared leaked.
+        prefill_chunk: the most prompt tokens one prefill chunk runs (see the module notes).
+        prefill_step_s: seconds of prefill a step aims at (see the module notes).
+    Raises:
+        ConfigError: ``prefill_chunk < 1`` or ``prefill_step_s <= 0``.
     """
 
     def __init__(
@@ -119,8 +144,12 @@ class BatchScheduler:
         on_step: Callable[[StepStats], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         leak_grace_s: float = 10.0,
+        prefill_chunk: int = 512,
+        prefill_step_s: float = 1.0,
     ) -> None:
         self.engine = engine
+        self.prefill = ChunkedPrefill(prefill_chunk, prefill_step_s)
+        self._steps = 0  # steps run
         self.max_running, self.max_waiting = max_running, max_waiting
         self.leak_grace_s = leak_grace_s
         self._idle_since: float | None = None  # nothing running, yet a pool in use or blocked
@@ -287,14 +316,23 @@ class BatchScheduler:
         req.started = time.perf_counter()
 
         def on_tokens(ids: list[int], req: Request = req) -> None:
-            if req.first_token_s is None and ids:
-                req.first_token_s = time.perf_counter() - req.submitted
+            if ids:
+                now = time.perf_counter()
+                if req.first_token_s is None:
+                    req.first_token_s = now - req.submitted
+                else:
+                    gap = now - (req.last_token_at or now)
+                    req.max_gap_s = max(req.max_gap_s or 0.0, gap)
+                req.last_token_at = now
             req.tokens += len(ids)
             if req.on_tokens is not None:
                 req.on_tokens(ids)
 
         try:
-            req.program = self.engine.program(req.job, on_tokens, req.reservation)
+            callbacks = {"on_logprobs": req.on_logprobs,
+                         "on_prompt_logprobs": req.on_prompt_logprobs}  # fmt: skip
+            extra = {name: fn for name, fn in callbacks.items() if fn is not None}
+            req.program = self.engine.program(req.job, on_tokens, req.reservation, **extra)
         except Exception as exc:  # e.g. a generator that refuses the seed
             log.exception("request failed before its first step")
             self._finish(req, exc)
@@ -311,6 +349,7 @@ class BatchScheduler:
             seconds = time.perf_counter() - (req.started or req.submitted)
             try:
                 outcome = self.engine.finish(req.job, done.value, seconds)
+                outcome.first_token_s, outcome.max_gap_s = req.first_token_s, req.max_gap_s
             except Exception as exc:  # detokenization failed: this request fails alone
                 log.exception("request failed after decoding")
                 outcome = exc
@@ -348,7 +387,8 @@ class BatchScheduler:
             req.pending = None
             self._finish(req, RuntimeError("cancelled"))
         live = [r for r in self._running if r.pending is not None]
-        results = self._run_prefills(live)
+        self._steps += 1
+        results, prefilled = self._run_prefills(live)
         rows: dict[str, int] = {}
         distinct: dict[str, int] = {}
         groups: dict[int, list[Request]] = {}
@@ -362,7 +402,7 @@ class BatchScheduler:
                 self._advance(req, results[id(req)])
         self._running = [r for r in self._running if r.pending is not None]
         seconds = time.perf_counter() - t0
-        stats = StepStats(len(live), rows, seconds, distinct)
+        stats = StepStats(len(live), rows, seconds, distinct, prefilled)
         if self.on_step is not None:
             try:
                 self.on_step(stats)
@@ -370,25 +410,40 @@ class BatchScheduler:
                 log.exception("the on_step observer failed")
         return stats
 
-    def _run_prefills(self, live: list[Request]) -> dict[int, torch.Tensor]:
-        """Each pending prefill, one at a time (their lengths differ), and the pending fused
-        rounds (:func:`~smcspec.decoding.program.execute_rounds`: those of one kind on one
-        bank as one batched call, the others on their own): ``{id(request): result}``. One
-        that raises (e.g. out of memory) fails its requests only."""
+    def _run_prefills(self, live: list[Request]) -> tuple[dict[int, torch.Tensor], int]:
+        """Chunks of the pending prefills, one at a time (their lengths differ), in turn
+        from the least recently served, while the next one is expected to keep this step's
+        prefill within ``prefill_step_s`` (the first always runs; the rest wait for the next
+        step); then the pending fused rounds (:func:`~smcspec.decoding.program.execute_rounds`:
+        those of one kind on one bank as one batched call, the others on their own).
+        Returns ``{id(request): result}`` (a prefill's logits once its prompt is whole) and
+        the prompt tokens prefilled. One that raises (e.g. out of memory) fails its request
+        only."""
         results: dict[int, torch.Tensor] = {}
-        for req in live:
-            if isinstance(req.pending, Prefill):
-                try:
-                    results[id(req)] = execute(req.pending)
-                except Exception as exc:
-                    self._fail(req, exc, "prefill")
+        turns = collections.deque(sorted((r for r in live if isinstance(r.pending, Prefill)),
+                                         key=lambda r: r.prefill_turn))  # fmt: skip
+        spent, prefilled = 0.0, 0
+        while turns:
+            req = turns.popleft()
+            if spent and spent + self.prefill.expected_s(req.pending) > self.prefill.step_s:
+                break
+            try:
+                logits, tokens, seconds = self.prefill.run(req.pending)
+            except Exception as exc:
+                self._fail(req, exc, "prefill")
+                continue
+            spent, prefilled, req.prefill_turn = spent + seconds, prefilled + tokens, self._steps
+            if logits is not None:
+                results[id(req)] = logits
+            else:
+                turns.append(req)  # its next chunk may still fit this step
         rounds = [r for r in live if isinstance(r.pending, Round)]
         for req, out in zip(rounds, execute_rounds([r.pending for r in rounds]), strict=True):
             if isinstance(out, Exception):
                 self._fail(req, out, "fused round")
             else:
                 results[id(req)] = out
-        return results
+        return results, prefilled
 
     def _fail(self, req: Request, exc: Exception, what: str) -> None:
         """End ``req`` with ``exc`` (logged with its traceback unless a user's error)."""

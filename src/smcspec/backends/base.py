@@ -71,8 +71,23 @@ class DecoderModel(Protocol):
         itself and :meth:`KVCache.close` gives it back. With ``shared_rows`` each forward
         computes the distinct rows only (:mod:`smcspec.backends.shared_rows`)."""
 
-    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``."""
+    def prefill(
+        self,
+        prompt: torch.Tensor,
+        cache: KVCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor | None:
+        """Run ``prompt`` (int64 ``[P]``) into ``cache``, shared by its rows; logits ``[V]``.
+        With ``all_logits``, the logits ``[end - start, V]`` of every position of the chunk
+        (each chunk, the last included): what a prompt's log-probabilities need.
+
+        With ``start``/``end``, only prompt positions ``start .. end - 1`` (a chunk: a long
+        prompt run in pieces between other work, in order, each chunk starting where the
+        one before ended); the logits come with the chunk that ends the prompt, None before
+        (:func:`smcspec.decoding.program.prefill_chunk`). Raises ValueError for a chunk out
+        of range or out of order."""
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Append ``tokens`` (int64 ``[R, T]``) to the rows; logits ``[R, T or 1, V]`` (rows

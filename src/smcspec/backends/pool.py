@@ -10,6 +10,12 @@ A :class:`Reservation` is one request's leases on the target and the draft.
 Nothing here relies on the garbage collector: a lease that is never released stays
 reserved, and :meth:`ResourcePool.leases_of` shows whose it is (the scheduler treats a lease
 of its own still held while nothing runs as a leak and turns the server unhealthy).
+
+A backend may keep storage between requests (the torch backend's banks of static KV caches,
+:mod:`smcspec.backends.torch.static_cache`): it holds that storage on a lease of its own,
+grown and shrunk with it (:meth:`ResourcePool.try_grow`, :meth:`ResourcePool.shrink`), so
+that what the pool calls free is never memory something holds; storage no request uses is a
+:class:`Reclaimer`'s, which the pool asks to free it when a reservation would fit only then.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from smcspec.errors import SmcspecError
 
@@ -42,6 +48,18 @@ class Lease:
         self.pool.release(self)
 
 
+class Reclaimer(Protocol):
+    """Storage kept on a pool that nothing uses now and that can be freed on demand (idle
+    banks of static caches). Both methods are called under the pool's lock."""
+
+    def reclaimable(self) -> dict[str, int]:
+        """Resource name -> amount :meth:`reclaim` could give back now."""
+
+    def reclaim(self, short: Mapping[str, int]) -> None:
+        """Free storage (releasing or shrinking its leases) until ``short`` is given back, or
+        all that :meth:`reclaimable` counts."""
+
+
 class ResourcePool:
     """Integer resources of one model, reserved all-or-nothing and released explicitly.
 
@@ -51,7 +69,9 @@ class ResourcePool:
         on_take: called under the pool's lock with a new lease (to attach concrete items).
         on_release: called under the pool's lock with a lease being released (to clear
             and return its items) before its amounts are returned.
-    Thread-safe: one lock per pool.
+    ``reclaimers``: :class:`Reclaimer` s asked, in order, to free idle storage when a
+    reservation or a growth fits only with it (:meth:`try_reserve`, :meth:`try_grow`).
+    Thread-safe: one re-entrant lock per pool (:attr:`lock`), which the reclaimers hold too.
     """
 
     def __init__(
@@ -68,6 +88,13 @@ class ResourcePool:
         self._owners: dict[int, object | None] = {}
         self._on_take, self._on_release = on_take, on_release
         self._lock = threading.RLock()
+        self.reclaimers: list[Reclaimer] = []
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's re-entrant lock: held by every change of its amounts (hold it across
+        several calls that must not interleave with other threads')."""
+        return self._lock
 
     def _check(self, amounts: Mapping[str, int]) -> None:
         unknown = set(amounts) - set(self.capacity)
@@ -91,7 +118,7 @@ class ResourcePool:
         ``owner``: who holds the lease (see :meth:`leases_of`)."""
         self._check(amounts)
         with self._lock:
-            if any(v > self._free[k] for k, v in amounts.items()):
+            if not self._fits(amounts):
                 return None
             lease = Lease(self, dict(amounts), owner=owner)
             for k, v in amounts.items():
@@ -108,6 +135,64 @@ class ResourcePool:
                     self._owners.pop(id(lease), None)
                     raise
             return lease
+
+    def _fits(self, amounts: Mapping[str, int]) -> bool:
+        """Whether ``amounts`` are free now, after the reclaimers freed idle storage where
+        that is enough (called holding the lock)."""
+        short = {k: v - self._free[k] for k, v in amounts.items() if v > self._free[k]}
+        if not short:
+            return True
+        idle: dict[str, int] = {}
+        for r in self.reclaimers:
+            for k, v in r.reclaimable().items():
+                idle[k] = idle.get(k, 0) + v
+        if any(v > idle.get(k, 0) for k, v in short.items()):
+            return False  # freeing every idle bank would not be enough: keep them
+        for r in self.reclaimers:
+            short = {k: v - self._free[k] for k, v in amounts.items() if v > self._free[k]}
+            if not short:
+                break
+            r.reclaim(short)
+        return all(v <= self._free[k] for k, v in amounts.items())
+
+    def _held(self, lease: Lease, amounts: Mapping[str, int]) -> None:
+        self._check(amounts)
+        if lease.pool is not self:
+            raise PoolError("this lease belongs to another pool")
+        if lease.released:
+            raise PoolError("this lease was released")
+
+    def try_grow(self, lease: Lease, amounts: Mapping[str, int]) -> bool:
+        """Add ``amounts`` to a held ``lease`` if all are free now (idle storage reclaimed
+        where that makes them fit); False (nothing taken) otherwise.
+
+        Raises:
+            PoolError: a lease of another pool, or released; an unknown resource.
+        """
+        with self._lock:
+            self._held(lease, amounts)
+            if not self._fits(amounts):
+                return False
+            for k, v in amounts.items():
+                self._free[k] -= v
+                lease.amounts[k] = lease.amounts.get(k, 0) + v
+            return True
+
+    def shrink(self, lease: Lease, amounts: Mapping[str, int]) -> None:
+        """Give ``amounts`` of a held ``lease`` back to the pool now (the rest stays held).
+
+        Raises:
+            PoolError: a lease of another pool, or released; more than the lease holds.
+        """
+        with self._lock:
+            self._held(lease, amounts)
+            if any(v > lease.amounts.get(k, 0) for k, v in amounts.items()):
+                raise PoolError(
+                    f"cannot give back {dict(amounts)}: the lease holds {lease.amounts}"
+                )
+            for k, v in amounts.items():
+                lease.amounts[k] -= v
+                self._free[k] += v
 
     def release(self, lease: Lease) -> None:
         """Return ``lease`` (idempotent)."""
@@ -216,11 +301,18 @@ def pool_needs(models: Mapping[str, Any], caches: list[CacheNeed]) -> dict[str, 
 
 def never_fits(models: Mapping[str, Any], caches: list[CacheNeed]) -> str | None:
     """Why a request opening ``caches`` can never run on these models' pools (even alone),
-    or None."""
+    or None. Models that share one pool (two torch models on one device) are summed."""
+    shared: dict[int, tuple[ResourcePool, list[str], dict[str, int]]] = {}
     for role, amounts in pool_needs(models, caches).items():
-        reason = models[role].pool.never_fits(amounts)
+        pool = models[role].pool
+        _, roles, total = shared.setdefault(id(pool), (pool, [], {}))
+        roles.append(role)
+        for k, v in amounts.items():
+            total[k] = total.get(k, 0) + v
+    for pool, roles, total in shared.values():
+        reason = pool.never_fits(total)
         if reason is not None:
-            return f"the request can never fit: the {role} {reason}"
+            return f"the request can never fit: the {' and '.join(roles)} {reason}"
     return None
 
 

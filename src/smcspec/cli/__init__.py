@@ -8,7 +8,8 @@ otherwise abort the process with ggml's message and a backtrace.
 
 One module per command (``generate``, ``serve``, ``bench``, ``evaluate``, ``rpc_server``),
 the parser (``parser``), the shared options (``options``) and what the commands share once
-parsed (``common``).
+parsed (``engine_args``: loading the pair, progress lines, the tuner's settings, the
+provenance line).
 """
 
 from __future__ import annotations

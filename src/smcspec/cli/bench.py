@@ -11,6 +11,7 @@ from pathlib import Path
 from smcspec.cli.engine_args import load_engine, needs_model_draft, provenance, tune_for
 from smcspec.cli.options import config_from_args
 from smcspec.config import GenerationConfig
+from smcspec.decoding.registry import Choice, choice_or_none
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     base = config_from_args(args, ignore_eos=not args.stop_at_eos)
     specs = _bench_specs(args, base)  # option errors before the models load
     needs_draft = args.predict or needs_model_draft([s.config for s in specs])
-    engine = load_engine(args, with_draft=needs_draft or "auto" in _bench_methods(args))
+    always_tuned = any(c.tuned == "always" for c in _bench_choices(args))  # auto
+    engine = load_engine(args, with_draft=needs_draft or always_tuned)
     if args.predict:
         from smcspec.tuning import format_table
 
@@ -108,11 +110,18 @@ def _bench_methods(args: argparse.Namespace) -> list[str]:
     return [m.strip() for m in args.methods.split(",") if m.strip()]
 
 
+def _bench_choices(args: argparse.Namespace) -> list[Choice]:
+    """The listed methods that are choices (``ar``, ``sd``, ``smc``, ``auto``), not the
+    names of settings (``smc-n8-k2``)."""
+    return [c for name in _bench_methods(args) if (c := choice_or_none(name)) is not None]
+
+
 def _bench_tunes(args: argparse.Namespace) -> bool:
     """Whether bench needs the tuner: ``auto`` listed, or ``smc`` without -N/-K/--grid."""
-    methods = _bench_methods(args)
-    unset = args.particles is None or args.draft_tokens is None
-    return "auto" in methods or ("smc" in methods and unset and args.grid is None)
+    grid = args.grid is not None
+    return any(
+        c.wants_tuning(args.particles, args.draft_tokens, grid) for c in _bench_choices(args)
+    )
 
 
 def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) -> list:
@@ -129,12 +138,15 @@ def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) 
     specs = []
     tunes = _bench_tunes(args)
     for name in _bench_methods(args):
-        if name == "auto":
+        wanted = choice_or_none(name)
+        tuned = "never" if wanted is None else wanted.tuned
+        if tuned == "always":  # auto: named auto-<the setting chosen>
             if tuning is not None:
-                pick = tuning.auto
-                specs.append(MethodSpec(f"auto-{pick.setting.name}", pick.setting.apply(base)))
-        elif name == "smc" and tunes and args.grid is None and tuning is not None:
-            specs.append(MethodSpec(tuning.smc.setting.name, tuning.smc.setting.apply(base)))
+                pick = tuning.pick(name)
+                specs.append(MethodSpec(f"{name}-{pick.setting.name}", pick.setting.apply(base)))
+        elif tuned == "without_nk" and tunes and args.grid is None and tuning is not None:
+            pick = tuning.pick(name)  # smc: the setting chosen
+            specs.append(MethodSpec(pick.setting.name, pick.setting.apply(base)))
         else:
             specs += method_specs(name, base, args.grid)
     for s in specs:

@@ -7,10 +7,8 @@ import argparse
 import os
 import sys
 
-from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig
+from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig, draft_named
 from smcspec.decoding.registry import choice
-
-NGRAM = "ngram"  # --draft ngram: n-gram drafts from the text, no draft model
 
 
 def needs_model_draft(configs: list[GenerationConfig]) -> bool:
@@ -30,7 +28,7 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
 
     engine = Engine.load(
         args.target,
-        None if args.draft == NGRAM else args.draft,
+        None if draft_named(args.draft).from_text else args.draft,  # --draft ngram: no file
         device=args.device,
         dtype=args.dtype,
         with_draft=with_draft,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from smcspec.cli.engine_args import load_engine, needs_model_draft, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args, constraint_from_args, steering_from_args
-from smcspec.decoding.decoder_stats import SmcStats
+from smcspec.decoding.registry import decoder_for
 
 if TYPE_CHECKING:
     from smcspec.engine import GenerationResult
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_json_record(result, pick, args), ensure_ascii=False))
     else:
-        print(f"\n{_stats_line(result, pick, args)}")
+        print(f"\n{_stats_line(result, pick, args, decoder_for(cfg).particles)}")
     return 0
 
 
@@ -65,9 +65,10 @@ def _json_record(result: GenerationResult, pick, args: argparse.Namespace) -> di
     return out
 
 
-def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str:
+def _stats_line(result: GenerationResult, pick, args: argparse.Namespace, particles: bool) -> str:
     """The line printed after a streamed completion: tokens, seconds, tokens/s, the decoder's
-    statistics (SMC-SD's resampling and ESS, SD's acceptance rate), the tuner's pick, the cap."""
+    statistics (SMC-SD's resampling and ESS, SD's acceptance rate), the tuner's pick, the cap
+    (``particles``: the decoder weighed particles, so a vote asked for had them)."""
     s = result.stats
     label = result.method if "ran_as" not in s else f"{result.method}, greedy: run as {s['ran_as']}"
     line = (
@@ -81,7 +82,7 @@ def _stats_line(result: GenerationResult, pick, args: argparse.Namespace) -> str
         line += (
             f"; vote: {v['answer']!r} with {v['share']:.0%} of the weight ({v['answers']} answers)"
         )
-    elif isinstance(result.decode_stats, SmcStats) and args.aggregate == "vote":
+    elif particles and args.aggregate == "vote":
         line += "; vote: no particle has an answer"
     if pick is not None:
         line += f"; {tuned_note(pick, args.method, args.min_ess)}"

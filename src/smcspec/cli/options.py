@@ -16,9 +16,10 @@ from smcspec.config import (
     GenerationConfig,
     check_min_ess,
     check_min_particles,
+    draft_named,
     field_type,
 )
-from smcspec.decoding.registry import BY_METHOD, choice, decoder_for
+from smcspec.decoding.registry import choice, decoder_for
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
@@ -247,12 +248,12 @@ def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
 
         args.pair_stats_read = read_pair_stats(args.pair_stats)
     if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
-        if BY_METHOD[choice(args.method).method].particles:  # N would be chosen, G divides it
+        if choice(args.method).decoder.particles:  # N would be chosen, G divides it
             raise ConfigError("--groups needs -N: the number of particles the groups divide")
-    ngram = args.draft == "ngram"
-    if ngram and hasattr(args, "methods"):  # eval, bench: it applies to their sd settings
-        return replace(_config(args, **extra), draft="ngram")
-    return _config(args, draft="ngram" if ngram else "model", **extra)
+    draft = draft_named(args.draft)  # --draft ngram: n-gram drafts (else a model file)
+    if draft.from_text and hasattr(args, "methods"):  # eval, bench: for their sd settings
+        return replace(_config(args, **extra), draft=draft.name)
+    return _config(args, draft=draft.name, **extra)
 
 
 def _config(args: argparse.Namespace, **extra) -> GenerationConfig:

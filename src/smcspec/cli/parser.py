@@ -136,6 +136,20 @@ def _serve(sub, common: list[argparse.ArgumentParser]) -> None:
         default=5.0,
         help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 5)",
     )
+    s.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="the most prompt tokens prefilled in one scheduler step: longer prompts run in "
+        "chunks between other requests' forwards (default 512)",
+    )
+    s.add_argument(
+        "--prefill-step-seconds",
+        type=float,
+        default=1.0,
+        help="seconds of prefill a scheduler step aims at: chunks shrink on a model too slow "
+        "for --prefill-chunk tokens in that time (default 1)",
+    )
 
 
 def _eval(sub) -> None:

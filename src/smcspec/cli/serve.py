@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from smcspec.cli.engine_args import NGRAM, load_engine, note, tuned_config, tuned_note
+from smcspec.cli.engine_args import load_engine, note, tuned_config, tuned_note
 from smcspec.cli.options import config_from_args
+from smcspec.config import draft_named
 from smcspec.errors import ConfigError
 
 
@@ -31,10 +32,12 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key if args.api_key is not None else os.environ.get("SMCSPEC_API_KEY"),
         public_metrics=args.public_metrics,
         shutdown_timeout_s=args.shutdown_timeout,
+        prefill_chunk=args.prefill_chunk,
+        prefill_step_s=args.prefill_step_seconds,
     ).validate()  # before the models load
     # with the draft model, a request may ask for any method; with --draft ngram, for ar and
     # sd with n-gram drafts only
-    engine = load_engine(args, with_draft=args.draft != NGRAM)
+    engine = load_engine(args, with_draft=not draft_named(args.draft).from_text)
     cfg, pick = tuned_config(engine, args, cfg)  # once, at startup
     if pick is not None:
         note(f"default setting {tuned_note(pick, args.method, args.min_ess)}")

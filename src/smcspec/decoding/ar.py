@@ -13,8 +13,9 @@ from smcspec.decoding.caches import run_on_caches
 from smcspec.decoding.decoder_stats import ArStats
 from smcspec.decoding.fused import HostCopy, ar_round, check_ok, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, as_prompt_tensor
-from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
+from smcspec.decoding.output import DecodeOutput
+from smcspec.decoding.program import Forward, Program, run_program, target_prefill
 from smcspec.errors import ContextLengthError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
@@ -61,27 +62,30 @@ def ar_program(job: Job) -> Program:
 
 
 def _ar_steps(job: Job, cache: KVCache) -> Program:
-    cfg, target, vocab, generator = job.config, job.target, job.vocab, job.generator
+    cfg, target, vocab = job.config, job.target, job.vocab
     state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-    logits = (yield Prefill(target, as_prompt_tensor(job.ids, target.device), cache))[:vocab]
-    tok = _next_token(logits, cfg, state, vocab, generator)
+    logits, prompt_lps = yield from target_prefill(job, cache)
+    logits = logits[:vocab]
+    tok, lps = _next_token(job, logits, state)
     if state is None and is_static(cache):  # each forward and draw as one round on the device
         out = yield from _pipelined_rounds(job, cache, tok)
         return DecodeOutput(tokens=out, stats=ArStats(len(out), None))
     out: list[int] = []
+    record = TokenLogprobs() if job.wants_logprobs else None
     while True:
         out.append(tok)
-        if job.on_tokens:
-            job.on_tokens([tok])
+        if record is not None and lps is not None:
+            record.extend(lps)
+        job.emit([tok], lps)
         if tok in job.stop_ids or len(out) >= cfg.max_new_tokens:
             break
         if state is not None:
             state.consume([tok])
         step = torch.tensor([[tok]], device=target.device)
         logits = (yield Forward(target, step, cache, last_only=True))[0, -1, :vocab]
-        tok = _next_token(logits, cfg, state, vocab, generator)
+        tok, lps = _next_token(job, logits, state)
     stats = ArStats(len(out), clock.seconds if clock is not None else None)
-    return DecodeOutput(tokens=out, stats=stats)
+    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
 
 
 def _pipelined_rounds(job: Job, cache: KVCache, first: int) -> Program:
@@ -98,8 +102,7 @@ def _pipelined_rounds(job: Job, cache: KVCache, first: int) -> Program:
 
     def take(tok: int) -> bool:  # True: the answer ends here
         out.append(tok)
-        if job.on_tokens:
-            job.on_tokens([tok])
+        job.emit([tok])
         return tok in job.stop_ids or len(out) >= cfg.max_new_tokens
 
     if take(first):
@@ -125,21 +128,21 @@ def _pipelined_rounds(job: Job, cache: KVCache, first: int) -> Program:
 
 
 def _next_token(
-    logits: torch.Tensor,
-    cfg: GenerationConfig,
-    state: ConstraintState | None,
-    vocab: int,
-    generator: torch.Generator,
-) -> int:
+    job: Job, logits: torch.Tensor, state: ConstraintState | None
+) -> tuple[int, TokenLogprobs | None]:
     """The next token from the target's ``logits`` ``[V]``: tempered, truncated, masked by the
-    constraint ``state``, a point mass when greedy."""
+    constraint ``state``, a point mass when greedy; and, where the request asks for them, its
+    log-probabilities under that distribution (before the point mass when greedy)."""
+    cfg = job.config
     lp = step_log_probs(logits, cfg.temperature)
     lp = truncate_log_probs(lp, cfg.top_k, cfg.top_p, cfg.min_p)
     if state is not None:
-        lp = _masked(lp, state.allowed()[:vocab].to(lp.device))
-    if cfg.greedy:
-        lp = point_mass_log_probs(lp)
-    return int(sample_categorical(lp.exp(), generator))
+        lp = _masked(lp, state.allowed()[: job.vocab].to(lp.device))
+    draw = point_mass_log_probs(lp) if cfg.greedy else lp
+    tok = int(sample_categorical(draw.exp(), job.generator))
+    if not job.wants_logprobs:
+        return tok, None
+    return tok, token_logprobs(lp[None], logits[None], [tok], cfg.logprobs, cfg.logprobs_mode)
 
 
 def _masked(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ requests of one kind (``docs/architecture.md``, "Where a round runs").
 Fused rounds run where every model of the request runs rounds fused
 (:func:`fused_rounds`), its caches are static, and the request needs no host work inside a
 round (:func:`plain`: no constraint, no reward, no top-p, whose cut has a data-dependent
-shape; sd also no ``draft_p_min`` gate and only full K-token rounds). Everything else runs
-step by step, as on the CPU.
+shape, no log-probabilities asked for; sd also no ``draft_p_min`` gate and only full K-token
+rounds). Everything else runs step by step, as on the CPU.
 """
 
 from __future__ import annotations
@@ -76,9 +76,12 @@ def fused_rounds(*models: DecoderModel | None) -> bool:
 
 def plain(cfg: GenerationConfig) -> bool:
     """Whether a request needs no host work between a round's forwards: no constraint, no
-    reward, no top-p (whose cut has a data-dependent shape). Each decoder adds its own
-    conditions (sd: no ``draft_p_min`` gate)."""
-    return cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1
+    reward, no top-p (whose cut has a data-dependent shape), and no log-probabilities asked
+    for (``cfg.logprobs``, ``cfg.prompt_logprobs``: such requests run step by step, where the
+    decoders compute them, rather than as extra outputs of the captured rounds). Each decoder
+    adds its own conditions (sd: no ``draft_p_min`` gate)."""
+    no_logprobs = cfg.logprobs is None and not cfg.prompt_logprobs
+    return cfg.constraint is None and cfg.reward is None and cfg.top_p >= 1 and no_logprobs
 
 
 def is_static(*caches: KVCache) -> bool:

@@ -19,7 +19,8 @@ import torch
 from smcspec.backends.base import DecoderModel
 from smcspec.backends.pool import Reservation
 from smcspec.config import GenerationConfig
-from smcspec.decoding.output import TokenCallback
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import LogprobCallback, TokenCallback
 from smcspec.potentials import TokenConstraint, compiled_constraint
 
 if TYPE_CHECKING:
@@ -45,6 +46,11 @@ class Job:
             reserves its own.
         truncate_draft: smc only: the proposal is the draft truncated like the target
             (``docs/sampling.md``; a comparison, not consistent).
+        on_logprobs: with ``config.logprobs``, called with each final token's
+            log-probabilities before ``on_tokens`` streams it (:meth:`emit`).
+        on_prompt_logprobs: with ``config.prompt_logprobs``, called with the prompt's
+            log-probabilities once the target's prefill has run
+            (:func:`~smcspec.decoding.program.target_prefill`).
     """
 
     ids: list[int]
@@ -58,14 +64,42 @@ class Job:
     on_tokens: TokenCallback | None = None
     reservation: Reservation | None = None
     truncate_draft: bool = False
+    on_logprobs: LogprobCallback | None = None
+    on_prompt_logprobs: LogprobCallback | None = None
 
     def started(
-        self, on_tokens: TokenCallback | None = None, reservation: Reservation | None = None
+        self,
+        on_tokens: TokenCallback | None = None,
+        reservation: Reservation | None = None,
+        on_logprobs: LogprobCallback | None = None,
+        on_prompt_logprobs: LogprobCallback | None = None,
     ) -> Job:
         """A copy ready to run: a generator on the target's device seeded with
-        ``config.seed``, the stream callback and the reservation."""
+        ``config.seed``, the stream callbacks and the reservation."""
         gen = torch.Generator(device=self.target.device).manual_seed(self.config.seed or 0)
-        return replace(self, generator=gen, on_tokens=on_tokens, reservation=reservation)
+        return replace(
+            self, generator=gen, on_tokens=on_tokens, reservation=reservation,
+            on_logprobs=on_logprobs, on_prompt_logprobs=on_prompt_logprobs,
+        )  # fmt: skip
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The request asked for its tokens' log-probabilities (``config.logprobs``)."""
+        return self.config.logprobs is not None
+
+    def emit(self, tokens: list[int], logprobs: TokenLogprobs | None = None) -> None:
+        """Stream ``tokens``, now final: ``on_tokens(tokens)``; with ``on_logprobs`` and
+        their ``logprobs``, token by token, each one's log-probabilities first (so that a
+        stream carries each token's values with the text it adds)."""
+        if not tokens:
+            return
+        if self.on_logprobs is not None and logprobs is not None:
+            for i, t in enumerate(tokens):
+                self.on_logprobs(logprobs.slice(i, i + 1))
+                if self.on_tokens:
+                    self.on_tokens([t])
+        elif self.on_tokens:
+            self.on_tokens(tokens)
 
     @property
     def device(self) -> torch.device:

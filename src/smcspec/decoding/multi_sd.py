@@ -35,8 +35,9 @@ from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.fused import fused_rounds, is_static, multi_sd_round, plain
 from smcspec.decoding.job import Job, job_for
+from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
-from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
 from smcspec.decoding.sd import first_token
 from smcspec.errors import NumericalError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
@@ -92,6 +93,8 @@ class _Tree:
     verdict: TreeVerdict  # of one tree (B = 1), on the host
     states: list[ConstraintState] = field(default_factory=list)  # each chain's matcher
     consumed: list[int] = field(default_factory=list)  # tokens each matcher consumed
+    # the accepted path's and the next token's log-probabilities (requests that ask)
+    logprobs: TokenLogprobs | None = None
 
     @property
     def path(self) -> list[int]:
@@ -103,13 +106,12 @@ class _Tree:
 def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
     state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-    p = as_prompt_tensor(job.ids, job.device)
-    first_logits = (yield Prefill(job.target, p, tcache))[: job.vocab]
-    yield Prefill(job.draft, p, dcache)
-    tok = first_token(job, first_logits, state)
+    first_logits, prompt_lps = yield from target_prefill(job, tcache)
+    first_logits = first_logits[: job.vocab]
+    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
+    tok, record = first_token(job, first_logits, state)
     out = [tok]
-    if job.on_tokens:
-        job.on_tokens([tok])
+    job.emit([tok], record)
     pending_t, pending_d = tok, [tok]
     stats = SdStats.multi_draft(cfg.particles, cfg.draft_tokens)
     finished = tok in job.stop_ids or len(out) >= cfg.max_new_tokens
@@ -129,8 +131,10 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         new, stopped = cut_at_stop([*tree.path, nxt], job.stop_ids)
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
-        if job.on_tokens:
-            job.on_tokens(new)
+        lps = tree.logprobs.slice(0, len(new)) if tree.logprobs is not None else None
+        if record is not None and lps is not None:
+            record.extend(lps)
+        job.emit(new, lps)
         finished = stopped or len(out) >= cfg.max_new_tokens
         if state is not None:
             state = tree_state(tree, c, n, nxt, finished)
@@ -139,7 +143,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         pending_t = nxt
     if clock is not None:
         stats.constraint_seconds = clock.seconds
-    return DecodeOutput(tokens=out, stats=stats)
+    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
 
 
 def _count(stats: SdStats, tree: _Tree, k: int) -> None:
@@ -218,7 +222,8 @@ def _round_steps(
     block = torch.cat((torch.full((n, 1), pending_t, device=dev), drafts.tokens), 1)
     t_logits = (yield Forward(job.target, block, tcache))[:, :, :vocab]
     lp = truncate_log_probs(step_log_probs(t_logits, cfg.temperature), *cfg.truncation)
-    p = drafts.masked_target(lp).exp()
+    masked = drafts.masked_target(lp)
+    p = masked.exp()
     u_accept = torch.rand(k * n, generator=job.generator, device=dev).view(1, k, n)
     u_next = draw_uniforms(1, job.generator, dev)
     verdict = multi_draft_verify(
@@ -227,7 +232,13 @@ def _round_steps(
     if not bool(verdict.valid.all()):
         raise NumericalError("cannot sample from a distribution with no finite positive mass")
     drafts.check_leaf(verdict)
-    return drafts.tree(verdict)
+    tree = drafts.tree(verdict)
+    if job.wants_logprobs:  # the accepting chain's rows, up to the token after its path
+        c, m = int(verdict.chain), int(verdict.accepted)
+        toks = [*tree.path, int(verdict.token)]
+        lp_c, logits_c = masked[c, : m + 1], t_logits[c, : m + 1]
+        tree.logprobs = token_logprobs(lp_c, logits_c, toks, cfg.logprobs, cfg.logprobs_mode)
+    return tree
 
 
 class _Drafts:

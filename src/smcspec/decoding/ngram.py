@@ -45,8 +45,9 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
-from smcspec.decoding.program import Prefill, Program, run_program
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import DecodeOutput, cut_at_stop
+from smcspec.decoding.program import Program, run_program, target_prefill
 from smcspec.decoding.sd import first_token, verify_block
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
@@ -176,11 +177,11 @@ def ngram_sd_program(job: Job) -> Program:
 
 def _ngram_rounds(job: Job, tcache: KVCache) -> Program:
     cfg, target, vocab = job.config, job.target, job.vocab
-    logits = (yield Prefill(target, as_prompt_tensor(job.ids, target.device), tcache))[:vocab]
-    tok = first_token(job, logits, None)
+    logits, prompt_lps = yield from target_prefill(job, tcache)
+    logits = logits[:vocab]
+    tok, record = first_token(job, logits, None)
     out = [tok]
-    if job.on_tokens:
-        job.on_tokens([tok])
+    job.emit([tok], record)
     index = NgramIndex()
     index.extend([*job.ids, tok])
     gate = NgramGate(cfg.p_min)
@@ -200,7 +201,8 @@ def _ngram_rounds(job: Job, tcache: KVCache) -> Program:
         d_probs = [one_hot(torch.tensor(t, device=dev), vocab).float() for t in d_tokens]
         t_len0 = tcache.length
         t_probs: list[torch.Tensor] = []
-        n, nxt = yield from verify_block(job, tcache, out[-1], d_tokens, d_probs, [], t_probs)
+        lps: list[TokenLogprobs] = []
+        n, nxt = yield from verify_block(job, tcache, out[-1], d_tokens, d_probs, [], t_probs, lps)
         if proposal and gate.p_min > 0:  # p(proposed token): its acceptance probability
             seen = d_tokens or proposal[:1]  # a probed proposal: its first token's row only
             gate.observe([float(t_probs[0][i, t]) for i, t in enumerate(seen)])
@@ -213,13 +215,15 @@ def _ngram_rounds(job: Job, tcache: KVCache) -> Program:
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
         index.extend(new)
-        if job.on_tokens:
-            job.on_tokens(new)
+        round_lps = lps[0].slice(0, len(new)) if lps else None
+        if record is not None and round_lps is not None:
+            record.extend(round_lps)
+        job.emit(new, round_lps)
         finished = stopped or len(out) >= cfg.max_new_tokens
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
     if gate.p_min > 0:
         stats.gated_rounds = gated  # rounds whose proposal the gate cut or kept from drafting
-    return DecodeOutput(tokens=out, stats=stats)
+    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
 
 
 def decode_ngram_sd(target: DecoderModel, *args: Any, **kwargs: Any) -> DecodeOutput:

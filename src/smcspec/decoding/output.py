@@ -8,12 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from smcspec.decoding.logprobs import TokenLogprobs
+
 TokenCallback = Callable[[list[int]], None]
 """Called with token ids as soon as they are final (they will be in the output)."""
+
+LogprobCallback = Callable[["TokenLogprobs"], None]
+"""Called with the log-probabilities of one final token, just before the
+:data:`TokenCallback` that streams it (requests that ask for logprobs)."""
 
 
 @dataclass
@@ -27,12 +34,16 @@ class ParticleOutput:
 @dataclass
 class DecodeOutput:
     """What a decoder returns: the new tokens and its statistics (its own typed record,
-    :mod:`smcspec.decoding.decoder_stats`)."""
+    :mod:`smcspec.decoding.decoder_stats`); with ``cfg.logprobs`` the tokens'
+    log-probabilities (:class:`~smcspec.decoding.logprobs.TokenLogprobs`, one per token),
+    with ``cfg.prompt_logprobs`` the prompt's (prompt tokens 1 .. P-1)."""
 
     tokens: list[int]
     stats: Any
     particles: list[ParticleOutput] | None = None
     log_normalizer: float | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:

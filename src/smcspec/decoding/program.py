@@ -12,20 +12,62 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from smcspec.backends.base import DecoderModel, KVCache
-from smcspec.decoding.output import DecodeOutput
+from smcspec.decoding.logprobs import TokenLogprobs, prompt_logprobs
+from smcspec.decoding.output import DecodeOutput, as_prompt_tensor
+
+if TYPE_CHECKING:
+    from smcspec.decoding.job import Job
+
+ALL_LOGITS_CHUNK = 64
+"""Prompt tokens per forward of a prefill that keeps every position's logits
+(:attr:`Prefill.prompt_top`): ``64 x V`` float32 logits at a time (39 MB at Qwen2.5's
+151,936 tokens) instead of the whole prompt's."""
 
 
 @dataclass
 class Prefill:
-    """Run ``prompt`` (int64 ``[P]``) into ``cache``; answered with logits ``[V]``."""
+    """Run ``prompt`` (int64 ``[P]``) into ``cache``; answered with logits ``[V]``.
+
+    A scheduler may run it in chunks between other work (:func:`prefill_chunk`); ``done``
+    counts the prompt tokens already in the cache. With ``prompt_top`` (not None) the
+    prefill also gives the prompt's raw log-probabilities with that many alternatives each
+    (:func:`~smcspec.decoding.logprobs.prompt_logprobs`, prompt tokens 1 .. P-1), gathered in
+    ``logprobs`` chunk by chunk, over the logits' first ``vocab`` entries (0: all)."""
 
     model: DecoderModel
     prompt: torch.Tensor
     cache: KVCache
+    done: int = 0
+    prompt_top: int | None = None
+    logprobs: TokenLogprobs | None = None
+    vocab: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not yet in the cache."""
+        return int(self.prompt.shape[-1]) - self.done
+
+
+def target_prefill(
+    job: Job, cache: KVCache
+) -> Generator[Prefill, torch.Tensor, tuple[torch.Tensor, TokenLogprobs | None]]:
+    """Prefill ``job``'s prompt on its target; returns the logits ``[V]`` after it and, where
+    the request asks for them (``config.prompt_logprobs``, with ``config.logprobs or 0``
+    alternatives over the pair's vocabulary), the prompt's log-probabilities, which
+    ``job.on_prompt_logprobs`` is also given at once (a stream's echo)."""
+    cfg = job.config
+    top = (cfg.logprobs or 0) if cfg.prompt_logprobs else None
+    prompt = as_prompt_tensor(job.ids, job.target.device)
+    step = Prefill(job.target, prompt, cache, prompt_top=top, vocab=job.vocab)
+    logits = yield step
+    if step.logprobs is not None and job.on_prompt_logprobs is not None:
+        job.on_prompt_logprobs(step.logprobs)
+    return logits, step.logprobs
 
 
 @dataclass
@@ -87,10 +129,47 @@ Program = Generator[Step, torch.Tensor, DecodeOutput]
 def execute(step: Step):
     """Run one step on its own: logits for a prefill or forward, the outputs of a round."""
     if isinstance(step, Prefill):
+        if step.prompt_top is not None:
+            return prefill_chunk(step, step.remaining)
         return step.model.prefill(step.prompt, step.cache)
     if isinstance(step, Round):
         return step.model.run_round(step.cache, step.key, step.fn, step.inputs)
     return step.model.decode(step.tokens, step.cache, step.last_only)
+
+
+def prefill_chunk(step: Prefill, tokens: int) -> torch.Tensor | None:
+    """Run the next ``tokens`` (at least 1) of ``step``'s prompt into its cache
+    (``model.prefill`` with ``start``/``end``) and count them in ``step.done``. Returns the
+    logits ``[V]`` once the whole prompt is in, None while tokens remain. A prompt that fits
+    in one chunk is one plain ``model.prefill(prompt, cache)``, as :func:`execute` runs it."""
+    n = int(step.prompt.shape[-1])
+    end = min(n, step.done + max(1, tokens))
+    if step.prompt_top is not None:
+        return _prefill_all_logits(step, end)
+    if step.done == 0 and end == n:
+        out = step.model.prefill(step.prompt, step.cache)
+    else:
+        out = step.model.prefill(step.prompt, step.cache, step.done, end)
+    step.done = end
+    return out if end == n else None
+
+
+def _prefill_all_logits(step: Prefill, end: int) -> torch.Tensor | None:
+    """:func:`prefill_chunk` up to ``end`` keeping every position's logits, in pieces of at
+    most :data:`ALL_LOGITS_CHUNK` tokens, each reduced at once to the log-probabilities of
+    the prompt tokens it predicts (into ``step.logprobs``)."""
+    n = int(step.prompt.shape[-1])
+    if step.logprobs is None:
+        step.logprobs = TokenLogprobs()
+    last = None
+    while step.done < end:
+        stop = min(end, step.done + ALL_LOGITS_CHUNK)
+        logits = step.model.prefill(step.prompt, step.cache, step.done, stop, all_logits=True)
+        logits = logits[:, : step.vocab] if step.vocab else logits
+        targets = step.prompt[step.done + 1 : stop + 1]  # the tokens these rows predict
+        step.logprobs.extend(prompt_logprobs(logits[: len(targets)], targets, step.prompt_top))
+        step.done, last = stop, logits[-1]
+    return last if end == n else None
 
 
 def execute_rounds(rounds: list[Round]) -> list[dict[str, torch.Tensor] | Exception]:

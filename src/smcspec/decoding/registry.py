@@ -5,12 +5,19 @@ Each :class:`Decoder` owns its program (``program(job)``, on the request's
 the pools' reservation), its typed stats (:mod:`smcspec.decoding.decoder_stats`: their JSON keys,
 stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.decoding.rounds`:
 what the tuner predicts and the roofline prices), the name of a setting in reports and
-``eval`` (``smc-n8-k2``), and what a config must hold to run on it. :func:`decoder_for` is
-the one place that reads ``cfg.method``: greedy ``smc`` runs as greedy ``sd`` (SMC-SD's
-weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs multi-draft sd
-(greedy: chain sd), and ``sd`` with ``draft="ngram"`` runs the n-gram decoder.
-:data:`CHOICES` are the values a user may ask for (the methods and ``auto``). Outside this
-module no code compares method names (``tests/test_decoder_registry.py``).
+``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run
+on it. :func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
+(SMC-SD's weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs
+multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder.
+:data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
+tuned; :data:`BASELINE` is the decoder speed-ups are measured against.
+
+This module is the one place code decides on the name of a method, a draft
+(:class:`~smcspec.config.Draft`) or a decoder: elsewhere it asks the table (:func:`decoder_for`,
+:func:`decoder_named`, :func:`choice`, a row's traits), never compares a name, looks one up in
+the table's dicts or switches on a stats class (``tests/test_decoder_registry.py``).
+``config.py``, below it, keeps as data what a config resolves when it is made (each method's
+default N, the drafts' rows).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 
 import smcspec.decoding.rounds as rounds
 from smcspec.backends.pool import CacheNeed
-from smcspec.config import GenerationConfig
+from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT, Draft, GenerationConfig
 from smcspec.decoding.ar import ar_caches, ar_program
 from smcspec.decoding.job import Job
 from smcspec.decoding.multi_sd import multi_sd_caches, multi_sd_program
@@ -51,6 +58,8 @@ class Decoder:
         chains: it drafts N chains a round without weighing them (multi-draft sd).
         from_text: its drafts come from the text, not a model (n-gram sd; priced at its
             gate's threshold, never compared as a speed).
+        tuned: the tuner predicts its settings (:mod:`smcspec.tuning.grid`; multi-draft sd
+            not yet).
         shapes: ``(n, k) -> (target shapes, draft shapes)`` of one round.
         cost: ``(n, k, RoundCosts, distinct) -> (tokens, seconds)`` of one round.
         label: ``(n, k) -> str``: a setting's name in reports and ``eval`` (``smc-n8-k2``).
@@ -67,6 +76,7 @@ class Decoder:
     particles: bool
     chains: bool
     from_text: bool
+    tuned: bool
     shapes: Callable[[int, int], Shapes]
     cost: Callable[..., tuple[float, float]]
     label: Callable[[int, int], str]
@@ -82,8 +92,14 @@ class Decoder:
         (N = 1 where it has none)."""
         out = replace(cfg, method=self.method, particles=n if self.uses_n else 1)
         if self.draft_tokens:
-            out = replace(out, draft="ngram" if self.from_text else "model", draft_tokens=k)
+            out = replace(out, draft=self.draft.name, draft_tokens=k)
         return out
+
+    @property
+    def draft(self) -> Draft:
+        """Its drafts' :class:`~smcspec.config.Draft` (the draft model where it drafts none:
+        a config's default)."""
+        return NGRAM_DRAFT if self.from_text else MODEL_DRAFT
 
     @property
     def uses_n(self) -> bool:
@@ -92,10 +108,10 @@ class Decoder:
 
 
 def _decoder(name: str, method: str, caches, program, *, draft_model: bool, drafts: bool,
-             particles: bool = False, chains: bool = False, from_text: bool = False, shapes,
-             cost, label, pattern: str) -> Decoder:  # fmt: skip
+             particles: bool = False, chains: bool = False, from_text: bool = False,
+             tuned: bool = True, shapes, cost, label, pattern: str) -> Decoder:  # fmt: skip
     return Decoder(name, method, caches, program, draft_model, drafts, particles, chains,
-                   from_text, shapes, cost, label, re.compile(pattern))  # fmt: skip
+                   from_text, tuned, shapes, cost, label, re.compile(pattern))  # fmt: skip
 
 
 DECODERS = {
@@ -110,7 +126,7 @@ DECODERS = {
     ),
     "multi-sd": _decoder(
         "multi-sd", "sd", multi_sd_caches, multi_sd_program, draft_model=True, drafts=True,
-        chains=True, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
+        chains=True, tuned=False, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
         label=lambda n, k: f"sd-n{n}-k{k}", pattern=r"sd-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
     "ngram-sd": _decoder(
@@ -128,6 +144,9 @@ DECODERS = {
 
 BY_METHOD = {"ar": DECODERS["ar"], "sd": DECODERS["sd"], "smc": DECODERS["smc"]}
 """Each method's own decoder (``sd`` with n-gram drafts runs ``ngram-sd``)."""
+
+BASELINE = DECODERS["ar"]
+"""The decoder speed-ups are measured against (``ar``: one target forward a token)."""
 
 
 def decoder_for(cfg: GenerationConfig) -> Decoder:
@@ -185,7 +204,7 @@ def _check_particles(cfg: GenerationConfig, decoder: Decoder) -> None:
         )
 
 
-def decoder_named(method: str, draft: str = "model") -> Decoder:
+def decoder_named(method: str, draft: str = MODEL_DRAFT.name) -> Decoder:
     """The decoder of ``method`` (``ar``, ``sd``, ``smc``) drafting with ``draft``
     (``model`` or ``ngram``: sd only).
 
@@ -194,11 +213,17 @@ def decoder_named(method: str, draft: str = "model") -> Decoder:
     """
     if method not in BY_METHOD:
         raise ConfigError(f"unknown method {method!r}; choose from {', '.join(BY_METHOD)}")
-    if draft == "ngram":
+    if draft == NGRAM_DRAFT.name:
         if method != "sd":
             raise ConfigError(f"n-gram drafts are for sd, not {method}")
         return DECODERS["ngram-sd"]
     return BY_METHOD[method]
+
+
+def method_decoder(name: str | None) -> Decoder | None:
+    """The own decoder of the method ``name`` (``ar``, ``sd``, ``smc``), or None where
+    ``name`` is not a method (None, ``auto``, a setting's label such as ``sd-k4``)."""
+    return BY_METHOD.get(name) if isinstance(name, str) else None
 
 
 def parse_label(text: str) -> tuple[Decoder, int, int, str] | None:
@@ -237,11 +262,21 @@ class Choice:
     tuned: str
     particles_only: bool = False
 
-    def wants_tuning(self, particles: int | None, draft_tokens: int | None) -> bool:
-        """Whether the setting is chosen from measured costs, given the N and K asked for."""
+    def wants_tuning(
+        self, particles: int | None, draft_tokens: int | None, grid: bool = False
+    ) -> bool:
+        """Whether the setting is chosen from measured costs, given the N and K asked for
+        (``grid``: a grid of N and K is given, ``eval``'s and ``bench``'s ``--grid``: they
+        are not chosen)."""
         if self.tuned == "always":
             return True
-        return self.tuned == "without_nk" and (particles is None or draft_tokens is None)
+        unset = particles is None or draft_tokens is None
+        return self.tuned == "without_nk" and unset and not grid
+
+    @property
+    def decoder(self) -> Decoder:
+        """The own decoder of the method it validates as (``auto``: smc's)."""
+        return BY_METHOD[self.method]
 
 
 CHOICES = {
@@ -263,3 +298,9 @@ def choice(name: str) -> Choice:
         return CHOICES[name]
     except KeyError:
         raise ConfigError(f"unknown method {name!r}; choose from {', '.join(CHOICES)}") from None
+
+
+def choice_or_none(name: str) -> Choice | None:
+    """The :class:`Choice` named ``name``, or None where it names none (a setting's label
+    such as ``smc-n8-k2``)."""
+    return CHOICES.get(name)

@@ -37,8 +37,9 @@ from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, sd_round
 from smcspec.decoding.job import Job, job_for
+from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
-from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
@@ -79,16 +80,22 @@ def sd_program(job: Job) -> Program:
     return (yield from run_on_caches(job, sd_caches(cfg, len(job.ids)), _sd_rounds, fused))
 
 
-def first_token(job: Job, logits: torch.Tensor, state: ConstraintState | None) -> int:
+def first_token(
+    job: Job, logits: torch.Tensor, state: ConstraintState | None
+) -> tuple[int, TokenLogprobs | None]:
     """The first generated token, from the target's ``logits`` (``[V]``) after the prompt:
-    truncated, masked by the constraint ``state``, a point mass when greedy."""
+    truncated, masked by the constraint ``state``, a point mass when greedy; and its
+    log-probabilities where the request asks for them (:mod:`smcspec.decoding.logprobs`)."""
     cfg = job.config
     first = truncate_log_probs(step_log_probs(logits, cfg.temperature), *cfg.truncation)
     if state is not None:
         first = _masked_target(first, _allowed(state, job.vocab, logits.device))
-    if cfg.greedy:
-        first = point_mass_log_probs(first)
-    return int(sample_categorical(first.exp(), job.generator))
+    draw = point_mass_log_probs(first) if cfg.greedy else first
+    tok = int(sample_categorical(draw.exp(), job.generator))
+    if not job.wants_logprobs:
+        return tok, None
+    lps = token_logprobs(first[None], logits[None], [tok], cfg.logprobs, cfg.logprobs_mode)
+    return tok, lps
 
 
 def _draft_pending(
@@ -110,13 +117,13 @@ def _draft_pending(
 def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
     state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-    p = as_prompt_tensor(job.ids, job.device)
-    first_logits = (yield Prefill(job.target, p, tcache))[: job.vocab]
-    yield Prefill(job.draft, p, dcache)
-    tok = first_token(job, first_logits, state)
+    first_logits, prompt_lps = yield from target_prefill(job, tcache)
+    first_logits = first_logits[: job.vocab]
+    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
+    tok, lps = first_token(job, first_logits, state)
     out = [tok]
-    if job.on_tokens:
-        job.on_tokens([tok])
+    record = lps
+    job.emit([tok], lps)
     pending_t = tok  # fed to the target at the start of the next round
     pending_d = [tok]  # tokens the draft has not seen yet
     stats = SdStats(cfg.draft_tokens, rounds=0, drafted=0, accepted=0)
@@ -127,10 +134,11 @@ def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_len0, t_len0 = dcache.length, tcache.length
+        lps = None
         if fused and k == cfg.draft_tokens:  # the whole round on the device
             d_tokens, n, nxt = yield from sd_round(job, tcache, dcache, pending_d, pending_t)
         else:
-            d_tokens, n, nxt = yield from _round_steps(
+            d_tokens, n, nxt, lps = yield from _round_steps(
                 job, tcache, dcache, pending_d, pending_t, k, state
             )
             k = len(d_tokens)
@@ -140,8 +148,10 @@ def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         new, stopped = cut_at_stop([*d_tokens[:n], nxt], job.stop_ids)
         new = new[: cfg.max_new_tokens - len(out)]
         out.extend(new)
-        if job.on_tokens:
-            job.on_tokens(new)
+        lps = lps.slice(0, len(new)) if lps is not None else None
+        if record is not None and lps is not None:
+            record.extend(lps)
+        job.emit(new, lps)
         finished = stopped or len(out) >= cfg.max_new_tokens
         if state is not None and not finished:  # no stop token was accepted
             consumed = k - (1 if d_tokens and d_tokens[-1] in job.stop_ids else 0)
@@ -152,7 +162,7 @@ def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         pending_d = _draft_pending(dcache, d_len0, pending_d, d_tokens, n, nxt)
     if clock is not None:
         stats.constraint_seconds = clock.seconds
-    return DecodeOutput(tokens=out, stats=stats)
+    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
 
 
 def _round_steps(
@@ -163,9 +173,11 @@ def _round_steps(
     pending_t: int,
     k: int,
     state: ConstraintState | None,
-) -> Generator[Forward, torch.Tensor, tuple[list[int], int, int]]:
+) -> Generator[Forward, torch.Tensor, tuple[list[int], int, int, TokenLogprobs | None]]:
     """One round step by step: up to ``k`` draft forwards (:func:`_draft_block`), the
-    target's forward and the test (:func:`verify_block`). Returns ``(drafted, n, next)``."""
+    target's forward and the test (:func:`verify_block`). Returns ``(drafted, n, next,
+    logprobs)``: the log-probabilities of the ``n + 1`` tokens where the request asks for
+    them (None otherwise)."""
     d_tokens: list[int] = []
     d_probs: list[torch.Tensor] = []
     # constraint: masks[j] is the mask after d_1..d_j (draft step j+1 and target row j)
@@ -174,8 +186,9 @@ def _round_steps(
         raise DeadEndError("no token allowed by the constraint can follow (dead end)")
     if k > 0:
         d_tokens, d_probs = yield from _draft_block(job, dcache, pending_d, k, state, masks)
-    n, nxt = yield from verify_block(job, tcache, pending_t, d_tokens, d_probs, masks)
-    return d_tokens, n, nxt
+    lps: list[TokenLogprobs] = []
+    n, nxt = yield from verify_block(job, tcache, pending_t, d_tokens, d_probs, masks, None, lps)
+    return d_tokens, n, nxt, (lps[0] if lps else None)
 
 
 def verify_block(
@@ -186,13 +199,17 @@ def verify_block(
     d_probs: list[torch.Tensor],
     masks: list[torch.Tensor],
     probs_out: list[torch.Tensor] | None = None,
+    logprobs_out: list[TokenLogprobs] | None = None,
 ) -> Generator[Forward, torch.Tensor, tuple[int, int]]:
     """Score ``[pending, *d_tokens]`` (1 + k rows) with the target in one forward and run
     the speculative-sampling test (Leviathan et al. 2023, Alg. 1) on the k drafted tokens
     with their draft distributions ``d_probs`` (k tensors of shape ``(vocab,)``).
     ``masks``: the constraint's mask at each row (empty without one). ``probs_out``, if
     given, receives the target's distributions at the 1 + k positions (float ``[1 + k,
-    vocab]``, after temperature, truncation and masks).
+    vocab]``, after temperature, truncation and masks). ``logprobs_out``, if given and the
+    request asks for them, receives the :class:`~smcspec.decoding.logprobs.TokenLogprobs` of
+    the accepted tokens and the next one, each at its row of the target (before the point
+    mass when greedy).
 
     Returns:
         ``(n, nxt)``: how many drafted tokens were accepted and the target's token after
@@ -205,7 +222,7 @@ def verify_block(
     dev = job.device
     block = torch.tensor([[pending, *d_tokens]], device=dev)
     t_logits = (yield Forward(job.target, block, tcache))[0, :, : job.vocab]
-    t_probs, dead = _target_probs(t_logits, job.config, masks)
+    t_probs, dead, t_lp = _target_probs(t_logits, job.config, masks)
     if probs_out is not None:
         probs_out.append(t_probs)
     k = len(d_tokens)
@@ -217,6 +234,12 @@ def verify_block(
         n, nxt = 0, int(sample_categorical(t_probs[0], job.generator))
     if dead and n == k:
         raise DeadEndError("no token allowed by the constraint can follow (dead end)")
+    if logprobs_out is not None and job.wants_logprobs:
+        cfg, toks = job.config, [*d_tokens[:n], nxt]
+        rows = slice(0, n + 1)
+        logprobs_out.append(
+            token_logprobs(t_lp[rows], t_logits[rows], toks, cfg.logprobs, cfg.logprobs_mode)
+        )
     return n, nxt
 
 
@@ -269,11 +292,12 @@ def _draft_block(
 
 def _target_probs(
     logits: torch.Tensor, cfg: GenerationConfig, masks: list[torch.Tensor]
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, bool, torch.Tensor]:
     """The target's sampling distributions ``[k+1, V]`` for a scored block (``logits``
     ``[k+1, V]``), masked by ``masks[j]`` at row ``j`` when a constraint runs. Also returns
     whether the last mask allows nothing (a dead end: fatal only if every drafted token is
-    accepted; that row is left unmasked meanwhile)."""
+    accepted; that row is left unmasked meanwhile), and the log-probabilities before the
+    greedy point mass (float32 ``[k+1, V]``; the same as the distributions' log otherwise)."""
     lp = truncate_log_probs(step_log_probs(logits, cfg.temperature), *cfg.truncation)
     dead = False
     if masks:
@@ -281,9 +305,8 @@ def _target_probs(
         if dead:
             masks[-1] = torch.ones_like(masks[-1])
         lp = torch.stack([_masked_target(lp[j], masks[j]) for j in range(len(lp))])
-    if cfg.greedy:
-        lp = point_mass_log_probs(lp)
-    return lp.exp(), dead
+    draw = point_mass_log_probs(lp) if cfg.greedy else lp
+    return draw.exp(), dead, lp
 
 
 def _allowed(state: ConstraintState, vocab: int, dev: torch.device) -> torch.Tensor:

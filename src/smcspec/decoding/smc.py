@@ -59,8 +59,10 @@ from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SmcStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain, smc_block
 from smcspec.decoding.job import Job, job_for
-from smcspec.decoding.output import DecodeOutput, ParticleOutput, TokenCallback, as_prompt_tensor
-from smcspec.decoding.program import Forward, Prefill, Program, run_program
+from smcspec.decoding.logprobs import TokenLogprobs
+from smcspec.decoding.output import DecodeOutput, ParticleOutput, as_prompt_tensor
+from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
+from smcspec.decoding.smc_logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -119,6 +121,8 @@ class _Particles:
     # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
     # (itself while running; see _host_ended), or None before any particle ended
     host: torch.Tensor | None = None
+    # requests that ask for logprobs: every particle's tokens' values (smc_logprobs)
+    logprobs: ParticleLogprobs | None = None
 
 
 @dataclass
@@ -136,6 +140,10 @@ class _Block:
     # row at the cut gives the deferred bonus, and the tokens each matcher consumed
     logits: torch.Tensor | None = None
     consumed: torch.Tensor | None = None  # int64 [N] (constraint)
+    # requests that ask for logprobs: the constraint's mask at each drafted position (bool
+    # [N, V] each) and the values of the block's tokens ([N, K or K+1] positions)
+    masks: list[torch.Tensor] = field(default_factory=list)
+    values: Values | None = None
 
 
 def smc_caches(cfg: GenerationConfig, prompt_len: int) -> list[CacheNeed]:
@@ -209,11 +217,11 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
-    p = as_prompt_tensor(job.ids, job.device)
-    first = (yield Prefill(job.target, p, tcache))[: job.vocab]
-    yield Prefill(job.draft, p, dcache)
+    first, prompt_lps = yield from target_prefill(job, tcache)
+    first = first[: job.vocab]
+    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
     ps, clock = _initial_particles(job, first, cap)
-    emitted = _emit(ps, 0, job.on_tokens)
+    emitted = _emit(ps, 0, job)
     fused = not cfg.has_potential and is_static(tcache, dcache)
     while not bool(ps.finished.all()) and not _mass_stop(job, ps):
         lengths0 = (tcache.length, dcache.length, ps.pending_d.shape[1])
@@ -235,9 +243,11 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
             if bool(ended.any()):  # particles the bonus ended: banked now
                 _end_round(job, ps, ended, ended, tcache, dcache, bank_only=True)
         _host_ended(ps, tcache, dcache)
-        emitted = _emit(ps, emitted, job.on_tokens)
+        emitted = _emit(ps, emitted, job)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
-    return _output(job, ps, keep, emitted, clock, tcache, dcache)
+    out = _output(job, ps, keep, emitted, clock, tcache, dcache)
+    out.prompt_logprobs = prompt_lps
+    return out
 
 
 def _initial_particles(
@@ -268,6 +278,7 @@ def _initial_particles(
         tokens[:, 0] = x0
         done = x0 in job.stop_ids or cfg.max_new_tokens == 1
         ps.finished = torch.full((n,), done, dtype=torch.bool, device=dev)
+        m0 = None
     else:
         root, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
         m0 = smc_potentials.masks(
@@ -294,6 +305,12 @@ def _initial_particles(
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()
+    if job.wants_logprobs:  # x0's values, from the target's row after the prompt
+        ps.logprobs = ParticleLogprobs.start(n, cap, cfg.logprobs, dev)
+        rows = first[None].expand(n, -1)[:, None]
+        masks = m0.expand(n, -1)[:, None] if m0 is not None else None
+        values = position_values(cfg, rows, tokens[:, :1], masks)
+        ps.logprobs.write(0, torch.zeros_like(ps.finished), values)
     return ps, clock
 
 
@@ -306,6 +323,7 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
     draft_lp = torch.empty(n, k, dtype=torch.float32, device=dev)
     open_ = dead_pos = None
     consumed = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each matcher consumed
+    masks: list[torch.Tensor] = []  # the constraint's masks, for logprobs
     if cfg.has_potential:
         open_ = ~ps.finished  # still consuming tokens this round
         dead_pos = torch.full((n,), k + 2, dtype=torch.long, device=dev)  # K+2: alive
@@ -320,6 +338,8 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
             lq = smc_potentials.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+            if job.wants_logprobs:
+                masks.append(m)
         d = sample_categorical(lq.exp(), job.generator)
         if ps.host is not None:  # ended rows draft what their host drafts (_host_ended)
             d = d[ps.host]
@@ -334,7 +354,7 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
             consumed += open_.long()
         x = d[:, None]
     b = _Block(drafted, draft_lp, dead_pos, open_)
-    b.consumed = consumed
+    b.consumed, b.masks = consumed, masks
     return b
 
 
@@ -359,9 +379,13 @@ def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Progra
     t_logits = (yield Forward(job.target, t_block, tcache))[:, :, : job.vocab]
     lp = truncate_log_probs(tempered_log_probs(t_logits[:, :k], cfg.temperature), *cfg.truncation)
     b.target_lp = lp.gather(-1, b.drafted[:, :, None])[:, :, 0]
+    if job.wants_logprobs:  # the drafted tokens' values (the bonus's below)
+        masks = torch.stack(b.masks, 1) if b.masks else None
+        b.values = position_values(cfg, t_logits[:, :k], b.drafted, masks)
     if cfg.round_end == "ess":  # the backend's buffer: kept until the cut's bonus is drawn
         b.logits = t_logits.clone()
         return
+    m = None
     if cfg.has_potential:  # after all K drafted tokens
         m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
         probs, norm = smc_potentials.masked_power_target(
@@ -377,6 +401,10 @@ def _score_block(job: Job, ps: _Particles, b: _Block, tcache: KVCache) -> Progra
     b.bonus = sample_categorical(probs, job.generator)
     if ps.host is not None:
         b.bonus = b.bonus[ps.host]
+    if b.values is not None:  # the bonus's values, beside the drafted tokens'
+        mask = m[:, None] if m is not None and job.constraint is not None else None
+        bonus = position_values(cfg, t_logits[:, k : k + 1], b.bonus[:, None], mask)
+        b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus, strict=True))
     if job.constraint is not None:
         alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, job.stop_tensor)
         bad = smc_potentials.consume(ps.states, alive, b.bonus)
@@ -412,6 +440,8 @@ def _advance(job: Job, ps: _Particles, b: _Block, cut: int | None = None) -> tor
     start = ps.width  # every unfinished particle has this length
     window = ps.tokens[:, start : start + m]
     ps.tokens[:, start : start + m] = torch.where(ps.finished[:, None], window, block)
+    if ps.logprobs is not None:
+        ps.logprobs.write(start, ps.finished, tuple(v[:, :m] for v in b.values))
     ps.width += m
     ps.lengths = ps.lengths + kept
     was_finished = ps.finished
@@ -522,6 +552,8 @@ def _bank_group(job: Job, ps: _Particles, g: int, ended: torch.Tensor) -> torch.
         j = sl.start + i
         seq = ps.tokens[j, : int(ps.lengths[j])].tolist()
         ps.banked.append((seq, float(ps.log_running[g]) + float(log_shares[i]), g))
+        if ps.logprobs is not None:
+            ps.logprobs.bank(j, seq)
     ps.log_running[g] += log_run
     running = ~ps.finished[sl]
     if not math.isfinite(log_run) or not bool(running.any()):
@@ -602,6 +634,8 @@ def _take_ancestors(
     tcache.reorder(anc)
     dcache.reorder(anc)
     ps.phi = ps.phi[anc]
+    if ps.logprobs is not None:
+        ps.logprobs.reorder(anc)
     if ps.states:
         ps.states = reorder(ps.states, anc)
     ps.logw = torch.where(reset, torch.zeros_like(ps.logw), ps.logw)
@@ -612,12 +646,15 @@ def _take_ancestors(
 def _emit(
     ps: _Particles,
     emitted: int,
-    on_tokens: TokenCallback | None,
+    job: Job,
     final: list[int] | None = None,
+    final_logprobs: TokenLogprobs | None = None,
 ) -> int:
     """Stream the tokens every particle holds, banked ones included (final: resampling only
-    copies particles), or the rest of the ``final`` output; returns how many tokens have
-    been emitted."""
+    copies particles), with the first particle's log-probabilities of them where the
+    request asks (the same prefix in every particle: the same distributions), or the rest
+    of the ``final`` output with its ``final_logprobs``; returns how many tokens have been
+    emitted."""
     if final is None:
         upto, row = _common_prefix(ps.tokens, ps.lengths)
         held = row[:upto]
@@ -626,8 +663,13 @@ def _emit(
         seq = row[:upto]
     else:
         upto, seq = len(final), final
-    if upto > emitted and on_tokens:
-        on_tokens(seq[emitted:upto])
+    if upto > emitted and (job.on_tokens or job.on_logprobs):
+        new, lps = seq[emitted:upto], None
+        if final_logprobs is not None:
+            lps = final_logprobs.slice(emitted, upto)
+        elif ps.logprobs is not None and job.on_logprobs is not None:
+            lps = ps.logprobs.row(0, new, emitted)
+        job.emit(new, lps)
     return max(emitted, upto)
 
 
@@ -672,7 +714,10 @@ def _output(
     w, all_inf = group_normalized_weights(masses, group_ids, cfg.groups)
     log_z = float(torch.logsumexp(ps.log_z, 0)) - math.log(cfg.groups)
     choice = int(sample_categorical(w.to(job.device), job.generator)) if len(seqs) > 1 else 0
-    _emit(ps, emitted, job.on_tokens, final=seqs[choice])
+    lps = None
+    if ps.logprobs is not None:  # the drawn particle's
+        lps = ps.logprobs.banked[choice] if ps.banked else ps.logprobs.row(choice, seqs[choice])
+    _emit(ps, emitted, job, seqs[choice], lps)
     stats = _stats(cfg, ps, all_inf, tcache, dcache)
     if ps.banked:  # the banked particles' total probability mass (per group): 1 once all ended
         stats.banked_mass = float(torch.logsumexp(masses, 0).exp()) / cfg.groups
@@ -688,6 +733,7 @@ def _output(
         stats=stats,
         particles=particles,
         log_normalizer=log_z if math.isfinite(log_z) else None,
+        logprobs=lps,
     )
 
 

@@ -35,6 +35,7 @@ import torch
 import smcspec.decoding.smc_potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
+from smcspec.decoding.smc_logprobs import position_values
 from smcspec.potentials import DeadEndError
 from smcspec.sampling.distributions import sample_categorical
 from smcspec.sampling.smc_weights import power_target_probs
@@ -121,6 +122,10 @@ def deferred_bonus(
     bonus = sample_categorical(probs, job.generator)
     if norm is not None:
         ps.logw = torch.where(running, ps.logw + norm.to(ps.logw), ps.logw)
+    if ps.logprobs is not None:  # the bonus's values, at its ancestor's row
+        masks = mask[:, None] if job.constraint is not None else None
+        values = position_values(cfg, rows[:, None], bonus[:, None], masks)
+        ps.logprobs.write(ps.width, ~running, values)
     ps.tokens[:, ps.width] = torch.where(running, bonus, ps.tokens[:, ps.width])
     ps.width += 1
     ps.lengths = ps.lengths + running.long()

@@ -33,7 +33,7 @@ from smcspec.backends.torch.transformer import Transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import run_program
 from smcspec.decoding.job import job_for
-from smcspec.decoding.registry import BY_METHOD, decoder_for
+from smcspec.decoding.registry import decoder_for, decoder_named
 from smcspec.eval.exact import (
     LogProbs,
     conditional_log_probs,
@@ -154,7 +154,7 @@ class FidelityRow:
     @property
     def weighted(self) -> bool:
         """Whether the method weighs particles (SMC-SD; exact SD does not)."""
-        return BY_METHOD[self.method].particles
+        return decoder_named(self.method).particles
 
 
 def fidelity_grid(

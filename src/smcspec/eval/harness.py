@@ -22,7 +22,13 @@ from tqdm import tqdm
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
 from smcspec.decoding.output import hit_token_cap
-from smcspec.decoding.registry import BY_METHOD, Decoder, decoder_for, parse_label
+from smcspec.decoding.registry import (
+    BASELINE,
+    Decoder,
+    decoder_for,
+    method_decoder,
+    parse_label,
+)
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
@@ -107,15 +113,15 @@ def _specs_named(
     baseline on ``ar`` (``ar-greedy``, ``ar-sc-nN``, ``ar-bon-nN``), or a setting as the
     decoder table names it (``sd-k4``, ``sd-ngram-k4``, ``smc-n8-k2``), which for particles
     may carry the suffixes of :func:`_particle_spec`. Raises :class:`ConfigError`."""
-    if name in BY_METHOD:  # a bare method: each (N, K) of the grid it has
-        d = BY_METHOD[name]
+    d = method_decoder(name)
+    if d is not None:  # a bare method: each (N, K) of the grid it has
         return [
             MethodSpec(d.label(n, k), _configure(d, base, n, k))
             for n in (ns if d.particles else [1])
             for k in (ks if d.draft_tokens else [0])
         ]
     if m := _BASELINES.fullmatch(name):
-        ar = replace(base, method=BY_METHOD["ar"].method)
+        ar = replace(base, method=BASELINE.method)
         if m.group("greedy"):
             return [MethodSpec(name, replace(ar, temperature=0.0))]
         n = int(m.group("n"))

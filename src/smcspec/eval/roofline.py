@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from smcspec.backends.base import DecoderModel
-from smcspec.decoding.registry import DECODERS
+from smcspec.decoding.registry import BASELINE, Decoder
 from smcspec.decoding.rounds import RoundCosts
 from smcspec.tuning.measure import forward_seconds_by_tokens, static_timings
 
@@ -28,34 +28,41 @@ def forward_seconds(
 
 
 def smc_forward_costs(
-    target: DecoderModel, draft: DecoderModel, n: int, k: int
+    target: DecoderModel, draft: DecoderModel, n: int, k: int, decoder: Decoder
 ) -> dict[str, float]:
-    """Median seconds of the forwards of one AR step and one SMC-SD round at (N, K) (the
-    shapes the decoder table gives, :mod:`smcspec.decoding.rounds`), keyed ``target_RxT`` /
-    ``draft_RxT``; the draft's one-row forward too (the memory-bound bound's ``c``)."""
-    return _forward_costs(forward_seconds, target, draft, n, k)
+    """Median seconds of the forwards of one :data:`~smcspec.decoding.registry.BASELINE`
+    (``ar``) step and one round of ``decoder`` (a row of the decoder table, SMC-SD's in
+    practice) at (N, K) (the shapes its row gives, :mod:`smcspec.decoding.rounds`), keyed
+    ``target_RxT`` / ``draft_RxT``; the draft's one-row forward too (the memory-bound bound's
+    ``c``)."""
+    return _forward_costs(forward_seconds, target, draft, n, k, decoder)
 
 
-def _forward_costs(measure, target, draft, n: int, k: int) -> dict[str, float]:
-    t_shapes, d_shapes = _round_shapes(n, k)
+def _forward_costs(measure, target, draft, n: int, k: int, decoder: Decoder) -> dict[str, float]:
+    t_shapes, d_shapes = _round_shapes(n, k, decoder)
     out = {f"target_{r}x{t}": measure(target, r, t) for r, t in t_shapes}
     out.update({f"draft_{r}x{t}": measure(draft, r, t) for r, t in d_shapes})
     return out
 
 
-def _round_shapes(n: int, k: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The target and draft shapes an AR step and an SMC-SD round at (N, K) issue, plus the
-    draft's one-row forward, in a fixed order."""
-    ar_t, _ = DECODERS["ar"].shapes(1, 0)
-    smc_t, smc_d = DECODERS["smc"].shapes(n, k)
+def _round_shapes(
+    n: int, k: int, decoder: Decoder
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The target and draft shapes a baseline step and a round of ``decoder`` at (N, K)
+    issue, plus the draft's one-row forward, in a fixed order."""
+    ar_t, _ = BASELINE.shapes(1, 0)
+    smc_t, smc_d = decoder.shapes(n, k)
     t_shapes = list(dict.fromkeys([*ar_t, *smc_t]))
     d_shapes = list(dict.fromkeys([(1, 1), *smc_d]))
     return t_shapes, d_shapes
 
 
-def predicted_speedup(costs: dict[str, float], n: int, k: int) -> dict[str, float]:
+def predicted_speedup(
+    costs: dict[str, float], n: int, k: int, decoder: Decoder
+) -> dict[str, float]:
     """``c``, the memory-bound prediction, and the prediction from the measured N-row costs
-    (one SMC-SD round against K+1 AR steps, each priced by its decoder's round,
+    (one round of ``decoder``, SMC-SD's in practice, against K+1
+    :data:`~smcspec.decoding.registry.BASELINE` steps, each priced by its decoder's round,
     :mod:`smcspec.decoding.rounds`)."""
     c = costs["draft_1x1"] / costs["target_1x1"]
     memory_bound = (k + 1) / ((k + 1) * c + 1)
@@ -65,8 +72,8 @@ def predicted_speedup(costs: dict[str, float], n: int, k: int) -> dict[str, floa
         rows, tokens = shape.split("x")
         maps[role][(int(rows), int(tokens))] = seconds
     priced = RoundCosts(maps["target"], maps["draft"])
-    smc_tokens, smc_seconds = DECODERS["smc"].cost(n, k, priced)
-    ar_tokens, ar_seconds = DECODERS["ar"].cost(1, 0, priced)
+    smc_tokens, smc_seconds = decoder.cost(n, k, priced)
+    ar_tokens, ar_seconds = BASELINE.cost(1, 0, priced)
     speedup = (smc_tokens / smc_seconds) / (ar_tokens / ar_seconds)
     return {"c": c, "memory_bound": memory_bound, "measured_costs": speedup}
 
@@ -85,11 +92,11 @@ def static_forward_seconds(
 
 
 def static_forward_costs(
-    target: DecoderModel, draft: DecoderModel, n: int, k: int
+    target: DecoderModel, draft: DecoderModel, n: int, k: int, decoder: Decoder
 ) -> dict[str, float]:
     """:func:`smc_forward_costs` measured with :func:`static_forward_seconds` (the forwards
     of fused rounds: graph replays on CUDA)."""
-    return _forward_costs(static_forward_seconds, target, draft, n, k)
+    return _forward_costs(static_forward_seconds, target, draft, n, k, decoder)
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:

@@ -5,7 +5,10 @@ each prompt and their order rotates from prompt to prompt, so slow drifts of the
 (thermal, other load) fall on all methods alike. Per request we record the wall seconds
 from the start of prefill to the last token, tokens/s (new tokens / those seconds) and the
 time to first token (TTFT: until the first streamed text; for SMC-SD that is the first
-token all particles share, the first one a streaming client can be sent). Reported: medians
+token all particles share, the first one a streaming client can be sent) and the longest gap
+between two streamed pieces (what a streaming client waits at most once the answer has
+started: SMC-SD streams what every particle holds, so a long disagreement is one long gap).
+Reported: medians
 per method, the ratio of median tokens/s to ``ar``'s, and for each SMC-SD setting the
 roofline prediction (:mod:`smcspec.eval.roofline`) beside the measured ratio.
 """
@@ -57,7 +60,9 @@ def run_bench(
         ``new_tokens``, ``max_new_tokens``, ``hit_cap`` (cut by the budget, see
         :func:`smcspec.decoding.output.hit_token_cap`; ``None`` when the config ignores EOS,
         since then every request runs to the budget), ``seconds``, ``tokens_per_second``,
-        ``ttft_seconds`` (``None`` if nothing was streamed) and the decoder's ``stats``.
+        ``ttft_seconds`` (``None`` if nothing was streamed), ``max_gap_seconds`` (the longest
+        wait between two streamed token batches; ``None`` with fewer than two),
+        ``max_burst_tokens`` (the most tokens streamed at once) and the decoder's ``stats``.
     Raises:
         ConfigError, ContextLengthError: from :meth:`Engine.generate`.
     """
@@ -98,6 +103,10 @@ def run_bench(
                         "seconds": round(r.seconds, 4),
                         "tokens_per_second": round(r.tokens_per_second, 3),
                         "ttft_seconds": round(first[0] - t0, 4) if first else None,
+                        "max_gap_seconds": (
+                            round(r.max_gap_s, 4) if r.max_gap_s is not None else None
+                        ),
+                        "max_burst_tokens": r.max_burst,
                         "stats": {k: v for k, v in r.stats.items() if k != "seed"},
                         "text": r.text,
                     }
@@ -131,7 +140,9 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
     requests cut by the token budget (:func:`smcspec.eval.report.cap_counts`; ``capped`` is
     None for runs that ignore EOS and for older records), and smc's mean distinct fraction
     of the target's rows (``distinct_rows``, :mod:`smcspec.backends.shared_rows`; None for
-    other methods and older records)."""
+    other methods and older records), and the median and 90th percentile of each request's
+    longest gap between streamed tokens (``median_max_gap_seconds``, ``p90_max_gap_seconds``;
+    None for older records)."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -141,6 +152,7 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
     for method, recs in by_method.items():
         tps = [r["tokens_per_second"] for r in recs]
         ttft = [r["ttft_seconds"] for r in recs if r["ttft_seconds"] is not None]
+        gaps = sorted(r["max_gap_seconds"] for r in recs if r.get("max_gap_seconds") is not None)
         med = statistics.median(tps)
         distinct = [
             r["stats"]["distinct_rows_target"]
@@ -157,10 +169,21 @@ def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list
                 "median_ttft_seconds": statistics.median(ttft) if ttft else None,
                 "ratio_vs_baseline": med / base_med if base_med else None,
                 "distinct_rows": statistics.mean(distinct) if distinct else None,
+                "median_max_gap_seconds": statistics.median(gaps) if gaps else None,
+                "p90_max_gap_seconds": _quantile(gaps, 0.9) if gaps else None,
                 **cap_counts(recs),
             }
         )
     return rows
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values``, linear between order statistics (numpy's
+    default, "type 7" of Hyndman & Fan 1996)."""
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def roofline_rows(
@@ -172,14 +195,15 @@ def roofline_rows(
     measured = {r["method"]: r["ratio_vs_baseline"] for r in rows}
     out = []
     for s in specs:
-        if decoder_for(s.config).name != "smc":
+        decoder = decoder_for(s.config)
+        if not decoder.particles:
             continue
         n, k = s.config.particles, s.config.draft_tokens
-        costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k)
+        costs = smc_forward_costs(engine.target.model, engine.draft.model, n, k, decoder)
         out.append(
             {
                 "method": s.name,
-                **predicted_speedup(costs, n, k),
+                **predicted_speedup(costs, n, k, decoder),
                 "measured": measured.get(s.name),
                 "costs": costs,
             }
@@ -195,17 +219,25 @@ def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown table of :func:`summarize_bench` rows; a capped column only when some run
     honoured EOS (runs that ignore it, the default, run every request to the budget)."""
     show_capped = any(r.get("capped_known") for r in rows)
+    show_gaps = any(r.get("median_max_gap_seconds") is not None for r in rows)
     lines = [
         "| method | requests | median tokens/s | min | max | median TTFT (s) | vs ar "
-        "| distinct rows |" + (" capped |" if show_capped else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if show_capped else ""),
+        "| distinct rows |"
+        + (" median max gap (s) | p90 max gap (s) |" if show_gaps else "")
+        + (" capped |" if show_capped else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if show_gaps else "")
+        + ("---:|" if show_capped else ""),
     ]
     for r in rows:
+        gaps = (f" {_fmt(r['median_max_gap_seconds'], '.2f')} | "
+                f"{_fmt(r['p90_max_gap_seconds'], '.2f')} |")  # fmt: skip
         lines.append(
             f"| {r['method']} | {r['requests']} | {r['median_tokens_per_second']:.2f} | "
             f"{r['min_tokens_per_second']:.2f} | {r['max_tokens_per_second']:.2f} | "
             f"{_fmt(r['median_ttft_seconds'], '.2f')} | "
             f"{_fmt(r['ratio_vs_baseline'], '.2f', 'x')} | {_fmt(r.get('distinct_rows'), '.2f')} |"
+            + (gaps if show_gaps else "")
             + (f" {format_capped({**r, 'n': r['requests']})} |" if show_capped else "")
         )
     return lines

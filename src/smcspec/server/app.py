@@ -40,6 +40,11 @@ class ServerSettings:
         leak_grace_s: a model's pool in use, or unable to admit the first waiting request,
             while nothing runs for this long is a leak: the worker stops, ``/health`` turns
             503 and :func:`serve` exits with 1 for a supervisor to restart it.
+        prefill_chunk: the most prompt tokens prefilled in one scheduler step (longer
+            prompts run in chunks between the other requests' forwards).
+        prefill_step_s: seconds of prefill a scheduler step aims at (chunks shrink on a
+            model too slow for ``prefill_chunk`` tokens in that time); with the 0.1 s
+            disconnect poll this bounds how soon a request whose client left is dropped.
     """
 
     model_name: str = "smcspec"
@@ -50,6 +55,8 @@ class ServerSettings:
     public_metrics: bool = False
     shutdown_timeout_s: float = 5.0
     leak_grace_s: float = 10.0
+    prefill_chunk: int = 512
+    prefill_step_s: float = 1.0
 
     def validate(self) -> ServerSettings:
         """Raises :class:`ConfigError` for out-of-range values; returns ``self``."""
@@ -63,6 +70,11 @@ class ServerSettings:
             raise ConfigError("shutdown_timeout_s must be >= 0")
         if not self.leak_grace_s > 0:
             raise ConfigError("leak_grace_s must be > 0")
+        if self.prefill_chunk < 1 or not 0 < self.prefill_step_s <= 60:
+            raise ConfigError(
+                "prefill_chunk must be >= 1 and prefill_step_s in (0, 60], got "
+                f"{self.prefill_chunk} and {self.prefill_step_s}"
+            )
         return self
 
 
@@ -90,6 +102,8 @@ def create_app(
         settings.max_waiting,
         on_step=metrics.observe_step,
         leak_grace_s=settings.leak_grace_s,
+        prefill_chunk=settings.prefill_chunk,
+        prefill_step_s=settings.prefill_step_s,
     )
     metrics.bind_scheduler(scheduler)
     state = ServerState(engine, scheduler, metrics, defaults, settings.model_name)
@@ -113,31 +127,36 @@ def create_app(
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    get = ["GET", "HEAD"]  # HEAD wherever GET is served (aiperf probes /metrics with it)
+
+    @app.api_route("/health", methods=get)
     async def health():
         if state.scheduler.alive:
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=get)
     async def prometheus_metrics():
         return PlainTextResponse(state.metrics.render(), media_type=state.metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=get)
     async def models():
         model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "smcspec"}
         return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        if isinstance(body.prompt, str) and not body.prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
-        return await create_completion(state, request, body, body.prompt, chat=False)
+        prompts = body.prompts()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and not p:
+                where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise ApiError(400, f"{where} must not be empty", param="prompt")
+        return await create_completion(state, request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         messages = [m.as_template_message() for m in body.messages]
-        return await create_completion(state, request, body, messages, chat=True)
+        return await create_completion(state, request, body, [messages], chat=True)
 
 
 def is_loopback(host: str) -> bool:

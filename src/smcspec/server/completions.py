@@ -13,23 +13,30 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from smcspec.aggregate import Vote
-from smcspec.config import GenerationConfig
-from smcspec.decoding.registry import with_updates
+from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
+from smcspec.decoding.job import Job
+from smcspec.decoding.registry import method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
-from smcspec.errors import ConfigError, ContextLengthError
+from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
 from smcspec.potentials import DeadEndError
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
 from smcspec.scheduler import Request as EngineRequest
 from smcspec.server.api_errors import ApiError, error_body
-from smcspec.server.schemas import CommonBody, constraint_spec, unsupported_fields
+from smcspec.server.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_entries,
+)
+from smcspec.server.schemas import CommonBody, CompletionBody, constraint_spec, unsupported_fields
 from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
 from smcspec.tool_calls import ToolCalls
 
@@ -46,6 +53,10 @@ class ServerState:
     metrics: ServerMetrics
     defaults: GenerationConfig
     model_name: str
+    token_texts: TokenTexts = field(init=False)  # each token's text and bytes (logprobs)
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.engine.tokenizer)
 
 
 class ClientGone(Exception):
@@ -69,12 +80,14 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
         raise ApiError(400, f"n must be in [1, {MAX_N}]", param="n")
     bad = unsupported_fields(body)
     if bad:
-        raise ApiError(400, f"{bad[0]} is not supported by this server", param=bad[0])
-    updates: dict[str, Any] = {}
-    max_tokens = body.max_completion_tokens or body.max_tokens
+        reason = UNSUPPORTED_REASONS.get(bad[0], "")
+        raise ApiError(400, f"{bad[0]} is not supported by this server{reason}", param=bad[0])
+    updates: dict[str, Any] = logprob_updates(body)
+    max_tokens = token_cap(body)
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
+                 "logprobs_mode"):  # fmt: skip
         value = getattr(body, name)
         if value is not None:
             updates[name] = value
@@ -91,18 +104,81 @@ def generation_config(state: ServerState, body: CommonBody) -> GenerationConfig:
         raise ApiError(400, str(exc)) from exc
 
 
+UNSUPPORTED_REASONS = {
+    "logit_bias": (
+        ": it would change the distribution SMC-SD and sd sample exactly (they weigh and "
+        "accept drafted tokens against the target's own). To forbid tokens or shape the "
+        "output, use a constraint (response_format, smc.regex, smc.grammar) or stop"
+    ),
+}
+"""Why a field :func:`~smcspec.server.schemas.unsupported_fields` names is refused, where
+the name alone does not say."""
+
+
+def logprob_updates(body: CommonBody) -> dict[str, Any]:
+    """The config's ``logprobs`` and ``prompt_logprobs`` from OpenAI's fields: chat's
+    ``logprobs: true`` with ``top_logprobs`` alternatives (0 to 20; ``top_logprobs`` needs
+    ``logprobs``, as OpenAI's API says), completions' ``logprobs`` (0 to 20 alternatives),
+    and its ``echo`` with ``logprobs`` (the prompt's too).
+
+    Raises:
+        ApiError: 400 for a count out of range or ``top_logprobs`` without ``logprobs``.
+    """
+    out: dict[str, Any] = {}
+    if isinstance(body, CompletionBody):
+        count, name = body.logprobs, "logprobs"
+        if count is not None:
+            out["logprobs"] = count
+            out["prompt_logprobs"] = bool(body.echo)
+    else:
+        count, name = body.top_logprobs, "top_logprobs"
+        if count and not body.logprobs:  # 0 alternatives without logprobs: neutral
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.logprobs:
+            out["logprobs"] = count or 0
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400, f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {count}", param=name
+        )
+    return out
+
+
+def token_cap(body: CommonBody) -> int | None:
+    """The cap on new tokens the request asks for: ``max_completion_tokens`` (OpenAI's newer
+    name) or ``max_tokens``, under the same rules; None when neither is given (null is not
+    given).
+
+    Raises:
+        ApiError: 400 for a value below 1, or both given with different values.
+    """
+    given = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
+    given = {name: value for name, value in given.items() if value is not None}
+    for name, value in given.items():
+        if value < 1:
+            raise ApiError(400, f"{name} must be >= 1, got {value}", param=name)
+    if len(set(given.values())) > 1:
+        raise ApiError(
+            400, "max_completion_tokens and max_tokens differ: give one of them",
+            param="max_tokens",
+        )  # fmt: skip
+    return next(iter(given.values()), None)
+
+
 def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
     """The server's default n-gram draft (``--draft ngram``, or what ``--method auto`` chose)
     where a request cannot use it. A request that names ``smc`` drafts with the draft model
-    (SMC-SD needs a proposal that covers the target). A constrained request runs ``ar``, or
-    the method it names with the draft model (n-gram drafts take no constraint). A request
+    (SMC-SD needs a proposal that covers the target). A constrained request (``min_tokens``
+    included: a mask on the stop tokens) runs ``ar``, or the method it names with the draft
+    model (n-gram drafts take no constraint). A request
     that asks for n-gram drafts itself keeps them, and is refused with the reason where they
     do not apply."""
-    if cfg.draft != "ngram" or "draft" in updates:
+    if "draft" in updates or not cfg.draft_kind.from_text:  # the server's draft: valid
         return cfg
-    if cfg.constraint is not None and "method" not in updates:
+    masked = cfg.constraint is not None or cfg.applies_min_tokens  # min_tokens: a mask too
+    if masked and "method" not in updates:
         return replace(cfg, method="ar", draft="model")
-    if cfg.constraint is not None or updates.get("method") == "smc":
+    named = method_decoder(updates.get("method"))
+    if masked or (named is not None and named.particles):
         return replace(cfg, draft="model")
     return cfg
 
@@ -134,23 +210,26 @@ def generation_error(exc: BaseException) -> ApiError:
 
 
 class Completion:
-    """One API request in flight: its choices, their events and its response."""
+    """One API request in flight: its choices, their events and its response.
 
-    def __init__(self, state: ServerState, body: CommonBody, prompt: Any, chat: bool) -> None:
+    ``prompts``: one chat prompt (its messages), or the completions' prompts (a string or a
+    token list each); every prompt gets ``n`` choices, prompt ``p``'s choice ``i`` at index
+    ``p * n + i`` with seed ``seed + i`` (each prompt draws what it draws alone)."""
+
+    def __init__(
+        self, state: ServerState, body: CommonBody, prompts: list[Any], chat: bool
+    ) -> None:
         self.state, self.body, self.chat = state, body, chat
         self.cfg = generation_config(state, body)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         engine = state.engine
-        try:
-            parse_special = getattr(body, "parse_special_tokens", True)
-            no_cap = (body.max_completion_tokens or body.max_tokens) is None
-            job = engine.prepare(prompt, self.cfg, chat, parse_special, fit_context=no_cap)
-        except (ConfigError, ContextLengthError) as exc:
-            raise ApiError(400, str(exc)) from exc
-        self.jobs = [  # choice i uses seed + i
+        self.prompt_jobs = [self._prepare(p, i, len(prompts)) for i, p in enumerate(prompts)]
+        self.jobs = [  # choice i of a prompt uses seed + i
             replace(job, config=replace(job.config, seed=(job.config.seed + i) % SEED_RANGE))
+            for job in self.prompt_jobs
             for i in range(body.n)
         ]
+        self.texts = state.token_texts
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.check_client_at = 0.0  # time.monotonic() of the next disconnect check
@@ -158,15 +237,45 @@ class Completion:
         tools = chat and isinstance(constraint, ToolCalls) and constraint.calls_allowed
         # stop strings cut free text only: never inside a call or a constrained output
         stops_apply = constraint is None or isinstance(constraint, ToolCalls)
-        self.choices = [Choice(i, stops, tools, stops_apply) for i in range(body.n)]
+        self.choices = [Choice(i, stops, tools, stops_apply) for i in range(len(self.jobs))]
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
+        echo = bool(getattr(body, "echo", False))
         for c, job in zip(self.choices, self.jobs, strict=True):
-            streamer = TextStreamer(engine.tokenizer, lambda text, c=c: self._send("text", c, text))
-            c.engine_req = EngineRequest(
-                job=job, on_tokens=streamer, on_done=lambda out, c=c: self._send("done", c, out)
+            c.prompt_index = c.index // body.n
+            if echo:  # the prompt as sent (a token list: its text, control tokens included)
+                p = prompts[c.prompt_index]
+                c.echo = p if isinstance(p, str) else engine.tokenizer.decode(p)
+            c.engine_req = self._engine_request(c, job)
+
+    def _prepare(self, prompt: Any, i: int, count: int) -> Job:
+        """Prompt ``i``'s job (of ``count``). Raises ApiError 400 naming the prompt."""
+        try:
+            parse_special = getattr(self.body, "parse_special_tokens", True)
+            no_cap = token_cap(self.body) is None
+            return self.state.engine.prepare(
+                prompt, self.cfg, self.chat, parse_special, fit_context=no_cap
             )
+        except (ConfigError, ContextLengthError) as exc:
+            where = f"prompt[{i}]: " if count > 1 else ""
+            about_prompt = count > 1 or isinstance(exc, PromptError)
+            raise ApiError(400, f"{where}{exc}", param="prompt" if about_prompt else None) from exc
+
+    def _engine_request(self, c: Choice, job: Job) -> EngineRequest:
+        """Choice ``c``'s scheduler request: its text, log-probabilities (where asked for)
+        and outcome come back as events (on the worker's thread)."""
+        streamer = TextStreamer(
+            self.state.engine.tokenizer, lambda text: self._send("text", c, text)
+        )
+        asked = job.config.logprobs is not None
+        return EngineRequest(
+            job=job,
+            on_tokens=streamer,
+            on_done=lambda out: self._send("done", c, out),
+            on_logprobs=(lambda lps: self._send("logprobs", c, lps)) if asked else None,
+            on_prompt_logprobs=(lambda lps: self._send("prompt", c, lps)) if asked else None,
+        )
 
     def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
         try:
@@ -209,7 +318,7 @@ class Completion:
 
     def _record(self, c: Choice, outcome: str) -> None:
         self.state.metrics.observe_request(
-            self.ran_method, outcome, c.engine_req, c.result, len(self.jobs[0].ids)
+            self.ran_method, outcome, c.engine_req, c.result, len(self.jobs[c.index].ids)
         )
 
     async def _next(self, request: Request | None) -> tuple[str, Choice, Any]:
@@ -234,15 +343,23 @@ class Completion:
             getter.cancel()
 
     async def events(self, request: Request | None = None) -> AsyncIterator[tuple]:
-        """``(kind, choice, deltas)`` until every choice is done (``kind``: ``text`` or
-        ``done``; ``deltas``: :meth:`Choice.feed`'s chat delta bodies); a stop string
-        cancels its choice.
+        """``(kind, choice, deltas)`` until every choice is done (``kind``: ``text``,
+        ``done``, or ``prompt`` when an echo's prompt log-probabilities arrive; ``deltas``:
+        :meth:`Choice.feed`'s chat delta bodies); a stop string cancels its choice. Each
+        token's log-probabilities (where asked for) go to its choice before its text.
 
         With ``request`` (non-streamed), raises :class:`ClientGone` when its client leaves.
         """
         remaining = len(self.choices)
         while remaining:
             what, c, payload = await self._next(request)
+            if what == "logprobs":  # before the token's text
+                c.add_logprobs(payload)
+                continue
+            if what == "prompt":  # the prompt's log-probabilities (echo)
+                c.prompt_logprobs = payload
+                yield "prompt", c, []
+                continue
             if what == "text":
                 deltas = c.feed(payload)
                 if c.stopped:
@@ -262,18 +379,54 @@ class Completion:
 
     # ------------------------------------------------------------------ responses
     def usage(self) -> dict[str, int]:
-        """OpenAI's ``usage``: prompt tokens (once, shared by the ``n`` choices), tokens
-        generated over all choices, and their sum."""
-        prompt = len(self.jobs[0].ids)
+        """OpenAI's ``usage``: prompt tokens (each prompt once, shared by its ``n`` choices),
+        tokens generated over all choices, and their sum."""
+        prompt = sum(len(job.ids) for job in self.prompt_jobs)
         done = sum(c.engine_req.tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def extra(self, c: Choice) -> dict[str, Any]:
-        """The ``smcspec`` field of a choice: the method, the decoder's stats and, with
+        """The ``smcspec`` field of a choice: the method, the stream's timing
+        (``time_to_first_token_s``, ``max_token_gap_s``), the decoder's stats and, with
         ``smc.aggregate`` ``"vote"``, the vote (None when no particle had an answer)."""
-        out = {"method": self.cfg.method, **(c.result.stats if c.result else {})}
+        out = {"method": self.cfg.method}
+        if c.result is not None:
+            out |= c.result.stream_stats | c.result.stats
         if self.cfg.vote is not None and c.result is not None:
             out["vote"] = c.result.vote
+        return out
+
+    # ------------------------------------------------------------------ logprobs
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.cfg.logprobs is not None
+
+    def logprobs_object(self, c: Choice, entries: list, offset: int = 0) -> dict | None:
+        """OpenAI's ``logprobs`` of ``entries`` (a choice's tokens, or a chunk's): chat's
+        ``content`` list, or completions' parallel lists with character offsets from
+        ``offset``; None when the request did not ask for them."""
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.texts)
+        return completion_logprobs(entries, self.texts, offset)
+
+    def echo_logprobs(self, c: Choice) -> dict | None:
+        """The echo's ``logprobs``: the prompt's tokens, the first with nulls."""
+        if not self.wants_logprobs:
+            return None
+        first = prompt_entries(self.jobs[c.index].ids, c.prompt_logprobs)
+        return completion_logprobs([first], self.texts, 0, first_has_none=True)
+
+    def whole_logprobs(self, c: Choice) -> dict | None:
+        """A whole response's ``logprobs`` of choice ``c``: its echoed prompt's, then its
+        generated tokens' (offsets after the echoed text)."""
+        if not self.wants_logprobs:
+            return None
+        out = self.logprobs_object(c, c.logprobs, len(c.echo or ""))
+        if c.echo is not None and out is not None:
+            head = self.echo_logprobs(c)
+            out = {key: head[key] + out[key] for key in out}
         return out
 
     async def respond(self, request: Request) -> dict[str, Any] | Response:
@@ -293,7 +446,10 @@ class Completion:
             "object": self.object,
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice_object(c, self.chat, self.extra(c)) for c in self.choices],
+            "choices": [
+                choice_object(c, self.chat, self.extra(c), self.whole_logprobs(c))
+                for c in self.choices
+            ],
             "usage": self.usage(),
         }
 
@@ -310,25 +466,32 @@ class Completion:
         return sse(body)
 
     async def stream(self) -> AsyncIterator[str]:
-        """The server-sent events of a streamed request, ending in ``data: [DONE]``."""
+        """The server-sent events of a streamed request, ending in ``data: [DONE]``: chat's
+        role chunk first; completions' echo (the prompt's text, and its log-probabilities
+        once prefilled where asked for) before the choice's first token; each text chunk
+        with the log-probabilities of the tokens it completes; the finish chunk with the
+        ``smcspec`` stats (and any tokens' values not yet sent)."""
         chat = self.chat
         try:
-            if chat:
-                for c in self.choices:
+            for c in self.choices:
+                if chat:
                     yield self._chunk([chunk_choice(c, chat, None, None, first=True)])
+                elif c.echo is not None and not self.wants_logprobs:
+                    yield self._echo_chunk(c)
             async for what, c, deltas in self.events():
+                if what == "prompt":
+                    if c.echo is not None:
+                        yield self._echo_chunk(c)
+                    continue
                 if what == "done" and c.error is not None:
                     exc = generation_error(c.error)
                     yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     continue
-                if chat:
-                    for delta in deltas:
-                        yield self._chunk([chunk_choice(c, chat, None, None, delta=delta)])
-                elif deltas:
-                    text = "".join(d["content"] for d in deltas)
-                    yield self._chunk([chunk_choice(c, chat, text, None)])
+                for chunk in self._text_chunks(c, deltas):
+                    yield chunk
                 if what == "done":
-                    last = chunk_choice(c, chat, None, c.finish_reason())
+                    lps = self._chunk_logprobs(c, c.take_logprobs())
+                    last = chunk_choice(c, chat, None, c.finish_reason(), logprobs=lps)
                     last["smcspec"] = self.extra(c)
                     yield self._chunk([last])
             if self.body.stream_options and self.body.stream_options.include_usage:
@@ -337,12 +500,41 @@ class Completion:
         finally:  # client gone (or done): free the rows of anything still running
             self.cancel_open()
 
+    def _echo_chunk(self, c: Choice) -> str:
+        c.chars_sent = len(c.echo or "")
+        lps = self.echo_logprobs(c)
+        return self._chunk([chunk_choice(c, False, c.echo, None, logprobs=lps)])
+
+    def _chunk_logprobs(self, c: Choice, entries: list) -> dict | None:
+        if not entries:
+            return None
+        return self.logprobs_object(c, entries, c.chars_sent)
+
+    def _text_chunks(self, c: Choice, deltas: list[dict[str, Any]]) -> list[str]:
+        """The chunks of choice ``c``'s new ``deltas`` (chat: one each; completions: one of
+        their joined text), the first with the log-probabilities of the tokens they hold."""
+        if not deltas:
+            return []
+        lps = self._chunk_logprobs(c, c.take_logprobs())
+        if self.chat:
+            out = []
+            for delta in deltas:
+                out.append(self._chunk([chunk_choice(c, True, None, None, delta=delta,
+                                                     logprobs=lps)]))  # fmt: skip
+                lps = None
+            return out
+        text = "".join(d["content"] for d in deltas)
+        chunk = self._chunk([chunk_choice(c, False, text, None, logprobs=lps)])
+        c.chars_sent += len(text)
+        return [chunk]
+
 
 async def create_completion(
-    state: ServerState, request: Request, body: CommonBody, prompt: Any, chat: bool
+    state: ServerState, request: Request, body: CommonBody, prompts: list[Any], chat: bool
 ) -> dict[str, Any] | Response:
-    """Serve one ``/v1/completions`` or ``/v1/chat/completions`` request."""
-    completion = Completion(state, body, prompt, chat)
+    """Serve one ``/v1/completions`` (its prompts) or ``/v1/chat/completions`` (one prompt:
+    its messages) request."""
+    completion = Completion(state, body, prompts, chat)
     completion.submit()
     if body.stream:
         return StreamingResponse(completion.stream(), media_type="text/event-stream")

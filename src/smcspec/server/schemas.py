@@ -4,7 +4,8 @@ Field names and meanings follow OpenAI's Completions and Chat Completions APIs. 
 OpenAI defines but smcspec cannot honour are declared so that a request which sets them to
 anything but their neutral value is refused with 400 instead of being silently ignored
 (:func:`unsupported_fields`); fields OpenAI does not define are ignored, as OpenAI clients
-send extras such as ``user``.
+send extras such as ``user``. Fields OpenAI's request schemas make nullable may be sent as
+``null`` (SDKs send explicit nulls) and then take their default (:data:`NULL_IS_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from smcspec.config import GenerationConfig, field_type
 from smcspec.errors import ConfigError
-from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+from smcspec.potentials import MAX_SCHEMA_DEPTH, Constraint, Grammar, JsonSchema, Regex, json_depth
 from smcspec.tool_calls import FunctionTool, ToolCalls
 
 # chat roles smcspec accepts; "developer" is OpenAI's newer name for "system"
@@ -59,6 +68,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+DOCUMENT_START = "<|endoftext|>"
+"""OpenAI's default ``prompt``: the document separator (one special token in Qwen's and
+GPT-2's vocabularies, plain text in others)."""
+
+MAX_PROMPTS = 64
+"""The most prompts one ``/v1/completions`` request may carry (an array of strings or of
+token lists; each becomes ``n`` choices)."""
+
+NULL_IS_DEFAULT = ("n", "stream", "prompt")
+"""Fields OpenAI documents as nullable whose ``null`` smcspec replaces by the default (``n``
+1, ``stream`` false, ``prompt`` :data:`DOCUMENT_START`, as OpenAI's API does); every other
+nullable OpenAI field is declared ``X | None`` and None already means its default
+(``max_tokens``, ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``stream_options``, ``logprobs``, ``top_logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``best_of``, ``echo``, ``suffix``; and the extras
+``ignore_eos``, ``min_tokens``, ``logprobs_mode``)."""
+
+
 class CommonBody(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -76,9 +103,13 @@ class CommonBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     smc: SmcOptions | None = None
+    # extras that vLLM's server takes and its clients (aiperf, lm-eval) send
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    # smcspec's (named after vLLM's server option): the sampling distribution's values, or
+    # the model's raw log_softmax
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] | None = None
     # OpenAI fields smcspec does not implement: refused unless neutral
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -87,17 +118,66 @@ class CommonBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
 
 class CompletionBody(CommonBody):
-    """The body of ``/v1/completions``: a text prompt or token ids."""
+    """The body of ``/v1/completions``: the prompt as OpenAI allows it (a string, a list of
+    token ids, a list of strings or a list of token-id lists; each prompt of a list gets its
+    own ``n`` choices), ``logprobs`` (alternatives per token, 0 to 20) and ``echo``."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     # smcspec extension: special-token text in a raw prompt becomes control tokens (true,
     # as llama.cpp's server and vLLM do) or is tokenized as text (false)
     parse_special_tokens: bool = True
+    logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """``null`` is OpenAI's default prompt; any other shape than OpenAI's four is refused
+        in the client's terms, before the union's per-branch errors."""
+        if prompt is None:
+            return DOCUMENT_START
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(
+                "prompt must be a string, a list of token ids, a list of strings or a list "
+                "of token-id lists (not empty)"
+            )
+        if all(_is_token_id(t) for t in prompt):
+            return prompt
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
+        texts = isinstance(prompt[0], str)
+        for i, p in enumerate(prompt):
+            tokens = isinstance(p, list) and bool(p) and all(_is_token_id(t) for t in p)
+            if isinstance(p, str) if texts else tokens:
+                continue
+            kind = "a string" if texts else "a non-empty list of token ids (integers)"
+            raise ValueError(
+                f"prompt[{i}] must be {kind}, as prompt[0] is: a list of prompts holds strings "
+                "only or token lists only"
+            )
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a token list (one for a single prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class TextPart(BaseModel):
@@ -119,8 +199,10 @@ class FunctionCallIn(BaseModel):
         """The call's ``arguments`` string parsed as a JSON object.
 
         Raises:
-            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), or JSON
-                that is not an object.
+            ValueError: not JSON (or nested deeper than ``json.loads`` recurses), JSON that
+                is not an object, or nested deeper than :data:`MAX_SCHEMA_DEPTH` (what a
+                tool's schema can ask for; the chat template and the special-token check
+                recurse over it).
         """
         try:
             value = json.loads(self.arguments)
@@ -128,6 +210,10 @@ class FunctionCallIn(BaseModel):
             raise ValueError(f"arguments of {self.name!r} are not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"arguments of {self.name!r} must be a JSON object")
+        if json_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"arguments of {self.name!r} nest deeper than {MAX_SCHEMA_DEPTH} levels"
+            )
         return value
 
 
@@ -217,9 +303,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(CommonBody):
-    """The body of ``/v1/chat/completions``: the messages (tools in :class:`CommonBody`)."""
+    """The body of ``/v1/chat/completions``: the messages (tools in :class:`CommonBody`),
+    ``logprobs`` (bool) and ``top_logprobs`` (0 to 20, with ``logprobs``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _tool_messages_answer_calls(self) -> ChatBody:
@@ -301,10 +390,6 @@ def tool_constraint(body: CommonBody) -> ToolCalls | None:
 def unsupported_fields(body: CommonBody) -> list[str]:
     """Names of OpenAI fields ``body`` sets to a value smcspec cannot honour."""
     bad = []
-    if body.logprobs not in (None, False, 0):
-        bad.append("logprobs")
-    if body.top_logprobs not in (None, 0):
-        bad.append("top_logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0):
             bad.append(name)
@@ -318,8 +403,6 @@ def unsupported_fields(body: CommonBody) -> list[str]:
             bad.append("tools")  # tools need the chat template: /v1/chat/completions
         if body.tool_choice not in (None, "none"):
             bad.append("tool_choice")
-        if body.echo:
-            bad.append("echo")
         if body.best_of not in (None, 1):
             bad.append("best_of")
         if body.suffix:

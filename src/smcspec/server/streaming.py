@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.engine import GenerationResult
 from smcspec.scheduler import Request as EngineRequest
 from smcspec.tool_calls import ArgumentsDelta, CallStart, ContentDelta, ToolCall, ToolCallParser
@@ -55,6 +56,12 @@ class Choice:
         self, index: int, stops: list[str], tools: bool = False, stops_apply: bool = True
     ) -> None:
         self.index = index
+        self.prompt_index = 0  # which prompt of the request (completions: one or several)
+        self.echo: str | None = None  # completions' echo: the prompt's text, sent first
+        self.logprobs: list[TokenLogprobs] = []  # each token's, as it arrives (if asked)
+        self.logprobs_sent = 0  # how many of them a stream's chunks have carried
+        self.prompt_logprobs: TokenLogprobs | None = None  # echo with logprobs
+        self.chars_sent = 0  # characters of text a stream has sent (completions' offsets)
         self.stops = stops if stops_apply else []
         self.matcher = StopMatcher(self.stops)
         self.parser = ToolCallParser() if tools else None
@@ -64,6 +71,19 @@ class Choice:
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+
+    def add_logprobs(self, entry: TokenLogprobs) -> None:
+        """A generated token's log-probabilities, before its text arrives; dropped once a
+        stop string has ended the reply (so the values cover the tokens up to the one that
+        completed it)."""
+        if not self.stopped:
+            self.logprobs.append(entry)
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The entries no stream chunk has carried yet (then marked carried)."""
+        out = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
+        return out
 
     @property
     def stopped(self) -> bool:
@@ -155,17 +175,21 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def choice_object(c: Choice, chat: bool, extra: dict[str, Any]) -> dict[str, Any]:
-    """A choice of a whole (non-streamed) response."""
+def choice_object(
+    c: Choice, chat: bool, extra: dict[str, Any], logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A choice of a whole (non-streamed) response (``logprobs``: its OpenAI-shaped
+    log-probabilities, :mod:`smcspec.server.logprobs`, or None when not asked for)."""
     entry: dict[str, Any] = {
         "index": c.index,
         "finish_reason": c.finish_reason(),
         "smcspec": extra,
+        "logprobs": logprobs,
     }
     if chat:
         entry["message"] = c.message()
     else:
-        entry["text"], entry["logprobs"] = c.text, None
+        entry["text"] = (c.echo or "") + c.text
     return entry
 
 
@@ -176,14 +200,16 @@ def chunk_choice(
     reason: str | None,
     first: bool = False,
     delta: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A choice of a streamed chunk: a ``delta`` (chat; ``delta`` given, or content
-    ``text``) or ``text`` (completions)."""
+    ``text``) or ``text`` (completions), with the log-probabilities of the tokens it
+    carries (None when not asked for, or none arrived)."""
     if chat:
         body: dict[str, Any] = {"role": "assistant"} if first else {}
         if delta is not None:
             body.update(delta)
         elif text:
             body["content"] = text
-        return {"index": c.index, "delta": body, "finish_reason": reason}
-    return {"index": c.index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return {"index": c.index, "delta": body, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": c.index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}

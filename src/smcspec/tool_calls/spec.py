@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smcspec.errors import ConfigError
-from smcspec.potentials import JSON_WHITESPACE, Constraint, TokenConstraint, grammar_from
+from smcspec.potentials import (
+    JSON_WHITESPACE,
+    Constraint,
+    TokenConstraint,
+    check_schema_depth,
+    grammar_from,
+)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -67,6 +73,7 @@ class FunctionTool:
             )
         if not isinstance(self.parameters, dict):
             raise ConfigError(f"parameters of {self.name!r} must be a JSON schema object")
+        check_schema_depth(self.parameters, f"the parameters of {self.name!r}")
         kind = self.parameters.get("type", "object")
         if kind != "object":
             raise ConfigError(
@@ -89,13 +96,16 @@ class FunctionTool:
         params = fn.get("parameters")
         return cls(fn.get("name"), description, {} if params is None else params)
 
-    def arguments_schema(self) -> dict:
-        """The arguments' schema as compiled: an object, json.dumps separators."""
+    def arguments_schema(self, index: int = 0) -> dict:
+        """The arguments' schema as compiled: an object, json.dumps separators, and a
+        resource of its own (:func:`own_root`, ``index``: the tool's place in its set), so
+        that its ``$ref``s mean what they mean in the tool's schema alone wherever the
+        grammar puts it (inside the schema of a fenced call under ``auto``)."""
         schema = {"type": "object", **self.parameters}
         if "properties" not in schema and "additionalProperties" not in schema:
             schema["properties"] = {}
         schema.setdefault("x-guidance", ARGUMENT_JSON)
-        return schema
+        return own_root(schema, f"{TOOL_ID_PREFIX}{index}")
 
     def as_openai(self) -> dict:
         """The OpenAI-shaped entry, as chat templates expect it in ``tools``."""
@@ -104,6 +114,56 @@ class FunctionTool:
             fn["description"] = self.description
         fn["parameters"] = self.parameters or {"type": "object", "properties": {}}
         return {"type": "function", "function": fn}
+
+
+TOOL_ID_PREFIX = "urn:smcspec:tool:"
+"""The ``$id`` of tool ``i``'s arguments schema is this prefix and ``i``."""
+
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose values are JSON data, not schemas (a ``$ref`` key there is data)."""
+
+NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+"""Schema keywords whose values map names (not keywords) to schemas."""
+
+
+def own_root(schema: dict, uri: str) -> dict:
+    """``schema`` as a JSON Schema resource of its own, identified by ``uri`` (its ``$id``).
+
+    A ``$ref`` resolves against the base URI of the resource it sits in (JSON Schema 2020-12
+    section 8.2.1; llguidance does so): a tool's ``"#/$defs/node"`` or ``"#"``, nested under
+    another schema's ``properties``, would otherwise point into that outer schema. The
+    tool's own root ``$id``, if any, is replaced (two tools with the same one would share a
+    base: the later one's root would answer both), and refs that named it
+    (``"ID#/$defs/x"``, ``"ID"``) become local ones; nested resources keep theirs.
+    """
+    own = schema.get("$id")
+    out = {**schema, "$id": uri}
+    if isinstance(own, str) and own:
+        out = _rebase_refs(out, own.removesuffix("#"))
+    return out
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every ``$ref`` that starts with ``base`` followed by ``#`` (or is
+    ``base``) made local (``#...``). Recursion bounded by the schema's checked depth
+    (:data:`~smcspec.potentials.MAX_SCHEMA_DEPTH`)."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.split("#", 1)[0] == base:
+            out[key] = "#" + value.partition("#")[2]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 FENCE_OPEN = "```json\n"
@@ -119,8 +179,8 @@ def fenced_schema(tools: Sequence[FunctionTool]) -> dict:
     """JSON schema of a call in a ``json`` block: ``name`` first, one of the tools, and that
     tool's ``arguments``; whitespace bounded as :class:`~smcspec.potentials.JsonSchema`'s."""
     calls = []
-    for tool in tools:
-        args = {k: v for k, v in tool.arguments_schema().items() if k != "x-guidance"}
+    for i, tool in enumerate(tools):
+        args = {k: v for k, v in tool.arguments_schema(i).items() if k != "x-guidance"}
         calls.append({
             "type": "object",
             "properties": {"name": {"const": tool.name}, "arguments": args},
@@ -200,7 +260,7 @@ class ToolCalls(Constraint):
             lines.append(
                 f"call_{i}: {CALL_OPEN} {head} args_{i} {_literal(CALL_TAIL)} {CALL_CLOSE}"
             )
-            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
+            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema(i))}")
         return grammar_from("lark", "\n".join(lines) + "\n")
 
     def compile(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> TokenConstraint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smcspec.config import GenerationConfig
+from smcspec.decoding.registry import DECODERS
 from smcspec.tuning.predict import Setting, Shape
 
 CPU_MAX_FORWARD_TOKENS = 80
@@ -56,22 +57,28 @@ class TuningGrid:
         with_draft: bool = True,
         ngram: bool = True,
     ) -> list[Setting]:
-        """``ar``, n-gram ``sd`` (K :data:`NGRAM_DRAFT_TOKENS` or ``draft_tokens``; unless
-        ``ngram`` is False), then ``sd`` per K, then ``smc`` per (N, K); an explicit
-        ``particles`` or ``draft_tokens`` replaces the grid's values. Without a draft: ``ar``
-        and n-gram ``sd`` only."""
-        out = [Setting("ar")]
+        """The settings of the decoders the tuner predicts (the table's ``tuned`` rows), by
+        their traits: ``ar`` (no drafts), n-gram ``sd`` (drafts from the text; K
+        :data:`NGRAM_DRAFT_TOKENS` or ``draft_tokens``; unless ``ngram`` is False), then
+        ``sd`` per K (the draft model, one row), then ``smc`` per (N, K) (the draft model, N
+        rows); an explicit ``particles`` or ``draft_tokens`` replaces the grid's values.
+        Without a draft: ``ar`` and n-gram ``sd`` only."""
+        rows = [d for d in DECODERS.values() if d.tuned]
+        out = [Setting.of(d) for d in rows if not d.draft_tokens]
         if ngram:
             k = draft_tokens if draft_tokens is not None else NGRAM_DRAFT_TOKENS
-            out.append(Setting("sd", 1, k, draft="ngram"))
+            out += [Setting.of(d, 1, k) for d in rows if d.from_text]
         if not with_draft:
             return out
         ks = (draft_tokens,) if draft_tokens is not None else self.draft_tokens
         floor = particles if particles is not None else min_particles
         ns = (particles,) if particles is not None else (*self.particles, min_particles)
-        out += [Setting("sd", 1, k) for k in sorted(set(ks))]
+        model = [d for d in rows if d.draft_model]
+        out += [Setting.of(d, 1, k) for d in model if not d.uses_n for k in sorted(set(ks))]
         out += [
-            Setting("smc", n, k)
+            Setting.of(d, n, k)
+            for d in model
+            if d.uses_n
             for n in sorted(set(ns))
             for k in sorted(set(ks))
             if n * (k + 1) <= self.max_forward_tokens or n == floor

@@ -81,6 +81,12 @@ class Setting:
     draft_tokens: int = 0
     draft: str = "model"
 
+    @classmethod
+    def of(cls, decoder: Decoder, particles: int = 1, draft_tokens: int = 0) -> Setting:
+        """``decoder`` (a row of the decoder table) at N = ``particles``, K =
+        ``draft_tokens``."""
+        return cls(decoder.method, particles, draft_tokens, decoder.draft.name)
+
     @property
     def decoder(self) -> Decoder:
         """The decoder that runs this setting (ConfigError for an unknown method)."""

@@ -143,22 +143,53 @@ class LlamaCppModel:
         return SequenceCache(self, own, rows, capacity, owned=True, shared_rows=shared_rows)
 
     # ------------------------------------------------------------------ forwards
-    def prefill(self, prompt: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
-        """Decode ``prompt`` (int64 ``[P]``) once and share it with every row.
+    def prefill(
+        self,
+        prompt: torch.Tensor,
+        cache: SequenceCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor | None:
+        """Decode ``prompt`` (int64 ``[P]``) once and share it with every row; or only its
+        positions ``start .. end - 1``, a chunk of a prompt run in pieces, in order (each
+        chunk starts where the one before ended; the rows share the prompt once its last
+        chunk has run).
 
         Returns float32 ``[V]`` logits after the last prompt token (a copy, on
-        :attr:`device`).
+        :attr:`device`); None after a chunk that does not end the prompt. With
+        ``all_logits``, every chunk's ``[end - start, V]``: llama.cpp computes the logits of
+        every position of the chunk (row ``i``: the next token after position ``start + i``).
+
+        Raises:
+            ValueError: a chunk out of range or out of order.
+            ContextLengthError: the KV cells are exhausted, or the cache was released.
         """
-        tokens = [int(t) for t in prompt.tolist()]
+        n = prompt.shape[-1]
+        end = n if end is None else end
+        if not 0 <= start < end <= n or start != cache.prefilled or cache.prompt_len:
+            raise ValueError(
+                f"prefill chunk [{start}, {end}) of a {n}-token prompt, after {cache.prefilled}"
+            )
+        tokens = [int(t) for t in prompt[start:end].tolist()]
         cache._check_open()
-        first = cache.ids[0]
+        first, last = cache.ids[0], end == n
         with self._lock:
-            rows = [(t, p, (first,), p == len(tokens) - 1) for p, t in enumerate(tokens)]
-            logits = self._run(rows)[0]
-            logits = logits.clone() if self.device.type == "cpu" else logits
+            rows = [(t, start + i, (first,), all_logits or (last and start + i == n - 1))
+                    for i, t in enumerate(tokens)]  # fmt: skip
+            logits = self._run(rows)
+            cache.prefilled = end
+            if all_logits:
+                logits = logits.clone()  # llama.cpp's buffer: the next forward reuses it
+            elif not last:
+                return None
+            else:
+                logits = logits[0].clone() if self.device.type == "cpu" else logits[0]
+            if not last:
+                return logits
             for s in cache.ids[1:]:
                 self._lib.llama_memory_seq_cp(self._memory, first, s, -1, -1)
-        cache.prompt_len = len(tokens)
+        cache.prompt_len = n
         return logits
 
     def decode(

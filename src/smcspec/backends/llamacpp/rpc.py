@@ -227,10 +227,48 @@ def rpc_devices(endpoints: tuple[str, ...], local: list[int] | None = None) -> c
     return (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
 
 
+def listen_address(host: str, port: int) -> str:
+    """The IPv4 address llama.cpp's RPC server is to listen on for ``host`` (an address, or
+    a name such as ``localhost``, resolved here: llama.cpp takes dotted IPv4 addresses only),
+    after checking that ``host:port`` can be bound now (the socket is closed again).
+
+    Raises:
+        ConfigError: ``host`` does not resolve to an IPv4 address.
+        RpcServerError: ``host:port`` cannot be bound (the port is in use, the address is
+            not this machine's, a privileged port).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(
+            f"--host {host!r} is not an IPv4 address or a name of one ({exc}); llama.cpp's RPC "
+            "server listens on IPv4 only"
+        ) from None
+    address = infos[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as llama.cpp binds
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise RpcServerError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another process "
+                "holds the port, or the address is not this machine's"
+            ) from None
+    return address
+
+
 def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None) -> None:
     """Serve this machine's GPUs (or its CPU when it has none) to RPC clients on
     ``host:port``; blocks until the process is stopped. llama.cpp's ``rpc-server`` does the
-    same. Raises :class:`ConfigError` for a build without RPC."""
+    same.
+
+    Raises:
+        ConfigError: a build without RPC, a host that is no IPv4 address or name of one.
+        RpcServerError: ``host:port`` cannot be bound (:func:`listen_address`), or
+            llama.cpp's server loop returned: it returns only when it could not listen or
+            accept (its message is printed above), having served nothing more.
+    """
+    address = listen_address(host, port)
     start = _rpc_function(
         "ggml_backend_rpc_start_server",
         None,
@@ -238,6 +276,11 @@ def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None) 
     )
     devs = local_gpus() or [ggml_library().ggml_backend_dev_by_type(DEVICE_CPU)]
     arr = (ctypes.c_void_p * len(devs))(*devs)
-    endpoint = f"{host}:{port}".encode()
     cache = cache_dir.encode() if cache_dir else None
-    start(endpoint, cache, threads, len(devs), ctypes.cast(arr, ctypes.c_void_p))
+    start(
+        f"{address}:{port}".encode(), cache, threads, len(devs), ctypes.cast(arr, ctypes.c_void_p)
+    )
+    raise RpcServerError(
+        f"llama.cpp's RPC server on {host}:{port} stopped: it could not listen on the port or "
+        "accept a connection"
+    )

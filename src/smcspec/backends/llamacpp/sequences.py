@@ -88,7 +88,8 @@ class SequenceCache:
         lease.items["taken"] = taken + need
         self.model, self.lease, self.capacity, self._owned = model, lease, capacity, owned
         self.ids, self.spare = ids[:rows], (ids[rows] if rows > 1 else None)
-        self.prompt_len = 0
+        self.prompt_len = 0  # set once the whole prompt is in
+        self.prefilled = 0  # prompt positions decoded so far (a prompt may run in chunks)
         self.length = 0
         self.histories = RowHistories(rows, shared=shared_rows)
         if owned:  # a direct user's cache: close() gives it back, collection as a last resort

@@ -8,7 +8,9 @@ generator runs inside either). :func:`run_round` runs it in one of two ways
 
 * ``eager``: ``fn`` is called under :class:`HostReadGuard`, which raises
   :class:`HostReadError` at the first host read of a tensor's value (``bool(t)``,
-  ``t.item()``, ``t.tolist()``, ``nonzero`` ...): the CPU check that a round can be captured.
+  ``t.item()``, ``t.tolist()`` ...) or operation whose output shape depends on the values
+  (``nonzero``, indexing or ``index_put_`` with a boolean mask ...): the CPU check that a
+  round can be captured.
 * ``graphs``: the first time a key is seen, ``fn`` runs once on a side stream (warm-up:
   cuBLAS handles, the allocator), then is captured with :class:`torch.cuda.CUDAGraph` into
   the model's graph memory pool, on inputs copied to static buffers; every round with that
@@ -26,11 +28,16 @@ vocabulary size) and every cache it touches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
+
+aten = torch.ops.aten
 
 RoundFn = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -45,17 +52,43 @@ HOST_READS = frozenset(
         "tolist",
         "numpy",
         "cpu",
-        "nonzero",
-        "argwhere",
-        "masked_select",
-        "unique",
-        "unique_consecutive",
-        "repeat_interleave",
-        "bincount",
     }
 )
-"""Tensor operations that read device values on the host (or whose output shape depends on
-them, which reads them too on CUDA)."""
+"""Tensor methods that hand device values to Python or copy them to the host (caught by
+name: on a CPU tensor most of them reach no aten operation)."""
+
+_MASKED = (
+    aten.index,
+    aten.index_put,
+    aten.index_put_,
+    aten._index_put_impl_,
+    aten._unsafe_index_put,
+)
+"""aten operations whose output shape (``index``) or work (the ``index_put`` family: the
+indices a mask selects) depends on a boolean or uint8 index's values (``IndexingUtils.h:
+expandTensors`` turns each mask into ``nonzero``'s indices)."""
+
+
+def data_dependent(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether the aten operation ``func(*args, **kwargs)`` needs device values on the host:
+    a CUDA graph cannot contain it, and on CUDA it waits for the device. These are the
+    operations PyTorch itself tags as such (``torch.Tag.data_dependent_output``: ``item``,
+    ``equal``, ``allclose`` ...; ``torch.Tag.dynamic_output_shape``: ``nonzero``,
+    ``masked_select``, ``unique``, ``bincount`` ...; the tags ``FakeTensor`` and
+    ``torch.compile`` refuse them by), read as ``FakeTensor`` reads them
+    (``torch/_subclasses/fake_impls.py``): ``index`` only with a mask, ``repeat_interleave``
+    only without ``output_size``; and the ``index_put`` family with a mask, which no tag
+    marks. (With a Python number through one mask, ``x[mask] = 0.0``, CUDA takes a
+    ``masked_fill_`` instead; it is counted all the same: write ``masked_fill_``.)"""
+    if func.overloadpacket in _MASKED:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    tags = func.tags
+    return torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
 
 
 class HostReadError(RuntimeError):
@@ -63,29 +96,95 @@ class HostReadError(RuntimeError):
 
 
 class HostReadGuard(TorchFunctionMode):
-    """Raises :class:`HostReadError` at the first :data:`HOST_READS` operation, or at
-    indexing with a boolean tensor (a ``nonzero`` in disguise), while active; with
+    """Raises :class:`HostReadError` at the first host read while active; with
     ``strict=False`` records each one and lets it run (what a piece of code reads back:
     tests, ``benchmarks/round_host_work.py``).
 
-    ``reads``: the operations seen (only the first when raising)."""
+    A host read is a :data:`HOST_READS` method (seen by this torch-function mode, by name),
+    indexing with a boolean tensor, read or written (``x[mask]``, ``x[mask] = v``: recorded
+    as ``__getitem__`` / ``__setitem__``), or any aten operation :func:`data_dependent`
+    calls one, however it is reached (``x.index_put_((mask,), v)``, ``torch.where(mask)``,
+    ``torch.unique``...: seen by a torch-dispatch mode entered with this one, and recorded
+    by its name, ``index_put_``, ``nonzero``, ``_unique2``). A read is recorded once: the
+    aten operations inside a recorded method are not recorded again.
+
+    ``reads``: the operations seen (only the first when raising).
+    """
 
     def __init__(self, strict: bool = True) -> None:
         super().__init__()
         self.strict = strict
         self.reads: list[str] = []
+        self._inside = 0  # recorded methods running: their aten operations are theirs
+        self._aten = _AtenReads(self)
+
+    def __enter__(self) -> HostReadGuard:
+        super().__enter__()
+        try:
+            self._aten.__enter__()
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._aten.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name in HOST_READS or (name in ("__getitem__", "__setitem__") and _bool_index(args)):
-            self.record(name)
-            if self.strict:
-                raise HostReadError(f"a round read a device value on the host ({name})")
-        return func(*args, **(kwargs or {}))
+            self.hit(name)
+            self._inside += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._inside -= 1
+        return func(*args, **kwargs)
+
+    def hit(self, name: str) -> None:
+        """One host read, ``name``: raise (strict), or record it."""
+        self.record(name)
+        if self.strict:
+            raise HostReadError(f"a round read a device value on the host ({name})")
 
     def record(self, name: str) -> None:
         """Note one host read (``name``: the operation)."""
         self.reads.append(name)
+
+
+class _AtenReads(TorchDispatchMode):
+    """The aten half of a :class:`HostReadGuard`: :func:`data_dependent` operations."""
+
+    def __init__(self, guard: HostReadGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.guard._inside and data_dependent(func, args, kwargs):
+            self.guard.hit(func.overloadpacket.__name__)
+        return func(*args, **kwargs)
+
+
+def compiled_region(fn: Callable) -> Callable:
+    """``fn`` (a ``torch.compile(fullgraph=True)`` function) called with the aten half of any
+    active :class:`HostReadGuard` set aside: Dynamo refuses to trace under a Python dispatch
+    mode, and a function compiled whole cannot read the host anyway (a host read is a graph
+    break, which ``fullgraph`` turns into an error), so nothing the guard would catch is
+    missed. The torch-function half stays active around the call."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not any(isinstance(m, _AtenReads) for m in _dispatch_mode_stack()):
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _bool_index(args: tuple) -> bool:

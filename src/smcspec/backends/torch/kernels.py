@@ -18,12 +18,13 @@ capture compiles).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from smcspec.backends.torch.graphs import compiled_region
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,7 +124,10 @@ def compiled_kernels() -> LayerKernels:
         RuntimeError (at the first call): Inductor cannot compile here (no C++ compiler on a
             CPU, no Triton on a GPU).
     """
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+
+    def compile_(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return compiled_region(torch.compile(fn, dynamic=True, fullgraph=True))
+
     return LayerKernels(
         compile_(rms_norm), compile_(rotate), compile_(silu_mul), compile_(attend), True
     )

@@ -52,6 +52,7 @@ class ParticleKVCache:
         self.prefix_k: torch.Tensor | None = None
         self.prefix_v: torch.Tensor | None = None
         self.length = 0  # filled suffix positions, identical for every row
+        self.prefilled = 0  # prompt positions stored (a prompt may be prefilled in chunks)
         self._pending = 0  # tokens being written by the forward in progress
         self._num_layers = num_layers
         self._kv_shape = (num_kv_heads, head_dim, dtype, device)
@@ -75,9 +76,11 @@ class ParticleKVCache:
 
     # ------------------------------------------------------------------ prefill
     def begin_prefill(self, prompt_len: int) -> None:
-        """Allocate the shared prompt KV for ``prompt_len`` tokens (called by the model)."""
+        """Allocate the shared prompt KV for ``prompt_len`` tokens (called by the model;
+        :attr:`prefilled` counts the positions its prefill has stored so far)."""
         if self.prefix_k is not None:
             raise RuntimeError("this cache already holds a prompt")
+        self.prefilled = 0
         kv_heads, head_dim, dtype, device = self._kv_shape
         shape = (self._num_layers, 1, kv_heads, prompt_len, head_dim)
         self.prefix_k = torch.empty(shape, dtype=dtype, device=device)

@@ -38,7 +38,7 @@ from smcspec.backends.torch.architecture import ModelConfig
 from smcspec.backends.torch.graphs import RoundFn, run_round
 from smcspec.backends.torch.kernels import EAGER, LayerKernels
 from smcspec.backends.torch.kv_cache import ParticleKVCache
-from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots
+from smcspec.backends.torch.static_cache import SlotBank, StaticKVCache, StaticSlots, bucket
 
 ROUND_MODES = ("auto", "steps", "eager", "graphs")
 """How the decoders' rounds run on a :class:`Transformer` (:attr:`Transformer.rounds`):
@@ -52,7 +52,10 @@ steps elsewhere."""
 def default_kv_budget(device: torch.device) -> int:
     """Bytes of KV storage the torch backend's requests may reserve together: 90% of the
     free memory of a CUDA device, half of the available memory (``/proc/meminfo``) on the
-    CPU (8 GiB where that cannot be read). Read when the pool is first used."""
+    CPU (8 GiB where that cannot be read). Read when the pool is first used, after the
+    weights are loaded, once for the two models of a pair on one device
+    (:meth:`Transformer.share_pool`); the rest is the activations', the CUDA graphs' and
+    PyTorch's own, none of which the pool counts."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * 0.9)
     try:
@@ -118,10 +121,11 @@ class Segment:
     """One request's rows inside a batched forward.
 
     ``rows x tokens`` new tokens appended to ``cache`` at suffix index ``start`` (``None``:
-    a prefill of ``tokens`` prompt tokens into the shared prefix), computed as the
-    ``distinct`` rows ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto
-    the ``[rows, tokens]`` grid (``None`` for a prefill). Unless the segment is ``shared``
-    its rows are every (row, position), row-major.
+    a prefill of ``tokens`` prompt tokens into the shared prefix, from prompt position
+    ``prefill_at``: a chunk of a prompt run in pieces), computed as the ``distinct`` rows
+    ``offset .. offset + distinct`` of the batch; ``plan`` maps them onto the ``[rows,
+    tokens]`` grid (``None`` for a prefill). Unless the segment is ``shared`` its rows are
+    every (row, position), row-major.
     """
 
     cache: ParticleKVCache
@@ -131,6 +135,7 @@ class Segment:
     offset: int
     last_only: bool
     plan: RowPlan | None = None
+    prefill_at: int = 0
 
     @property
     def shared(self) -> bool:
@@ -237,7 +242,7 @@ class Block(nn.Module):
             ks = ks.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
             vs = vs.view(seg.rows, seg.tokens, self.hkv, self.d).transpose(1, 2)
             if seg.start is None:
-                out = self._prefill_attention(qs, ks, vs, seg.cache)
+                out = self._prefill_attention(qs, ks, vs, seg.cache, seg.prefill_at)
             else:
                 out = self._decode_attention(qs, ks, vs, seg.cache, seg.start)
             out = out.reshape(seg.rows * seg.tokens, self.h * self.d)
@@ -282,11 +287,21 @@ class Block(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.finish(x, out[0].transpose(0, 1).reshape(pw, self.h * self.d))
 
-    def _prefill_attention(self, q, k, v, cache: ParticleKVCache) -> torch.Tensor:
-        cache.prefix_k[self.layer] = k
-        cache.prefix_v[self.layer] = v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def _prefill_attention(self, q, k, v, cache: ParticleKVCache, at: int = 0) -> torch.Tensor:
+        """Prompt positions ``at .. at + T - 1``: their keys and values stored in the shared
+        prefix, causal attention over it (a later chunk of a prompt run in pieces also sees
+        every earlier prompt position, stored by the chunks before)."""
         r, _, t, _ = q.shape
+        cache.prefix_k[self.layer, :, :, at : at + t] = k
+        cache.prefix_v[self.layer, :, :, at : at + t] = v
+        if at == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            keys = cache.prefix_k[self.layer, :, :, : at + t]
+            values = cache.prefix_v[self.layer, :, :, : at + t]
+            kpos = torch.arange(at + t, device=q.device)
+            seen = kpos <= torch.arange(at, at + t, device=q.device)[:, None]  # [T, at + T]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
         return out.transpose(1, 2).reshape(r, t, self.h * self.d)
 
     def _decode_attention(self, q, k, v, cache: ParticleKVCache, start: int) -> torch.Tensor:
@@ -329,8 +344,10 @@ class Transformer(nn.Module):
         self._cos = self._sin = None
         self.kv_budget_bytes: int | None = None  # None: default_kv_budget(device)
         self._pool: ResourcePool | None = None
+        self._pool_is_default = False  # made with default_kv_budget (shared with peers)
+        self._pool_peers: list[Transformer] = []  # see share_pool
         self.rounds = "auto"  # see ROUND_MODES
-        self.static_slots = StaticSlots(self._make_static)
+        self.static_slots = StaticSlots(self._make_static, lambda: self.pool, self._kv_bytes)
         self.graph_pool = None  # the CUDA graphs' memory pool, made at the first capture
         self.kernels = EAGER  # see use_kernels
         self.joined_calls = self.joined_rounds = 0  # run_joined: calls, rounds they ran
@@ -372,18 +389,51 @@ class Transformer(nn.Module):
     @property
     def pool(self) -> ResourcePool:
         """The ``kv_bytes`` the requests of this model reserve (see :mod:`smcspec.backends.pool`;
-        budget :attr:`kv_budget_bytes`, default :func:`default_kv_budget`)."""
+        budget :attr:`kv_budget_bytes`, default :func:`default_kv_budget`), made when first
+        used. A model with the default budget shares the default pool of a model it was
+        paired with (:meth:`share_pool`) on the same device, if that one is made already."""
         if self._pool is None:
-            budget = self.kv_budget_bytes or default_kv_budget(self.device)
-            self._pool = ResourcePool("torch", {"kv_bytes": budget})
+            if self.kv_budget_bytes:
+                self._pool = ResourcePool("torch", {"kv_bytes": self.kv_budget_bytes})
+                self._pool_is_default = False
+                return self._pool
+            shared = [
+                p._pool
+                for p in self._pool_peers
+                if p._pool is not None and p._pool_is_default and p.device == self.device
+            ]
+            if shared:
+                self._pool = shared[0]
+            else:
+                budget = default_kv_budget(self.device)
+                self._pool = ResourcePool("torch", {"kv_bytes": budget})
+            self._pool_is_default = True
         return self._pool
+
+    def share_pool(self, other: Any) -> None:
+        """Reserve from one pool with ``other`` (the other model of a pair) where both keep the
+        default budget and sit on one device: two default pools would each lend 90% of the
+        same free memory (:func:`default_kv_budget`). Decided when the pools are first used;
+        a model that is not a :class:`Transformer` is ignored."""
+        if isinstance(other, Transformer) and other is not self:
+            self._pool_peers.append(other)
+            other._pool_peers.append(self)
 
     def cache_need(self, rows: int, capacity: int, prompt_len: int) -> dict[str, int]:
         """Bytes of KV a cache of ``rows`` x ``capacity`` generated tokens after a
-        ``prompt_len``-token prompt (stored once) allocates: K and V, every layer."""
+        ``prompt_len``-token prompt (stored once) allocates: K and V, every layer. Where
+        rounds may run fused (:attr:`round_mode` not ``steps``) the request may take a static
+        slot, whose capacity and prompt storage are rounded up to powers of two
+        (:func:`~smcspec.backends.torch.static_cache.bucket`): those bytes, which also cover
+        the ordinary cache it falls back to (:mod:`~smcspec.backends.torch.static_cache`)."""
+        if self.round_mode != "steps":
+            capacity, prompt_len = bucket(capacity), bucket(prompt_len)
+        return {"kv_bytes": self._kv_bytes(rows, capacity, prompt_len)}
+
+    def _kv_bytes(self, rows: int, capacity: int, prompt_len: int) -> int:
         c = self.cfg
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return {"kv_bytes": per_token * (prompt_len + rows * capacity)}
+        return per_token * (prompt_len + rows * capacity)
 
     def new_cache(
         self,
@@ -397,8 +447,10 @@ class Transformer(nn.Module):
     ) -> ParticleKVCache:
         """A cache for ``rows`` particles with room for ``capacity`` generated tokens each.
 
-        ``lease``: the request's reservation from :attr:`pool` (accounting only: the cache
-        allocates its own tensors, freed with it); without one nothing is reserved.
+        ``lease``: the request's reservation from :attr:`pool` (an ordinary cache allocates
+        its own tensors, freed with it; a static one gives the lease's share for its slot to
+        the bank that pays for it, :meth:`StaticSlots.take`); without one nothing is
+        reserved for an ordinary cache (a static slot's bank is still paid from the pool).
         ``shared_rows``: compute each distinct row of a forward once (the module notes).
         ``static``: a :class:`StaticKVCache` from :attr:`static_slots` for a prompt of up to
         ``prompt_len`` tokens (what graph-captured rounds need), where the round mode is not
@@ -495,11 +547,10 @@ class Transformer(nn.Module):
         return [{name: t[b] for name, t in out.items()} for b in slots]
 
     def release_static(self) -> None:
-        """Drop the static caches kept for reuse and their CUDA graphs (their memory goes
-        back to PyTorch's allocator once nothing else holds it); caches in use stay valid."""
-        for bank in self.static_slots.banks:
-            bank.drop_graphs()
-        self.static_slots = StaticSlots(self._make_static)
+        """Drop the static caches kept for reuse and their CUDA graphs: their tensors go back
+        to PyTorch's allocator and their bytes to :attr:`pool` now, or, for a bank a request
+        still holds a cache of, when its last one is closed (caches in use stay valid)."""
+        self.static_slots.release()
         self.graph_pool = None
 
     def _make_static(self, rows: int, capacity: int, prefix_capacity: int) -> SlotBank:
@@ -538,7 +589,7 @@ class Transformer(nn.Module):
         pos, picks = [], []
         for seg in segments:
             if not seg.shared:  # a prefill, or every row computed
-                base = 0 if seg.start is None else seg.cache.prompt_len + seg.start
+                base = seg.prefill_at if seg.start is None else seg.cache.prompt_len + seg.start
                 pos.append((torch.arange(seg.tokens) + base).repeat(seg.rows))
                 rows = torch.arange(seg.rows) * seg.tokens + seg.offset
                 if seg.last_only:
@@ -567,22 +618,53 @@ class Transformer(nn.Module):
         return out
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, cache: ParticleKVCache) -> torch.Tensor:
+    def prefill(
+        self,
+        prompt: torch.Tensor,
+        cache: ParticleKVCache,
+        start: int = 0,
+        end: int | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor | None:
         """Run the prompt and store its KV once in ``cache`` as the shared prefix (a static
         cache where rounds run fused: as a round of its own, a CUDA graph per padded prompt
-        length, :meth:`_prefill_captured`).
+        length, :meth:`_prefill_captured`), or one chunk of it.
 
         Args:
             prompt: int64 ``[P]`` token ids, ``P >= 1``.
+            start, end: run prompt positions ``start .. end - 1`` only (default: all), a
+                chunk of a prompt run in pieces, in order: the first chunk starts at 0, each
+                later one where the one before ended (on a static cache such a prompt's
+                chunks run eagerly, not as a captured round). The logits equal the whole
+                prompt's up to float rounding (the same arithmetic in other groupings).
+            all_logits: return the logits of every position of the chunk (eagerly, never as
+                a captured round): what a prompt's log-probabilities need.
         Returns:
-            float32 logits ``[V]`` of the next token after the prompt.
+            float32 logits ``[V]`` of the next token after the prompt; None after a chunk
+            that does not end the prompt; with ``all_logits`` ``[end - start, V]`` for
+            every chunk (row ``i``: the next token after position ``start + i``).
+        Raises:
+            ValueError: a chunk out of range or out of order.
+            ContextLengthError: a static cache too small for the prompt.
         """
         p = prompt.shape[-1]
-        cache.begin_prefill(p)
-        if isinstance(cache, StaticKVCache) and self.round_mode != "steps":
-            return self._prefill_captured(prompt.reshape(-1), cache)
-        seg = Segment(cache, rows=1, tokens=p, start=None, offset=0, last_only=True)
-        return self._run([seg], [prompt.reshape(-1)])[0][0, -1]
+        end = p if end is None else end
+        if not 0 <= start < end <= p or (start > 0 and start != cache.prefilled):
+            raise ValueError(
+                f"prefill chunk [{start}, {end}) of a {p}-token prompt, after {cache.prefilled}"
+            )
+        if start == 0:
+            cache.begin_prefill(p)
+        flat = prompt.reshape(-1)
+        whole = end - start == p and not all_logits
+        if whole and isinstance(cache, StaticKVCache) and self.round_mode != "steps":
+            logits = self._prefill_captured(flat, cache)
+        else:
+            seg = Segment(cache, 1, end - start, None, 0, not all_logits, prefill_at=start)
+            logits = self._run([seg], [flat[start:end]])[0][0]
+            logits = logits if all_logits else logits[-1]
+        cache.prefilled = end
+        return logits if end == p or all_logits else None
 
     def _prefill_captured(self, prompt: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The prefill of a static cache as a round (a CUDA graph per padded prompt length,
