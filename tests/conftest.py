@@ -6,6 +6,12 @@ do (tokenizers, measured costs, re-quantized drafts) is written to the user's ca
 tuner (:mod:`smcspec.tuning`), which ``generate``/``serve``/``bench`` run for ``smc`` without
 -N/-K, measures a small grid on tiny models (a fraction of a second instead of seconds).
 Hypothesis runs derandomized (the ``fixed`` profile).
+
+The real default pair is loaded once for the session (``real_engine``) and served by one
+live server (``real_server``); only ``real_pair`` tests may ask for them (checked at
+collection), so the pair is always read from the user's cache. ``one_torch_thread`` runs a
+module of tiny-model forwards on one torch thread, as the truncation and cut-round tests'
+fixtures already did (tiny models' forwards are too small to share between threads).
 """
 
 from __future__ import annotations
@@ -65,6 +71,64 @@ def pytest_runtest_teardown(item, nextitem):
             os.environ["SMCSPEC_CACHE"] = _USER_CACHE
         raise RuntimeError(f"$SMCSPEC_CACHE left set to {leaked!r}: use monkeypatch")
     return result
+
+
+# fixtures that hold the real default pair: only tests marked real_pair may use them
+REAL_PAIR_FIXTURES = frozenset({"real_engine", "real_server"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that asks for the real pair without the ``real_pair`` mark would load it with
+    ``$SMCSPEC_CACHE`` moved to the test cache (GBs unpacked and converted into a temporary
+    folder): a usage error, named, before anything runs."""
+    for item in items:
+        used = REAL_PAIR_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if used and item.get_closest_marker("real_pair") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses {sorted(used)} but is not real_pair")
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    """The real default pair (``Engine.load()``: the packaged GGUF pair on llama.cpp), loaded
+    once for the session from the user's cache.
+
+    Raises:
+        RuntimeError: ``$SMCSPEC_CACHE`` is not the one the suite was started with.
+    """
+    if os.environ.get("SMCSPEC_CACHE") != _USER_CACHE:
+        raise RuntimeError("the real pair must load from the user's cache, not a test cache")
+    from smcspec import Engine
+
+    return Engine.load()
+
+
+@pytest.fixture(scope="session")
+def real_server(real_engine):
+    """One live server of the real pair for the session (``smcspec serve``'s app on a free
+    loopback port, served as the target's name, ``.model``; 64 new tokens unless a request
+    says otherwise); each test sends its own requests."""
+    from live_server import Server
+
+    from smcspec import GenerationConfig
+    from smcspec.server import create_app
+
+    defaults = GenerationConfig(max_new_tokens=64)
+    srv = Server(create_app(real_engine, defaults, model_name=real_engine.target.name))
+    srv.model = real_engine.target.name  # what clients pass as ``model``
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (restored after it), for modules of tiny-model
+    forwards, too small to share between threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,14 @@ import math
 
 import pytest
 import torch
-from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
+from enumerable import (
+    chisquare_p,
+    sequence_log_probs,
+    tiny_transformer,
+    total_variation,
+    tv_lower_bound,
+    until_decided,
+)
 
 import smcspec.decoding.smc_potentials as hooks_module
 from smcspec.config import GenerationConfig
@@ -80,8 +87,10 @@ def test_masked_ar_and_sd_have_a_fixed_bias(setup):
     assert bias > 0.3
     cfg = _cfg("ar", constraint=dfa)
     tvs = {}
-    for runs in (500, 4000):
-        counts, _ = sample_outputs(target, draft, PROMPT, cfg, runs)
+    counts, _ = sample_outputs(target, draft, PROMPT, cfg, 500)
+    for runs in (500, 4000):  # one sample set: the 4,000 runs begin with the 500
+        if runs > 500:
+            counts += sample_outputs(target, draft, PROMPT, cfg, runs - 500, seed0=500)[0]
         assert all(dfa.allows(k) for k in counts)
         # masked AR samples the locally-masked distribution (chi-square p-value bound 1e-3)
         assert chisquare_p(local, counts, runs) > 1e-3
@@ -133,9 +142,22 @@ def test_smc_without_the_mask_correction_fails(setup, monkeypatch):
         return lq.masked_fill(~mask, -math.inf)
 
     monkeypatch.setattr(hooks_module, "masked_proposal", no_renormalisation)
-    counts, _ = sample_outputs(target, draft, PROMPT, _smc(16, constraint=dfa), 1000)
-    # the same threshold the correct rule meets (0.12) fails clearly (measured 0.67)
-    assert total_variation(cond, counts, 1000) > 0.2
+    cfg = _smc(16, constraint=dfa)
+
+    def fails(counts, runs: int) -> bool:
+        # the TV above 0.2 with confidence 1 - 1e-3, over the len(cond) sequences A allows
+        return tv_lower_bound(cond, counts, runs, outcomes=len(cond), delta=1e-3) > 0.2
+
+    # the threshold the correct rule meets (0.12 at 1,000 runs) fails clearly: sequential,
+    # looks after 250, 500 and 1,000 runs (decided at 250: TV 0.67, its bound 0.43; 1,000
+    # runs measured 0.67)
+    counts, runs = until_decided(
+        lambda start, m: sample_outputs(target, draft, PROMPT, cfg, m, seed0=start)[0],
+        fails,
+        1000,
+    )
+    assert all(dfa.allows(k) for k in counts)  # what the support bound above counts on
+    assert fails(counts, runs)
 
 
 REWARD_BETA = 1.5  # R = number of "b" (token 1): TV(plain, tilted) = 0.545, mean R 0.713 -> 1.964
@@ -146,11 +168,18 @@ def _mean_r(counts, runs: int) -> float:
     return sum(k.count(1) * v for k, v in counts.items()) / runs
 
 
-def _reward_run(setup, reward, runs: int = 1000):
+def _reward_run(setup, reward, runs: int = 1000, start: int = 0):
+    """Counts of runs ``start .. start + runs - 1`` (seeds from 5000) at N = REWARD_N."""
     target, draft, _ = setup
     cfg = _smc(REWARD_N, reward=reward)
-    counts, _ = sample_outputs(target, draft, PROMPT, cfg, runs, seed0=5000)
+    counts, _ = sample_outputs(target, draft, PROMPT, cfg, runs, seed0=5000 + start)
     return counts
+
+
+def _mean_r_radius(runs: int, delta: float = 1e-3) -> float:
+    """Hoeffding's radius for the mean reward over ``runs`` (R in [0, LENGTH]): it is
+    further than this from its expectation with probability at most ``delta``."""
+    return LENGTH * math.sqrt(math.log(2 / delta) / (2 * runs))
 
 
 @pytest.mark.parametrize("twisted", [True, False], ids=["prefix_fn", "at_end"])
@@ -174,13 +203,21 @@ def test_smc_samples_the_reward_tilted_target(setup, twisted):
     [("ignored", 0.0), ("beta 1.5x", REWARD_BETA * 1.5), ("beta / 1.5", REWARD_BETA / 1.5)],
 )
 def test_a_wrong_reward_fails_the_same_bounds(setup, variant, beta):
-    """Measured mean rewards: ignored 0.686, beta 1.5x 2.227, beta / 1.5 1.451 (exact 1.964;
-    bound 0.2)."""
+    """Measured mean rewards at 1,000 runs: ignored 0.686, beta 1.5x 2.227, beta / 1.5 1.451
+    (exact 1.964; the correct sampler's bound 0.2). Sequential: looks after 250, 500 and
+    1,000 runs; it stops where the mean is further than 0.2 from the exact one with
+    confidence 1 - 1e-3 (Hoeffding): ignored at 250 runs, beta / 1.5 at 500; beta 1.5x is
+    not that far, so it runs the 1,000 and must be more than 0.25 off, as before."""
     _, _, exact = setup
     want, _ = tilted_log_probs(exact, letter_count_reward(1, REWARD_BETA, VOCAB))
     exact_mean = sum(math.exp(v) * k.count(1) for k, v in want.items())
-    counts = _reward_run(setup, letter_count_reward(1, beta, VOCAB, twisted=True))
-    assert abs(_mean_r(counts, 1000) - exact_mean) > 0.25
+    reward = letter_count_reward(1, beta, VOCAB, twisted=True)
+
+    def far(counts, runs: int) -> bool:
+        return abs(_mean_r(counts, runs) - exact_mean) - _mean_r_radius(runs) > 0.2
+
+    counts, runs = until_decided(lambda start, m: _reward_run(setup, reward, m, start), far, 1000)
+    assert far(counts, runs) or (runs == 1000 and abs(_mean_r(counts, 1000) - exact_mean) > 0.25)
 
 
 def test_smc_without_the_twist_ratio_fails(setup, monkeypatch):

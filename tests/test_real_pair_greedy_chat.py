@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smcspec import Engine, GenerationConfig
+from smcspec import GenerationConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
 PROMPT = "Write a Python function that checks whether a number is prime."
@@ -18,9 +18,10 @@ PROMPT = "Write a Python function that checks whether a number is prime."
 NEAR_TIE = 0.1
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.load()
+@pytest.fixture
+def engine(real_engine):
+    """The session's real pair (tests/conftest.py)."""
+    return real_engine
 
 
 def test_greedy_ar_sd_and_smc_give_the_same_tokens_on_the_real_pair(engine):

@@ -23,7 +23,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd
 from smcspec.errors import ConfigError
 
-pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [1, 2, 0]
 V, LENGTH, RUNS = 4, 3, 3000

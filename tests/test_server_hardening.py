@@ -534,9 +534,15 @@ def test_a_dead_worker_makes_health_503_and_calls_on_fatal(engine):
 
 # ------------------------------------------------------------------ the server process
 def _serve(pair_dirs, *extra: str, script: str | None = None) -> tuple[subprocess.Popen, int]:
+    """``smcspec serve`` of the tiny pair in a child process, once ``/health`` answers.
+
+    smc with N and K given (the setting these tests' requests ask for), so that the child
+    starts without measuring the pair's costs: the small tuning grid is this process's
+    (tests/conftest.py), the child's tuner would measure the full one. Serve's start-up
+    choice is tested in test_tuning.py."""
     port = free_port()
     args = ["serve", "--target", str(pair_dirs[0]), "--draft", str(pair_dirs[1]),
-            "--port", str(port), *extra]  # fmt: skip
+            "--port", str(port), "-N", "16", "-K", "4", *extra]  # fmt: skip
     code = script or "import sys; from smcspec.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args],

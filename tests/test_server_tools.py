@@ -1,5 +1,7 @@
 """Tool calling through the OpenAI-compatible server on the real default pair, driven by the
 real ``openai`` client: a weather-and-calculator toolset, every method, streamed and not.
+The session's one server of the real pair (``real_server``, tests/conftest.py) serves them;
+each test sends its own requests.
 
 Every returned call must parse and validate against its function's schema (``jsonschema_rs``).
 """
@@ -10,13 +12,8 @@ import json
 
 import jsonschema_rs
 import pytest
-from live_server import Server
-
-from smcspec import Engine, GenerationConfig
-from smcspec.server import create_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
-MODEL = "smcspec-default"
 WEATHER = {
     "type": "object",
     "properties": {
@@ -53,12 +50,10 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER, "calculator": CALCULATOR}
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine.load()
-    srv = Server(create_app(engine, GenerationConfig(max_new_tokens=64), model_name=MODEL))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(real_server):
+    """The session's server of the real pair (64 new tokens by default)."""
+    return real_server
 
 
 def _valid(name: str, arguments: str) -> dict:
@@ -71,7 +66,7 @@ def _valid(name: str, arguments: str) -> dict:
 @pytest.mark.parametrize("method", ["ar", "sd", "smc"])
 def test_required_gives_a_valid_call(server, method):
     r = server.client().chat.completions.create(
-        model=MODEL,
+        model=server.model,
         messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
         tools=TOOLS,
         tool_choice="required",
@@ -94,7 +89,7 @@ def test_a_stop_string_inside_a_call_does_not_break_it(server, stop, stream):
     """Once "stop": ["Paris"] returned arguments '{"city": "' (not JSON) and '": "' a reply
     with neither a call nor content: stop strings now cut free text only, never a call."""
     kwargs = dict(
-        model=MODEL,
+        model=server.model,
         messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
         tools=TOOLS, tool_choice="required", temperature=0.7, seed=1, stop=stop,
     )  # fmt: skip
@@ -121,7 +116,7 @@ def test_a_stop_string_inside_a_call_does_not_break_it(server, stop, stream):
 
 def test_a_named_function_gives_one_call_of_it(server):
     r = server.client().chat.completions.create(
-        model=MODEL,
+        model=server.model,
         messages=[{"role": "user", "content": "What is 17 times 23?"}],
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "calculator"}},
@@ -141,9 +136,9 @@ def test_auto_calls_a_tool_when_the_question_needs_one(server, stream):
         tools=TOOLS, seed=1, temperature=0.7,
     )  # fmt: skip
     if stream:
-        content, calls, finish = _stream_turn(server.client(), **kwargs)
+        content, calls, finish = _stream_turn(server.client(), server.model, **kwargs)
     else:
-        r = server.client().chat.completions.create(model=MODEL, **kwargs)
+        r = server.client().chat.completions.create(model=server.model, **kwargs)
         finish, content = r.choices[0].finish_reason, r.choices[0].message.content
         calls = [{"name": c.function.name, "arguments": c.function.arguments}
                  for c in r.choices[0].message.tool_calls or []]  # fmt: skip
@@ -154,7 +149,7 @@ def test_auto_calls_a_tool_when_the_question_needs_one(server, stream):
 
 def test_auto_answers_in_text_when_no_tool_is_needed(server):
     r = server.client().chat.completions.create(
-        model=MODEL,
+        model=server.model,
         messages=[{"role": "user", "content": "Write a haiku about the sea."}],
         tools=TOOLS,
         seed=0,
@@ -164,10 +159,10 @@ def test_auto_answers_in_text_when_no_tool_is_needed(server):
     assert choice.message.content and "<tool_call>" not in choice.message.content
 
 
-def _stream_turn(client, **kwargs):
-    """One streamed turn rebuilt from its deltas: (content, calls, finish_reason)."""
+def _stream_turn(client, model: str, **kwargs):
+    """One streamed turn of ``model`` rebuilt from its deltas: (content, calls, finish_reason)."""
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+    for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -189,9 +184,9 @@ def test_a_two_turn_agent_loop(server, stream):
     messages = [{"role": "user", "content": "What is 17 times 23? Use the calculator."}]
     turn = {"messages": messages, "tools": TOOLS, "seed": 3}
     if stream:
-        content, calls, finish = _stream_turn(client, tool_choice="required", **turn)
+        content, calls, finish = _stream_turn(client, server.model, tool_choice="required", **turn)
     else:
-        msg = client.chat.completions.create(model=MODEL, tool_choice="required", **turn)
+        msg = client.chat.completions.create(model=server.model, tool_choice="required", **turn)
         finish = msg.choices[0].finish_reason
         content = msg.choices[0].message.content
         calls = [
@@ -219,9 +214,9 @@ def test_a_two_turn_agent_loop(server, stream):
         result = "391" if c["name"] == "calculator" else "12 degrees celsius, sunny"
         messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
     if stream:
-        content, calls2, finish = _stream_turn(client, **turn)
+        content, calls2, finish = _stream_turn(client, server.model, **turn)
     else:
-        msg = client.chat.completions.create(model=MODEL, **turn)
+        msg = client.chat.completions.create(model=server.model, **turn)
         content, finish = msg.choices[0].message.content, msg.choices[0].finish_reason
         calls2 = msg.choices[0].message.tool_calls or []
     assert finish in ("stop", "length", "tool_calls")
