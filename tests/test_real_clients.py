@@ -283,10 +283,12 @@ def test_aiperf_profile_streaming_chat_fixed_length(tiny, tmp_path):
 
 # ------------------------------------------------------------------ the default pair
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    """A server of the default pair (llamacpp) and its tokenizer saved as a directory."""
+def real(tmp_path_factory, real_engine):
+    """A server of the session's default pair (llamacpp; ``conftest.real_engine``), served
+    as ``tiny``'s name with 256 new tokens a request, and its tokenizer saved as a
+    directory."""
     root = tmp_path_factory.mktemp("clients-real")
-    engine = Engine.load()
+    engine = real_engine
     tok_dir = root / "tokenizer"
     engine.tokenizer.save_pretrained(str(tok_dir))
     srv = Server(create_app(engine, GenerationConfig(max_new_tokens=256), model_name=MODEL))
