@@ -335,7 +335,9 @@ def test_grid_caps_large_forwards_but_keeps_the_floor():
         "ar",
         "sd-ngram-k5",
         "sd-k5",
+        "sd-n3-k5",
         "smc-n3-k5",
+        "smc-n3-k5-ess",
     ]
     assert [s.name for s in grid.settings(4, with_draft=False)] == ["ar", "sd-ngram-k4"]
     assert [s.name for s in grid.settings(4, with_draft=False, ngram=False)] == ["ar"]
@@ -519,7 +521,7 @@ def test_generate_method_auto_says_what_it_chose(gguf_pair, capsys):
 def test_generate_smc_without_n_k_is_tuned_with_the_floor(gguf_pair, capsys):
     assert main(_args(gguf_pair, "--min-particles", "8")) == 0
     line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
-    m = re.match(r"\[smc\] .*N=(\d+) K=(\d+), .*; smc-n\1-k\2 chosen by smc without -N/-K", line)
+    m = re.match(r"\[smc\] .*N=(\d+) K=(\d+), .*; smc-n\1-k\2(-ess)? chosen by smc without", line)
     assert m and int(m.group(1)) >= 8, line
     assert re.search(r"predicted [\d.]+ tokens/s, predicted ESS [\d.]+ of \d+ after a round", line)
 
@@ -597,7 +599,7 @@ def test_bench_predict_prints_the_table_and_runs_nothing(gguf_pair, tmp_path, ca
     m = re.search(row, text, re.M)
     assert m and float(m[2]) <= float(m[1]) <= float(m[3])  # the range holds the prediction
     assert "Range: the prediction with every forward at the slowest / fastest" in text
-    assert re.search(r"^\| smc \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
+    assert re.search(r"^\| smc( \(ess\))? \| \d+ \| \d+ \|.*smc \(N >= 4\)", text, re.M)
     assert main(["bench", "--predict", "--remeasure", "--target", target, "--draft", draft,
                  "--threads", "1"]) == 0  # fmt: skip
     captured = capsys.readouterr()

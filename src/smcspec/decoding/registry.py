@@ -58,8 +58,7 @@ class Decoder:
         chains: it drafts N chains a round without weighing them (multi-draft sd).
         from_text: its drafts come from the text, not a model (n-gram sd; priced at its
             gate's threshold, never compared as a speed).
-        tuned: the tuner predicts its settings (:mod:`smcspec.tuning.grid`; multi-draft sd
-            not yet).
+        tuned: the tuner predicts its settings (:mod:`smcspec.tuning.grid`).
         shapes: ``(n, k) -> (target shapes, draft shapes)`` of one round.
         cost: ``(n, k, RoundCosts, distinct) -> (tokens, seconds)`` of one round.
         label: ``(n, k) -> str``: a setting's name in reports and ``eval`` (``smc-n8-k2``).
@@ -126,7 +125,7 @@ DECODERS = {
     ),
     "multi-sd": _decoder(
         "multi-sd", "sd", multi_sd_caches, multi_sd_program, draft_model=True, drafts=True,
-        chains=True, tuned=False, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
+        chains=True, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
         label=lambda n, k: f"sd-n{n}-k{k}", pattern=r"sd-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
     "ngram-sd": _decoder(
@@ -204,9 +203,11 @@ def _check_particles(cfg: GenerationConfig, decoder: Decoder) -> None:
         )
 
 
-def decoder_named(method: str, draft: str = MODEL_DRAFT.name) -> Decoder:
+def decoder_named(method: str, draft: str = MODEL_DRAFT.name, particles: int = 1) -> Decoder:
     """The decoder of ``method`` (``ar``, ``sd``, ``smc``) drafting with ``draft``
-    (``model`` or ``ngram``: sd only).
+    (``model`` or ``ngram``: sd only) at N = ``particles`` (``sd`` with the draft model and
+    N >= 2: multi-draft sd; sampling assumed, as the tuner's settings are: a greedy request
+    runs as chain sd, :func:`decoder_for`).
 
     Raises:
         ConfigError: an unknown method, or n-gram drafts for another method than sd.
@@ -217,6 +218,8 @@ def decoder_named(method: str, draft: str = MODEL_DRAFT.name) -> Decoder:
         if method != "sd":
             raise ConfigError(f"n-gram drafts are for sd, not {method}")
         return DECODERS["ngram-sd"]
+    if method == "sd" and particles >= 2:
+        return DECODERS["multi-sd"]
     return BY_METHOD[method]
 
 

@@ -1,8 +1,9 @@
 """Settings from measured costs: which method, N and K decode fastest on this machine.
 
 The engine measures its two models' forward costs once (cached per machine, backend and
-model pair, :mod:`smcspec.tuning.cache`), predicts tokens/s of every ``ar``, ``sd`` (K) and
-``smc`` (N, K) setting with the roofline (:mod:`smcspec.tuning.predict`), and chooses::
+model pair, :mod:`smcspec.tuning.cache`), predicts tokens/s of every ``ar``, ``sd`` (K; N >= 2
+chains: multi-draft, :mod:`smcspec.tuning.multi_draft`) and ``smc`` (N, K; block rounds or cut
+where the ESS falls) setting with the roofline (:mod:`smcspec.tuning.predict`), and chooses::
 
     from smcspec import Engine
     from smcspec.tuning import tune

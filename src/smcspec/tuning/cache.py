@@ -83,6 +83,8 @@ class CostRecord:
             log_weight_quantiles=acc.get("log_weight_quantiles"),
             draft_top_probs=acc.get("draft_top_probs"),
             target_top_probs=acc.get("target_top_probs"),
+            tree_rejection=acc.get("tree_rejection"),
+            tree_continuing=acc.get("tree_continuing"),
         )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from smcspec.config import GenerationConfig
 from smcspec.decoding.registry import DECODERS
+from smcspec.tuning.multi_draft import MAX_CHAINS
 from smcspec.tuning.predict import Setting, Shape
 
 CPU_MAX_FORWARD_TOKENS = 80
@@ -32,6 +33,10 @@ class TuningGrid:
     Attributes:
         draft_tokens: K values of sd and smc.
         particles: N values of smc (``min_particles`` and an explicit N are added).
+        chains: N values of multi-draft sd (exact: no floor; an explicit N replaces them;
+            at most :data:`~smcspec.tuning.multi_draft.MAX_CHAINS`).
+        cut_rounds: also predict every smc setting with rounds cut where the ESS falls
+            (``smc-nN-kK-ess``).
         max_forward_tokens: smc settings whose target forward has more than this many
             tokens (N x (K+1)) are not measured, except at the smallest allowed N.
         context: prompt tokens before the timed forwards (attention length).
@@ -43,6 +48,8 @@ class TuningGrid:
 
     draft_tokens: tuple[int, ...] = (2, 4, 8)
     particles: tuple[int, ...] = (1, 2, 4, 8, 16)
+    chains: tuple[int, ...] = (2, 4, 8)
+    cut_rounds: bool = True
     max_forward_tokens: int = CPU_MAX_FORWARD_TOKENS
     context: int = 100
     reps: int = 3
@@ -60,8 +67,12 @@ class TuningGrid:
         """The settings of the decoders the tuner predicts (the table's ``tuned`` rows), by
         their traits: ``ar`` (no drafts), n-gram ``sd`` (drafts from the text; K
         :data:`NGRAM_DRAFT_TOKENS` or ``draft_tokens``; unless ``ngram`` is False), then
-        ``sd`` per K (the draft model, one row), then ``smc`` per (N, K) (the draft model, N
-        rows); an explicit ``particles`` or ``draft_tokens`` replaces the grid's values.
+        ``sd`` per K (the draft model, one row), multi-draft ``sd`` per (N, K) of
+        :attr:`chains` (N rows), then ``smc`` per (N, K) (the draft model, N rows; with
+        :attr:`cut_rounds` each also with rounds cut where the ESS falls); an explicit
+        ``particles`` or ``draft_tokens`` replaces the grid's values (an explicit N of 1: no
+        multi-draft setting). Settings whose target forward exceeds
+        :attr:`max_forward_tokens` are left out (smc: except at the smallest N allowed).
         Without a draft: ``ar`` and n-gram ``sd`` only."""
         rows = [d for d in DECODERS.values() if d.tuned]
         out = [Setting.of(d) for d in rows if not d.draft_tokens]
@@ -74,14 +85,26 @@ class TuningGrid:
         floor = particles if particles is not None else min_particles
         ns = (particles,) if particles is not None else (*self.particles, min_particles)
         model = [d for d in rows if d.draft_model]
-        out += [Setting.of(d, 1, k) for d in model if not d.uses_n for k in sorted(set(ks))]
+        ks = sorted(set(ks))
+        out += [Setting.of(d, 1, k) for d in model if not d.uses_n for k in ks]
+        chains = (particles,) if particles is not None else self.chains
         out += [
             Setting.of(d, n, k)
             for d in model
-            if d.uses_n
+            if d.chains
+            for n in sorted(set(chains))
+            for k in ks
+            if 2 <= n <= MAX_CHAINS and n * (k + 1) <= self.max_forward_tokens
+        ]
+        cuts = (False, True) if self.cut_rounds else (False,)
+        out += [
+            Setting.of(d, n, k, cut)
+            for cut in cuts
+            for d in model
+            if d.particles
             for n in sorted(set(ns))
-            for k in sorted(set(ks))
-            if n * (k + 1) <= self.max_forward_tokens or n == floor
+            for k in ks
+            if (n * (k + 1) <= self.max_forward_tokens or n == floor) and not (cut and n == 1)
         ]
         return out
 

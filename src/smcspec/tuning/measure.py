@@ -20,6 +20,7 @@ import torch
 
 from smcspec.config import GenerationConfig
 from smcspec.errors import ConfigError
+from smcspec.tuning.multi_draft import tree_acceptance
 from smcspec.tuning.predict import Shape, alpha_from_counts
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class Acceptance:
     prompts: int = 1  # the prompts pooled (ACCEPTANCE_PROMPTS; 1 in caches written before)
     draft_top_probs: list[list[float]] | None = None  # see top_probabilities(), of q_T
     target_top_probs: list[list[float]] | None = None  # and of p_T
+    tree_rejection: list[float] | None = None  # multi-draft sd, see tuning.multi_draft
+    tree_continuing: list[list[float]] | None = None
 
 
 QUANTILES = 101  # per-token log-weight quantiles kept (0, 1, ..., 100 %)
@@ -272,11 +275,12 @@ def measure_acceptance(
     engine: TunablePair, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
 ) -> Acceptance:
     """alpha, the per-token log-weight quantiles (:func:`quantiles_of_log_weights` on the
-    runs' outputs) and both models' most likely probabilities there
-    (:func:`top_probabilities`) of ``engine``'s pair, pooled over one sd run per prompt of
-    :data:`ACCEPTANCE_PROMPTS` (chat template when the tokenizer has one), ``new_tokens``
-    tokens in all split evenly between them (EOS ignored), ``draft_tokens`` drafts a round,
-    the temperatures and truncation of ``sampling``, seed 0.
+    runs' outputs), both models' most likely probabilities there (:func:`top_probabilities`)
+    and multi-draft sd's tree acceptance there
+    (:func:`smcspec.tuning.multi_draft.tree_acceptance`) of ``engine``'s pair, pooled over
+    one sd run per prompt of :data:`ACCEPTANCE_PROMPTS` (chat template when the tokenizer
+    has one), ``new_tokens`` tokens in all split evenly between them (EOS ignored),
+    ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``, seed 0.
 
     Raises:
         ConfigError: the engine has no draft, or the model context is too short.
@@ -314,12 +318,13 @@ def measure_acceptance(
                 engine.target.model, engine.draft.model, ids, result.token_ids,
                 run.temperature, run.draft_temperature, engine.vocab,
             ))  # fmt: skip
-    quantiles = draft_top = target_top = None
+    quantiles = draft_top = target_top = rejection = continuing = None
     if logs:
         lp = torch.cat([p for p, _ in logs])
         lq = torch.cat([q for _, q in logs])
         quantiles = quantiles_of_log_weights(lp, lq)
         draft_top, target_top = top_probabilities(lq), top_probabilities(lp)
+        rejection, continuing = tree_acceptance(lp, lq)
     return Acceptance(
         alpha=alpha_from_counts(counts["accepted"], counts["drafted"], counts["rounds"]),
         draft_tokens=draft_tokens,
@@ -330,5 +335,7 @@ def measure_acceptance(
         log_weight_quantiles=quantiles,
         draft_top_probs=draft_top,
         target_top_probs=target_top,
+        tree_rejection=rejection,
+        tree_continuing=continuing,
         prompts=len(ACCEPTANCE_PROMPTS),
     )

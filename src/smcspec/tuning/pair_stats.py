@@ -16,7 +16,8 @@ Two ways in:
 - a pair-stats file, written by :func:`write_pair_stats` (``smcspec bench --predict
   --export-pair-stats FILE``) and read by :func:`read_pair_stats` (``--pair-stats FILE``):
   JSON ``{"format": 1, "kind": "smcspec-pair-stats", "target": {"name", "bytes"}, "draft":
-  {...}, "measured_on": machine, "acceptance": {sampling key: measurement}}``.
+  {...}, "measured_on": machine, "acceptance": {sampling key: measurement}}`` (a measurement's
+  ``tree_rejection`` and ``tree_continuing``, multi-draft sd's, are optional: :data:`TREE`).
 """
 
 from __future__ import annotations
@@ -81,17 +82,56 @@ class PairStats:
         return dict(self.acceptance[acc_key])
 
 
+TREE = ("tree_rejection", "tree_continuing")
+"""Multi-draft sd's tree acceptance (:func:`smcspec.tuning.multi_draft.tree_acceptance`;
+None at temperature 0). Optional in a pair-stats file (files written before it was measured
+predict no multi-draft setting); a cached measurement without it is measured again."""
+
+
+def _has_fields(measurement: Mapping[str, Any]) -> bool:
+    return all(f in measurement for f in REQUIRED)
+
+
 def complete(measurement: Mapping[str, Any] | None, prompts: int) -> bool:
-    """Whether ``measurement`` holds every field the predictions read, pooled over at least
-    ``prompts`` calibration prompts (older caches lack the profiles or the pooling)."""
-    if not measurement:
+    """Whether ``measurement`` holds every field the predictions read (the tree acceptance
+    too where it has log-weights), pooled over at least ``prompts`` calibration prompts
+    (older caches lack the profiles, the tree acceptance or the pooling)."""
+    if not measurement or not _has_fields(measurement):
         return False
-    return all(f in measurement for f in REQUIRED) and (measurement.get("prompts", 1) >= prompts)
+    sampled = measurement.get("log_weight_quantiles") is not None
+    if sampled and any(measurement.get(f) is None for f in TREE):
+        return False
+    return measurement.get("prompts", 1) >= prompts
+
+
+def _check_tree(acc_key: str, m: Mapping[str, Any]) -> None:
+    """The tree acceptance, where present: non-increasing probabilities, and rows of
+    continuing-chain probabilities (row ``m`` of ``m`` entries) that sum to 1."""
+    rejection, continuing = m.get("tree_rejection"), m.get("tree_continuing")
+    if rejection is None and continuing is None:
+        return
+    ok = (
+        isinstance(rejection, list) and rejection and isinstance(continuing, list)
+        and len(continuing) == len(rejection)
+        and all(isinstance(v, int | float) and 0 <= v <= 1 for v in rejection)
+        and all(b <= a + 1e-9 for a, b in zip(rejection, rejection[1:], strict=False))
+        and all(
+            isinstance(row, list) and len(row) == i + 1 and all(0 <= v <= 1 for v in row)
+            and abs(sum(row) - 1) <= 1e-3
+            for i, row in enumerate(continuing)
+        )
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"{acc_key}: tree_rejection must be non-increasing probabilities and "
+            "tree_continuing one probability row per chain count, each summing to 1"
+        )
 
 
 def _check(acc_key: str, m: Any) -> None:
-    if not isinstance(m, dict) or not complete(m, 1):
+    if not isinstance(m, dict) or not _has_fields(m):
         raise ValueError(f"{acc_key}: needs the fields {', '.join(REQUIRED)}")
+    _check_tree(acc_key, m)
     if not 0 <= m["alpha"] <= 1:
         raise ValueError(f"{acc_key}: alpha {m['alpha']!r} is not in [0, 1]")
     q = m["log_weight_quantiles"]

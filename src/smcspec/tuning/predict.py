@@ -29,6 +29,18 @@ most likely probabilities, :func:`smcspec.tuning.measure.top_probabilities`) and
 log-weights: particles share a row while their tokens agree, diverge for good once they
 differ, and are made copies again by resampling.
 
+**Multi-draft sd** (``sd`` with N >= 2 chains, exact: no fidelity floor) issues SMC-SD's
+forwards; its tokens a round come from the pair's measured tree acceptance and the chain
+``alpha`` (:func:`smcspec.tuning.multi_draft.multi_sd_tokens_per_round`, whose notes state
+the formula and its assumptions), and its rows are the token tree's distinct prefixes
+(:func:`predicted_tree_distinct`: every round restarts from one accepted path).
+
+**SMC-SD rounds cut where the ESS falls** (``round_end="ess"``, :mod:`smcspec.decoding.smc_cut`)
+issue a block round's forwards and yield ``j* + 1`` tokens, ``j*`` the first drafted position
+whose running ESS is below ``kappa N``; :func:`predicted_cut_round` simulates ``j*`` and the
+ESS there from the same log-weight quantiles as :func:`predicted_ess`. The fidelity floor is
+the same: the ESS at the round's end (where it resamples), at ``j*``.
+
 Predicted tokens/s = tokens a round / seconds of its forwards. Sampling, Python and prefill
 time are not counted, so measured tokens/s are lower (on the 2-core CPU of
 ``docs/benchmarks/llamacpp-cpu``: ar 24 measured vs 30 predicted tokens/s).
@@ -54,49 +66,68 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from smcspec.config import NGRAM_DRAFT_P_MIN, GenerationConfig
+from smcspec.config import NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
 from smcspec.decoding.registry import Decoder, choice, decoder_named
 from smcspec.decoding.rounds import RoundCosts, Shape
 from smcspec.decoding.rounds import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
 from smcspec.errors import ConfigError
+from smcspec.tuning.multi_draft import multi_sd_tokens_per_round
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One decoding setting: ``ar``, ``sd`` with K draft tokens, or ``smc`` with N, K. What
-    differs between them (its round, its name, how it configures a request) is its
-    decoder's (:attr:`decoder`, from :mod:`smcspec.decoding.registry`).
+    """One decoding setting: ``ar``, ``sd`` with K draft tokens (N >= 2 chains: multi-draft
+    sd), or ``smc`` with N, K (rounds of K drafts, or cut where the ESS falls). What differs
+    between them (its round, its name, how it configures a request) is its decoder's
+    (:attr:`decoder`, from :mod:`smcspec.decoding.registry`).
 
     Attributes:
         method: ``"ar"``, ``"sd"`` or ``"smc"``.
-        particles: N (smc; 1 otherwise).
+        particles: N (smc's particles, multi-draft sd's chains; 1 otherwise).
         draft_tokens: K (sd and smc; 0 for ar).
         draft: ``"model"`` (the draft model) or ``"ngram"`` (sd only: n-gram drafts from the
             text, gated by the target's confidence; :mod:`smcspec.decoding.ngram`).
+        round_end: smc only: ``"block"`` (K drafts a round) or ``"ess"`` (cut where the ESS
+            falls, :mod:`smcspec.decoding.smc_cut`).
     """
 
     method: str
     particles: int = 1
     draft_tokens: int = 0
     draft: str = "model"
+    round_end: str = ROUND_ENDS[0]
 
     @classmethod
-    def of(cls, decoder: Decoder, particles: int = 1, draft_tokens: int = 0) -> Setting:
+    def of(
+        cls, decoder: Decoder, particles: int = 1, draft_tokens: int = 0, cut: bool = False
+    ) -> Setting:
         """``decoder`` (a row of the decoder table) at N = ``particles``, K =
-        ``draft_tokens``."""
-        return cls(decoder.method, particles, draft_tokens, decoder.draft.name)
+        ``draft_tokens``; ``cut``: rounds cut where the ESS falls (smc)."""
+        end = ROUND_ENDS[1] if cut else ROUND_ENDS[0]
+        return cls(decoder.method, particles, draft_tokens, decoder.draft.name, end)
 
     @property
     def decoder(self) -> Decoder:
         """The decoder that runs this setting (ConfigError for an unknown method)."""
-        return decoder_named(self.method, self.draft)
+        return decoder_named(self.method, self.draft, self.particles)
 
     @property
     def name(self) -> str:
-        """``ar``, ``sd-k4``, ``sd-ngram-k4``, ``smc-n4-k4`` (the names of
-        ``smcspec.eval.harness``)."""
-        return self.decoder.label(self.particles, self.draft_tokens)
+        """``ar``, ``sd-k4``, ``sd-n4-k4``, ``sd-ngram-k4``, ``smc-n4-k4``, ``smc-n8-k8-ess``
+        (the names of ``smcspec.eval.harness``)."""
+        label = self.decoder.label(self.particles, self.draft_tokens)
+        return f"{label}-ess" if self.cut else label
+
+    @property
+    def cut(self) -> bool:
+        """Whether its SMC-SD rounds are cut where the ESS falls."""
+        return self.weighted and self.round_end == ROUND_ENDS[1]
+
+    @property
+    def chains(self) -> bool:
+        """Whether it is multi-draft sd (N chains, exact)."""
+        return self.decoder.chains
 
     @property
     def ngram(self) -> bool:
@@ -123,8 +154,10 @@ class Setting:
         return self.decoder.shapes(self.particles, self.draft_tokens)[1]
 
     def apply(self, config: GenerationConfig) -> GenerationConfig:
-        """``config`` with this setting's method (and N, K, draft where the method has them)."""
-        return self.decoder.configure(config, self.particles, self.draft_tokens)
+        """``config`` with this setting's method (and N, K, draft where the method has them;
+        smc: its round end)."""
+        out = self.decoder.configure(config, self.particles, self.draft_tokens)
+        return replace(out, round_end=self.round_end) if self.weighted else out
 
 
 @dataclass(frozen=True)
@@ -143,6 +176,9 @@ class ForwardCosts:
         target_range, draft_range: the fastest and slowest timed forward per shape; None
             when not kept (:func:`prediction_range` then uses the medians).
         alpha_range: a 95% interval of ``alpha`` (:func:`alpha_interval`); None: not known.
+        tree_rejection, tree_continuing: multi-draft sd's measured tree acceptance
+            (:func:`smcspec.tuning.multi_draft.tree_acceptance`); None: not measured (no
+            multi-draft prediction).
     """
 
     target: Mapping[Shape, float]
@@ -154,6 +190,16 @@ class ForwardCosts:
     target_range: Mapping[Shape, tuple[float, float]] | None = None
     draft_range: Mapping[Shape, tuple[float, float]] | None = None
     alpha_range: tuple[float, float] | None = None
+    tree_rejection: Sequence[float] | None = None
+    tree_continuing: Sequence[Sequence[float]] | None = None
+
+    def predicts(self, setting: Setting) -> bool:
+        """Whether these measurements can predict ``setting``: multi-draft sd needs the tree
+        acceptance (up to its N) and ``alpha``, cut SMC-SD rounds the log-weight quantiles."""
+        if setting.chains:
+            tree = self.tree_rejection
+            return tree is not None and self.alpha is not None and setting.particles <= len(tree)
+        return not setting.cut or self.log_weight_quantiles is not None
 
 
 @dataclass(frozen=True)
@@ -165,10 +211,13 @@ class Prediction:
         tokens_per_round: expected tokens a round.
         round_seconds: expected seconds of a round's forwards.
         ess: smc only: the expected ESS after one round from equal weights
-            (:func:`predicted_ess`); None for ar and sd, or without measured log-weights.
-        distinct: smc only: the predicted fraction of rows its forwards compute
-            (:func:`predicted_distinct`; 1.0 with sharing off or nothing to predict from).
-        all_rows_seconds: smc only: the round's seconds if every row were computed.
+            (:func:`predicted_ess`; cut rounds: at the cut, :func:`predicted_cut_round`);
+            None for ar and sd, or without measured log-weights.
+        distinct: smc and multi-draft sd: the predicted fraction of rows its forwards
+            compute (:func:`predicted_distinct`, :func:`predicted_tree_distinct`; 1.0 with
+            sharing off or nothing to predict from).
+        all_rows_seconds: smc and multi-draft sd: the round's seconds if every row were
+            computed.
         tokens_per_second_range: the prediction at its slowest and fastest
             (:func:`prediction_range`); None when not computed or not known.
     """
@@ -286,6 +335,73 @@ def predicted_ess(
     return float(ess.mean())
 
 
+def predicted_cut_round(
+    particles: int,
+    draft_tokens: int,
+    quantiles: Sequence[float],
+    ess_threshold: float,
+    rounds: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Expected tokens and ESS at the end of an SMC-SD round cut where the ESS falls
+    (:mod:`smcspec.decoding.smc_cut`) of N = ``particles`` and K = ``draft_tokens`` from
+    equal weights: ``(E[j* + 1], E[ESS(j*)])``, ``j*`` the first drafted position ``1..K``
+    whose running ESS ``(sum w)^2 / sum w^2`` is below ``ess_threshold * N`` (none: K).
+
+    Simulated as :func:`predicted_ess` (the same seeded draws of per-token log-weights from
+    ``quantiles``, tokens independent); with ``ess_threshold`` 0 or N = 1 no round is cut:
+    ``(K + 1, predicted_ess(N, K, quantiles))``.
+
+    Raises:
+        ConfigError: N < 1, K < 1, a threshold outside [0, 1], or fewer than 2 quantiles.
+    """
+    if particles < 1 or draft_tokens < 1 or len(quantiles) < 2 or not 0 <= ess_threshold <= 1:
+        raise ConfigError(
+            "predicted_cut_round needs N >= 1, K >= 1, kappa in [0, 1] and 2 or more quantiles"
+        )
+    if particles == 1:
+        return float(draft_tokens + 1), 1.0
+    q = np.asarray(quantiles, dtype=np.float64)
+    u = np.random.default_rng(seed).random((rounds, particles, draft_tokens))
+    logw = np.interp(u * (len(q) - 1), np.arange(len(q)), q).cumsum(-1)  # [R, N, j]
+    w = np.exp(logw - logw.max(1, keepdims=True))
+    ess = w.sum(1) ** 2 / (w**2).sum(1)  # [R, K]: after j = 1..K drafted tokens
+    below = ess < ess_threshold * particles
+    cut = np.where(below.any(-1), below.argmax(-1), draft_tokens - 1)  # 0-based j* - 1
+    at_cut = ess[np.arange(rounds), cut]
+    return float((cut + 2).mean()), float(at_cut.mean())
+
+
+def predicted_tree_distinct(
+    chains: int, draft_tokens: int, draft_top_probs: Sequence[Sequence[float]],
+    reps: int = 64, seed: int = 0,
+) -> float:  # fmt: skip
+    """Expected fraction of a multi-draft sd round's N x (K+1) target rows that are distinct
+    (``(0, 1]``): the first row of every chain is the accepted path's last token (one row),
+    and at each of the K drafted positions the chains on one history draw tokens from a
+    random position's draft agreement profile (as :func:`predicted_distinct`, without
+    weights or resampling: every round restarts from one accepted path). Seeded, so
+    deterministic; the draft's fraction is taken to be the target's.
+
+    Raises:
+        ConfigError: N < 1, K < 1, or an empty profile.
+    """
+    if chains < 1 or draft_tokens < 1 or not draft_top_probs:
+        raise ConfigError("predicted_tree_distinct needs N >= 1, K >= 1 and a draft profile")
+    if chains == 1:
+        return 1.0
+    rng = np.random.default_rng(seed)
+    cum = _cumulative(draft_top_probs)
+    distinct = 0
+    for _ in range(reps):
+        hist, label = np.zeros(chains, dtype=np.int64), 1
+        distinct += 1
+        for _ in range(draft_tokens):
+            hist, label, _ = _draw_histories(rng, hist, label, cum, None, False)
+            distinct += len(np.unique(hist))
+    return distinct / (reps * chains * (draft_tokens + 1))
+
+
 def predicted_distinct(
     particles: int,
     draft_tokens: int,
@@ -380,37 +496,70 @@ def _systematic(rng, w: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(np.cumsum(w), u), n - 1)
 
 
-def predict(setting: Setting, costs: ForwardCosts, shared_rows: bool = True) -> Prediction:
-    """Tokens a round and seconds a round of ``setting`` (see the module notes); an smc
-    setting with ``shared_rows`` and measured agreement profiles is priced at its predicted
-    distinct rows.
+def predict(
+    setting: Setting,
+    costs: ForwardCosts,
+    shared_rows: bool = True,
+    ess_threshold: float = GenerationConfig().ess_threshold,
+) -> Prediction:
+    """Tokens a round and seconds a round of ``setting`` (see the module notes); an smc or
+    multi-draft sd setting with ``shared_rows`` and measured agreement profiles is priced at
+    its predicted distinct rows; ``ess_threshold``: kappa of rounds cut where the ESS falls.
 
     Raises:
         KeyError: a forward shape the setting needs is not in ``costs``.
-        ConfigError: an sd setting without a measured ``alpha``, or an unknown method.
+        ConfigError: an sd setting without a measured ``alpha``, a multi-draft one without
+            the tree acceptance, a cut round without log-weight quantiles, or an unknown
+            method.
     """
+    n, k = setting.particles, setting.draft_tokens
+    profiles = costs.draft_top_probs, costs.target_top_probs
+    if setting.chains:
+        f = 1.0
+        if shared_rows and profiles[0] is not None:
+            f = predicted_tree_distinct(n, k, profiles[0])
+        tokens, seconds = _round(setting, costs, f)
+        return Prediction(setting, tokens, seconds, None, f, _round(setting, costs)[1])
     if not setting.weighted:
         tokens, seconds = _round(setting, costs)
         return Prediction(setting, tokens, seconds)
-    n, k = setting.particles, setting.draft_tokens
     q = costs.log_weight_quantiles
-    ess = None if q is None else predicted_ess(n, k, q)
-    profiles = costs.draft_top_probs, costs.target_top_probs
+    ess, cut_tokens = None if q is None else predicted_ess(n, k, q), None
+    if setting.cut:
+        if q is None:
+            raise ConfigError("a prediction of cut rounds needs the log-weight quantiles")
+        cut_tokens, ess = predicted_cut_round(n, k, q, ess_threshold)
     f = 1.0
     if shared_rows and n > 1 and None not in profiles:
         f = predicted_distinct(n, k, *profiles, q)
-    tokens, seconds = _round(setting, costs, f)
+    tokens, seconds = _round(setting, costs, f, cut_tokens)
     return Prediction(setting, tokens, seconds, ess, f, _round(setting, costs)[1])
 
 
-def _round(setting: Setting, costs: ForwardCosts, distinct: float = 1.0) -> tuple[float, float]:
+def _round(
+    setting: Setting, costs: ForwardCosts, distinct: float = 1.0, tokens: float | None = None
+) -> tuple[float, float]:
     """Expected tokens and seconds of one round of ``setting`` at ``costs``: its decoder's
     round (:mod:`smcspec.decoding.rounds`; n-gram sd at the gate's threshold
-    :data:`~smcspec.config.NGRAM_DRAFT_P_MIN`); an smc round computes the fraction
-    ``distinct`` of its rows (at most what every row costs). The simulations (ESS, distinct
-    rows) are the caller's: they do not depend on the costs."""
-    c = RoundCosts(costs.target, costs.draft, costs.alpha, NGRAM_DRAFT_P_MIN)
-    return setting.decoder.cost(setting.particles, setting.draft_tokens, c, distinct)
+    :data:`~smcspec.config.NGRAM_DRAFT_P_MIN`; multi-draft sd's tokens from the tree
+    acceptance at ``costs.alpha``); an smc or multi-draft round computes the fraction
+    ``distinct`` of its rows (at most what every row costs); ``tokens``, where given,
+    replaces the round's tokens (cut rounds: the simulated ones). The simulations (ESS,
+    distinct rows, cuts) are the caller's: they do not depend on the costs."""
+    n, k = setting.particles, setting.draft_tokens
+    multi = {}
+    if setting.chains:
+        if not costs.predicts(setting):
+            raise ConfigError(
+                f"a multi-draft sd prediction ({setting.name}) needs alpha and the tree "
+                "acceptance measured up to its N"
+            )
+        multi[(n, k)] = multi_sd_tokens_per_round(
+            costs.alpha, n, k, costs.tree_rejection, costs.tree_continuing
+        )
+    c = RoundCosts(costs.target, costs.draft, costs.alpha, NGRAM_DRAFT_P_MIN, multi)
+    out = setting.decoder.cost(n, k, c, distinct)
+    return out if tokens is None else (tokens, out[1])
 
 
 def prediction_range(
@@ -431,7 +580,9 @@ def prediction_range(
     """
     if costs.target_range is None and costs.alpha_range is None:
         return None
-    distinct = (base or predict(setting, costs, shared_rows)).distinct
+    base = base or predict(setting, costs, shared_rows)
+    distinct = base.distinct
+    cut_tokens = base.tokens_per_round if setting.cut else None  # not alpha's or the costs'
 
     def at(end: int) -> float:
         target, draft = dict(costs.target), dict(costs.draft)
@@ -442,20 +593,25 @@ def prediction_range(
         if costs.alpha_range is not None and alpha is not None:
             alpha = costs.alpha_range[1 - end]
         varied = replace(costs, target=target, draft=draft, alpha=alpha)
-        tokens, seconds = _round(setting, varied, distinct)
+        tokens, seconds = _round(setting, varied, distinct, cut_tokens)
         return tokens / seconds
 
     return (at(1), at(0))
 
 
 def predict_all(
-    settings: Iterable[Setting], costs: ForwardCosts, shared_rows: bool = True
+    settings: Iterable[Setting],
+    costs: ForwardCosts,
+    shared_rows: bool = True,
+    ess_threshold: float = GenerationConfig().ess_threshold,
 ) -> list[Prediction]:
-    """:func:`predict` of every setting, in order, each with its
+    """:func:`predict` of every setting ``costs`` can predict (:meth:`ForwardCosts.predicts`:
+    multi-draft sd without the tree acceptance, at temperature 0 or from pair statistics that
+    predate it, and cut rounds without log-weights are left out), in order, each with its
     :func:`prediction_range`."""
     out = []
-    for s in settings:
-        p = predict(s, costs, shared_rows)
+    for s in (s for s in settings if costs.predicts(s)):
+        p = predict(s, costs, shared_rows, ess_threshold)
         span = prediction_range(s, costs, shared_rows, base=p)
         out.append(replace(p, tokens_per_second_range=span))
     return out
@@ -562,7 +718,7 @@ def choose(
         faster = [p for p in ngram if p.tokens_per_second > bar]
         return max(faster, key=lambda p: p.tokens_per_second) if faster else best
     if best.setting.weighted and particles is None and draft_tokens is None:
-        kept = [p for p in candidates if p.setting.weighted
+        kept = [p for p in candidates if p.setting.weighted and not p.setting.cut
                 and (p.setting.particles, p.setting.draft_tokens) == default]  # fmt: skip
         if kept and kept[0].tokens_per_second >= (1 - margin) * best.tokens_per_second:
             return kept[0]

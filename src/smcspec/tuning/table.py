@@ -16,8 +16,10 @@ def _model_name(identity: dict | None) -> str:
 def format_table(tuning: Tuning) -> str:
     """A Markdown paragraph (machine, models, alpha, cache) and one row per setting:
     method, N, K, tokens a round, round milliseconds, predicted tokens/s, ratio to ar's,
-    smc's predicted distinct-row fraction and its tokens/s were every row computed, its
-    predicted ESS, and which setting ``--method auto`` and ``smc`` without -N/-K choose."""
+    smc's and multi-draft sd's predicted distinct-row fraction and tokens/s were every row
+    computed, smc's predicted ESS (cut rounds: at the cut), and which setting ``--method
+    auto`` and ``smc`` without -N/-K choose. Multi-draft sd is ``sd`` with an N; rounds cut
+    where the ESS falls are ``smc (ess)``."""
     key = tuning.key
     ar = next(p for p in tuning.predictions if not p.setting.drafts)
     measured = (
@@ -40,6 +42,7 @@ def format_table(tuning: Tuning) -> str:
     lines += [_setting_row(p, tuning, ar.tokens_per_second) for p in tuning.predictions]
     if any(p.setting.ngram for p in tuning.predictions):
         lines += ["", NGRAM_NOTE]
+    lines += ["", _frontier_note(tuning)]
     return "\n".join(lines) + "\n"
 
 
@@ -49,6 +52,34 @@ NGRAM_NOTE = (
     f"{NGRAM_MARGIN:.0%}, auto takes it in ar's place (a round the gate does not let draft "
     "is an ar step; text that copies its prompt runs faster)."
 )
+
+
+def _frontier_note(tuning: Tuning) -> str:
+    """How multi-draft sd and cut rounds are predicted, or why they are not."""
+    preds = tuning.predictions
+    if tuning.acceptance is None:
+        return "Multi-draft sd and SMC-SD rounds cut where the ESS falls: no draft model."
+    if any(p.setting.chains for p in preds):
+        multi = (
+            "sd with N: multi-draft sd (exact, so no fidelity floor), tokens a round from the "
+            "pair's measured tree acceptance anchored on alpha (smcspec.tuning.multi_draft)"
+        )
+    elif tuning.acceptance.get("log_weight_quantiles") is None:
+        multi = "multi-draft sd: not predicted at temperature 0 (greedy runs as chain sd)"
+    else:
+        multi = (
+            "multi-draft sd: not predicted (the pair statistics predate its tree acceptance; "
+            "measure them again: --remeasure, or export them again)"
+        )
+    if any(p.setting.cut for p in preds):
+        cut = (
+            "smc (ess): rounds cut at the first drafted position whose ESS falls below "
+            "kappa*N, tokens a round and the ESS at the cut simulated from the log-weights "
+            "(the same --min-ess floor as block rounds)"
+        )
+    else:
+        cut = "smc (ess): not predicted (no log-weights at temperature 0)"
+    return f"{multi}. {cut}."
 
 
 def _range_note(tuning: Tuning) -> str:
@@ -115,14 +146,15 @@ def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> 
         marks.append("below --min-particles")
     elif p.ess is not None and p.ess < tuning.min_ess:
         marks.append(f"below --min-ess {tuning.min_ess:g}")
+    rows = s.weighted or s.chains  # N rows a round
     ess = "-" if p.ess is None else f"{p.ess:.2f} of {s.particles}"
-    distinct = f"{p.distinct:.2f}" if s.weighted else "-"
-    every = f"{p.all_rows_tokens_per_second:.2f}" if s.weighted else "-"
-    n = str(s.particles) if s.weighted else "-"
+    distinct = f"{p.distinct:.2f}" if rows else "-"
+    every = f"{p.all_rows_tokens_per_second:.2f}" if rows else "-"
+    n = str(s.particles) if rows else "-"
     r = p.tokens_per_second_range
     span = "-" if r is None else f"{r[0]:.2f}-{r[1]:.2f}"
     k = str(s.draft_tokens) if s.drafts else "-"
-    method = f"{s.method} (ngram)" if s.ngram else s.method
+    method = f"{s.method} (ngram)" if s.ngram else f"{s.method} (ess)" if s.cut else s.method
     return (
         f"| {method} | {n} | {k} | {p.tokens_per_round:.2f} | "
         f"{p.round_seconds * 1e3:.1f} | {p.tokens_per_second:.2f} | {span} | "

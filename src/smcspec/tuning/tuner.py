@@ -39,7 +39,8 @@ class Tuning:
     """The predicted table and the choices of :func:`tune`.
 
     Attributes:
-        predictions: every predicted setting (ar, sd per K, smc per N and K).
+        predictions: every predicted setting (ar, sd per K, multi-draft sd per N and K, smc
+            per N and K with block rounds and with rounds cut where the ESS falls).
         auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``;
             where that is ar, n-gram sd if it is predicted faster at its gate's threshold
             (:func:`~smcspec.tuning.predict.choose`; not with a constraint).
@@ -106,7 +107,8 @@ def tune(
     min_ess: float = DEFAULT_MIN_ESS,
     pair_stats: PairStats | None = None,
 ) -> Tuning:
-    """Predict tokens/s of every ar, sd(K) and smc(N, K) setting of ``engine`` on this machine
+    """Predict tokens/s of every ar, sd(K), multi-draft sd(N, K) and smc(N, K) (block or cut
+    rounds) setting of ``engine`` on this machine
     and choose the fastest (see :mod:`smcspec.tuning.predict` for the formulas and
     :func:`~smcspec.tuning.predict.choose` for ``tie``).
 
@@ -169,7 +171,7 @@ def tune(
     if measure_acc:
         acceptance, source = record.acceptance[acc_key], "measured now"
     costs = record.forward_costs(acceptance)
-    predictions = tuple(predict_all(settings, costs, cfg.shared_rows))
+    predictions = tuple(predict_all(settings, costs, cfg.shared_rows, cfg.ess_threshold))
     pick = dict(
         min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
         min_ess=min_ess, default=DEFAULT_SMC if device == "cpu" else None,
