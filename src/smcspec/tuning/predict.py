@@ -154,10 +154,11 @@ class Setting:
         return self.decoder.shapes(self.particles, self.draft_tokens)[1]
 
     def apply(self, config: GenerationConfig) -> GenerationConfig:
-        """``config`` with this setting's method (and N, K, draft where the method has them;
-        smc: its round end)."""
+        """``config`` with this setting's method (and N, K, draft where the method has them);
+        a cut-round setting cuts its rounds, a block one keeps ``config``'s round end (a
+        user's ``round_end="ess"`` stays)."""
         out = self.decoder.configure(config, self.particles, self.draft_tokens)
-        return replace(out, round_end=self.round_end) if self.weighted else out
+        return replace(out, round_end=self.round_end) if self.cut else out
 
 
 @dataclass(frozen=True)
