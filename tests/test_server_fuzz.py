@@ -16,10 +16,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from live_server import Server
-from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
+from tiny_models import make_tiny_chat_engine
 
-from smcspec import Engine, GenerationConfig
-from smcspec.backends.torch import load_hf_dir
+from smcspec import GenerationConfig
 from smcspec.server import create_app
 
 pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
@@ -30,12 +29,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module", params=["torch", "llamacpp"])
 def fuzz_server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"fuzz-{request.param}")
-    if request.param == "llamacpp":
-        pytest.importorskip("llama_cpp")
-        engine = make_tiny_gguf_chat_engine(root, max_position_embeddings=96)
-    else:
-        dirs = make_tiny_chat_pair(root, max_position_embeddings=96)
-        engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    engine = make_tiny_chat_engine(request.param, root, max_position_embeddings=96)
     srv = Server(create_app(engine, GenerationConfig(max_new_tokens=8), model_name=MODEL))
     srv.backend = request.param
     yield srv

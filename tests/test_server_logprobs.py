@@ -11,10 +11,9 @@ import math
 import httpx
 import pytest
 from live_server import Server
-from tiny_models import make_tiny_chat_pair, make_tiny_gguf_chat_engine
+from tiny_models import make_tiny_chat_engine
 
-from smcspec import Engine, GenerationConfig
-from smcspec.backends.torch import load_hf_dir
+from smcspec import GenerationConfig
 from smcspec.server import create_app
 from smcspec.server.logprobs import NEG_INF_LOGPROB
 
@@ -25,12 +24,7 @@ MESSAGES = [{"role": "user", "content": "ab cd"}]
 @pytest.fixture(scope="module", params=["torch", "llamacpp"])
 def server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"logprobs-server-{request.param}")
-    if request.param == "llamacpp":
-        pytest.importorskip("llama_cpp")
-        engine = make_tiny_gguf_chat_engine(root, max_position_embeddings=4096)
-    else:
-        dirs = make_tiny_chat_pair(root, max_position_embeddings=4096)
-        engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    engine = make_tiny_chat_engine(request.param, root, max_position_embeddings=4096)
     srv = Server(create_app(engine, GenerationConfig(max_new_tokens=16), model_name=MODEL))
     yield srv
     srv.stop()

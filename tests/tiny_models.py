@@ -348,3 +348,18 @@ def make_tiny_gguf_chat_engine(tmp_path: Path, llamacpp=None, **overrides):
         # as Engine.load does: the draft without a tokenizer, the vocabulary checked in llama.cpp
         draft = load_model(paths[1], backend="llamacpp", llamacpp=settings, tokenizer=False)
     return Engine(target, draft)
+
+
+def make_tiny_chat_engine(backend: str, tmp_path: Path, **overrides):
+    """An Engine over the tiny chat pair on ``backend``: ``"torch"``
+    (:func:`make_tiny_chat_pair`, the HF files loaded by the torch backend) or
+    ``"llamacpp"`` (:func:`make_tiny_gguf_chat_engine`; skips the test without
+    llama-cpp-python). ``overrides``: the models' config (e.g. ``max_position_embeddings``)."""
+    from smcspec import Engine
+    from smcspec.backends.torch import load_hf_dir
+
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp")
+        return make_tiny_gguf_chat_engine(tmp_path, **overrides)
+    dirs = make_tiny_chat_pair(tmp_path, **overrides)
+    return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
