@@ -157,6 +157,19 @@ def test_no_module_imports_itself_through_others():
     assert cycles(graph) == []
 
 
+def test_the_request_object_is_on_no_cycle_even_for_type_checking():
+    """``decoding/job.py``, the request a decoder's program is given, sits below every
+    decoder and the table (``decoding/registry.py``) that imports them: it imports none of
+    them, not even for type checking (the check above leaves those imports out, so it did
+    not see ``Job.decoder``'s ``Decoder`` type close a circle job -> registry -> decoders ->
+    job). Broken variant caught: ``if TYPE_CHECKING: from smcspec.decoding.registry import
+    Decoder`` in job.py (a cycle of ten modules)."""
+    graph = import_graph(type_checking=True)
+    assert "smcspec.decoding.job" in graph["smcspec.decoding.ar"]  # the decoders import it
+    on_cycles = {m for comp in cycles(graph) for m in comp}
+    assert "smcspec.decoding.job" not in on_cycles
+
+
 def test_the_cycle_finder_finds_a_cycle():
     """The check above can fail: a planted two-module and three-module cycle are found,
     and a chain is not a cycle."""

@@ -294,7 +294,7 @@ class Engine:
 
     def cache_needs(self, job: Job) -> list[CacheNeed]:
         """The KV caches ``job``'s decoder opens (see :meth:`program`)."""
-        return job.decoder.caches(job.config, len(job.ids))
+        return decoder_for(job.config).caches(job.config, len(job.ids))
 
     def never_fits(self, job: Job) -> str | None:
         """Why ``job`` can never run on these models' pools (even alone), or None
@@ -346,7 +346,7 @@ class Engine:
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
         draft = self.draft.model if self.draft is not None and decoder.draft_model else None
-        return Job(ids, cfg, stop_ids, decoder, self.target.model, draft, self.vocab)
+        return Job(ids, cfg, stop_ids, self.target.model, draft, self.vocab)
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
@@ -383,7 +383,7 @@ class Engine:
         ``config.logprobs``); ``on_prompt_logprobs``: the prompt's, once prefilled (with
         ``config.prompt_logprobs``)."""
         started = job.started(on_tokens, reservation, on_logprobs, on_prompt_logprobs)
-        return job.decoder.program(started)
+        return decoder_for(job.config).program(started)
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -406,7 +406,7 @@ class Engine:
         stats = {**out.stats.to_dict(), "seed": cfg.seed}
         if cfg.greedy:
             stats["greedy"] = True
-        stats.update(job.decoder.stats(cfg))
+        stats.update(decoder_for(cfg).stats(cfg))
         return GenerationResult(
             text=text,
             token_ids=out.tokens,

@@ -1,18 +1,20 @@
 """The one request object: what a decoder's program is given, and all it is given.
 
 :meth:`smcspec.engine.Engine.prepare` makes a :class:`Job` (prompt ids, the validated config
-with its seed fixed, stop tokens, the decoder that runs it, the models, the vocabulary);
+with its seed fixed, stop tokens, the models, the vocabulary);
 :meth:`~smcspec.engine.Engine.program` starts it (:meth:`Job.started`: the request's random
-generator, its stream callback and its reservation) and hands it to the decoder's program
-(``decoder.program(job)``). Settings are read from ``job.config`` under the config's own names;
-what a decoder derives from them lives here or on :class:`~smcspec.config.GenerationConfig`.
+generator, its stream callback and its reservation) and hands it to the program of the decoder
+the table picks for its config (:func:`~smcspec.decoding.registry.decoder_for`:
+``decoder_for(job.config).program(job)``). A job does not name its decoder: this module sits
+below the table, which imports every decoder's program. Settings are read from ``job.config``
+under the config's own names; what a decoder derives from them lives here or on
+:class:`~smcspec.config.GenerationConfig`.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,9 +25,6 @@ from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import LogprobCallback, TokenCallback
 from smcspec.potentials import TokenConstraint, compiled_constraint
 
-if TYPE_CHECKING:
-    from smcspec.decoding.registry import Decoder
-
 
 @dataclass
 class Job:
@@ -35,8 +34,6 @@ class Job:
         ids: the prompt's token ids.
         config: the validated :class:`GenerationConfig`, its seed fixed.
         stop_ids: tokens that end an answer (EOS, end of turn, the request's stop tokens).
-        decoder: the :class:`~smcspec.decoding.registry.Decoder` that runs it (decided once,
-            :func:`~smcspec.decoding.registry.decoder_for`).
         target, draft: the models (``draft`` None where none is loaded or needed).
         vocab: token ids ``< vocab`` may be sampled (the pair's shared vocabulary).
         generator: the request's random generator on the target's device (set by
@@ -56,7 +53,6 @@ class Job:
     ids: list[int]
     config: GenerationConfig
     stop_ids: frozenset[int]
-    decoder: Decoder | Any
     target: DecoderModel
     draft: DecoderModel | None = None
     vocab: int = 0
@@ -144,13 +140,11 @@ def job_for(
     truncate_draft: bool = False,
 ) -> Job:
     """A started :class:`Job` from its parts, for running one decoder's program without an
-    engine (the ``decode_*`` helpers, tests, calibration); its ``decoder`` is None (the
-    caller picked the program)."""
+    engine (the ``decode_*`` helpers, tests, calibration): the caller picks the program."""
     return Job(
         ids=list(prompt),
         config=cfg,
         stop_ids=stop_ids,
-        decoder=None,
         target=target,
         draft=draft,
         vocab=vocab,

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from smcspec.aggregate import Vote
 from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
 from smcspec.decoding.job import Job
-from smcspec.decoding.registry import method_decoder, with_updates
+from smcspec.decoding.registry import decoder_for, method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
@@ -314,7 +314,7 @@ class Completion:
     def ran_method(self) -> str:
         """The method the request runs as (greedy ``smc`` runs as ``sd``): what its metrics
         count under."""
-        return self.jobs[0].decoder.method if self.jobs else self.cfg.method
+        return decoder_for(self.jobs[0].config).method if self.jobs else self.cfg.method
 
     def _record(self, c: Choice, outcome: str) -> None:
         self.state.metrics.observe_request(
