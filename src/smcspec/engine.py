@@ -27,7 +27,7 @@ from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
 from smcspec.decoding.logprobs import TokenLogprobs
-from smcspec.decoding.output import LogprobCallback, hit_token_cap
+from smcspec.decoding.output import hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
@@ -269,7 +269,7 @@ class Engine:
         try:
             t0 = time.perf_counter()
             clock = TokenClock(streamer, t0)
-            out = run_program(self.program(job, clock, reservation))
+            out = run_program(self.program(replace(job, on_tokens=clock, reservation=reservation)))
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()  # inside the timed region
             seconds = time.perf_counter() - t0
@@ -368,22 +368,14 @@ class Engine:
             )
         return out
 
-    def program(
-        self,
-        job: Job,
-        on_tokens: Callable[[list[int]], None] | None = None,
-        reservation: Reservation | None = None,
-        on_logprobs: LogprobCallback | None = None,
-        on_prompt_logprobs: LogprobCallback | None = None,
-    ) -> Program:
-        """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), started
-        with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`), its caches
-        drawn on ``reservation`` (:meth:`try_reserve`); ``on_logprobs``: each streamed
-        token's log-probabilities, before ``on_tokens`` streams it (requests with
-        ``config.logprobs``); ``on_prompt_logprobs``: the prompt's, once prefilled (with
-        ``config.prompt_logprobs``)."""
-        started = job.started(on_tokens, reservation, on_logprobs, on_prompt_logprobs)
-        return decoder_for(job.config).program(started)
+    def program(self, job: Job) -> Program:
+        """The program of the decoder the table picks for ``job``'s config
+        (:func:`~smcspec.decoding.registry.decoder_for`; see :mod:`smcspec.decoding.program`),
+        started with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`). It
+        streams through the job's ``on_tokens`` (``on_logprobs`` before each token where
+        ``config.logprobs`` asks for them, ``on_prompt_logprobs`` once prefilled) and draws
+        its caches on ``job.reservation`` (:meth:`try_reserve`; the caller releases it)."""
+        return decoder_for(job.config).program(job.started())
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""

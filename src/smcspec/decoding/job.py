@@ -1,14 +1,15 @@
 """The one request object: what a decoder's program is given, and all it is given.
 
 :meth:`smcspec.engine.Engine.prepare` makes a :class:`Job` (prompt ids, the validated config
-with its seed fixed, stop tokens, the models, the vocabulary);
+with its seed fixed, stop tokens, the models, the vocabulary); whoever runs it gives it its
+stream callbacks and its reservation (:meth:`~smcspec.engine.Engine.generate`, or the
+scheduler on admission: they live on the job, and a scheduler's request refers to them).
 :meth:`~smcspec.engine.Engine.program` starts it (:meth:`Job.started`: the request's random
-generator, its stream callback and its reservation) and hands it to the program of the decoder
-the table picks for its config (:func:`~smcspec.decoding.registry.decoder_for`:
-``decoder_for(job.config).program(job)``). A job does not name its decoder: this module sits
-below the table, which imports every decoder's program. Settings are read from ``job.config``
-under the config's own names; what a decoder derives from them lives here or on
-:class:`~smcspec.config.GenerationConfig`.
+generator) and hands it to the program of the decoder the table picks for its config
+(:func:`~smcspec.decoding.registry.decoder_for`: ``decoder_for(job.config).program(job)``).
+A job does not name its decoder: this module sits below the table, which imports every
+decoder's program. Settings are read from ``job.config`` under the config's own names; what
+a decoder derives from them lives here or on :class:`~smcspec.config.GenerationConfig`.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class Job:
         generator: the request's random generator on the target's device (set by
             :meth:`started`).
         on_tokens: called with token ids as soon as they are final (streaming).
-        reservation: the request's leases on the models' pools; without one each cache
-            reserves its own.
+        reservation: the request's leases on the models' pools, taken before it runs
+            (:meth:`~smcspec.engine.Engine.try_reserve`) and released by whoever took it;
+            without one each cache reserves its own.
         truncate_draft: smc only: the proposal is the draft truncated like the target
             (``docs/sampling.md``; a comparison, not consistent).
         on_logprobs: with ``config.logprobs``, called with each final token's
@@ -63,20 +65,12 @@ class Job:
     on_logprobs: LogprobCallback | None = None
     on_prompt_logprobs: LogprobCallback | None = None
 
-    def started(
-        self,
-        on_tokens: TokenCallback | None = None,
-        reservation: Reservation | None = None,
-        on_logprobs: LogprobCallback | None = None,
-        on_prompt_logprobs: LogprobCallback | None = None,
-    ) -> Job:
+    def started(self) -> Job:
         """A copy ready to run: a generator on the target's device seeded with
-        ``config.seed``, the stream callbacks and the reservation."""
+        ``config.seed`` (the stream callbacks and the reservation are the job's own, set by
+        whoever runs it: ``dataclasses.replace(job, on_tokens=..., reservation=...)``)."""
         gen = torch.Generator(device=self.target.device).manual_seed(self.config.seed or 0)
-        return replace(
-            self, generator=gen, on_tokens=on_tokens, reservation=reservation,
-            on_logprobs=on_logprobs, on_prompt_logprobs=on_prompt_logprobs,
-        )  # fmt: skip
+        return replace(self, generator=gen)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -269,13 +269,13 @@ class Completion:
             self.state.engine.tokenizer, lambda text: self._send("text", c, text)
         )
         asked = job.config.logprobs is not None
-        return EngineRequest(
-            job=job,
+        streamed = replace(
+            job,
             on_tokens=streamer,
-            on_done=lambda out: self._send("done", c, out),
             on_logprobs=(lambda lps: self._send("logprobs", c, lps)) if asked else None,
             on_prompt_logprobs=(lambda lps: self._send("prompt", c, lps)) if asked else None,
         )
+        return EngineRequest(job=streamed, on_done=lambda out: self._send("done", c, out))
 
     def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
         try:
