@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,11 @@ class GenerationResult:
     (:class:`~smcspec.aggregate.Vote`): ``{"answer", "share", "text", "answers"}``, the
     text being the particle that carries the answer with the largest weight; None when no
     particle has an answer.
+    ``decode_stats`` is the decoder's own statistics, typed
+    (:mod:`smcspec.decoding.decoder_stats`); ``seed`` the seed it ran with, ``greedy``
+    whether it decoded greedily, ``ran_as`` the method whose decoder ran it where that is
+    not the requested one (greedy ``smc`` runs as ``sd``), else None; :attr:`stats` is all
+    of them as JSON.
     """
 
     text: str
@@ -69,17 +74,32 @@ class GenerationResult:
     new_tokens: int
     seconds: float
     tokens_per_second: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    decode_stats: Stats
+    seed: int | None = None
+    greedy: bool = False
+    ran_as: str | None = None
     particles: list[dict[str, Any]] | None = None
     log_normalizer: float | None = None
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
     vote: dict[str, Any] | None = None
-    decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     first_token_s: float | None = None  # seconds to the first streamed token
     max_gap_s: float | None = None  # the longest wait between two streamed tokens
     max_burst: int | None = None  # Engine.generate: the most tokens streamed at once
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The result's statistics as JSON, derived from the typed fields: the decoder's
+        keys (``decode_stats.to_dict()``), then ``seed``, ``greedy`` (only when true) and
+        ``ran_as`` (only where set), in that order: what the server's ``smcspec`` field,
+        ``eval``'s records and ``generate --json`` write."""
+        out = {**self.decode_stats.to_dict(), "seed": self.seed}
+        if self.greedy:
+            out["greedy"] = True
+        if self.ran_as is not None:
+            out["ran_as"] = self.ran_as
+        return out
 
     @property
     def stream_stats(self) -> dict[str, float]:
@@ -395,10 +415,6 @@ class Engine:
                 vote = _vote(cfg.vote, particles)
             if not cfg.return_particles:
                 particles = None
-        stats = {**out.stats.to_dict(), "seed": cfg.seed}
-        if cfg.greedy:
-            stats["greedy"] = True
-        stats.update(decoder_for(cfg).stats(cfg))
         return GenerationResult(
             text=text,
             token_ids=out.tokens,
@@ -407,11 +423,13 @@ class Engine:
             new_tokens=len(out.tokens),
             seconds=seconds,
             tokens_per_second=len(out.tokens) / seconds if seconds > 0 else 0.0,
-            stats=stats,
+            decode_stats=out.stats,
+            seed=cfg.seed,
+            greedy=cfg.greedy,
+            ran_as=decoder_for(cfg).ran_as(cfg),
             particles=particles,
             log_normalizer=out.log_normalizer,
             vote=vote,
-            decode_stats=out.stats,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
             finish_reason=(

@@ -69,14 +69,14 @@ def _stats_line(result: GenerationResult, pick, args: argparse.Namespace, partic
     """The line printed after a streamed completion: tokens, seconds, tokens/s, the decoder's
     statistics (SMC-SD's resampling and ESS, SD's acceptance rate), the tuner's pick, the cap
     (``particles``: the decoder weighed particles, so a vote asked for had them)."""
-    s = result.stats
-    label = result.method if "ran_as" not in s else f"{result.method}, greedy: run as {s['ran_as']}"
+    label = result.method
+    if result.ran_as is not None:
+        label += f", greedy: run as {result.ran_as}"
     line = (
         f"[{label}] {result.new_tokens} tokens in {result.seconds:.2f} s "
         f"({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_tokens} tokens"
     )
-    if result.decode_stats is not None:
-        line += result.decode_stats.describe()
+    line += result.decode_stats.describe()
     if result.vote is not None:
         v = result.vote
         line += (
