@@ -81,12 +81,12 @@ class Request:
     it is prefilled (``config.prompt_logprobs``); ``job.reservation`` is set on admission
     (on the request's own copy of the job: one job may back several requests) and released
     when the request ends (:meth:`BatchScheduler._finish`); a job submitted with one is
-    refused (ValueError). ``on_done`` is
-    called exactly once, with the result or the exception that ended the request.
-    ``first_token_s``: seconds from submission to the first streamed token; ``max_gap_s``:
-    the longest wait between two streamed tokens (what a client waits at most once the
-    answer has started; SMC-SD streams only what every particle holds); both also in the
-    result (``GenerationResult.first_token_s``, ``max_gap_s``).
+    refused (ValueError). ``on_done`` is called exactly once, with the result or the
+    exception that ended the request. ``first_token_s``: seconds from submission to the
+    first streamed token; ``max_gap_s``: the longest wait between two streamed tokens (what
+    a client waits at most once the answer has started; SMC-SD streams only what every
+    particle holds); both also in the result (``GenerationResult.first_token_s``,
+    ``max_gap_s``).
     """
 
     job: Job
