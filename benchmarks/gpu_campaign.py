@@ -429,7 +429,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, b
         ]
         t0 = time.perf_counter()
         for job in jobs:
-            sched.submit(Request(job=job, on_tokens=None, on_done=on_done))
+            sched.submit(Request(job=job, on_done=on_done))
         if not done.wait(timeout=600):
             raise TimeoutError("batch did not finish in 600 s")
         seconds = time.perf_counter() - t0

@@ -27,7 +27,7 @@ def run_concurrently(
     try:
         with sched._cv:
             for i, job in enumerate(jobs):
-                sched.submit(Request(job=job, on_tokens=None, on_done=finish(i)))
+                sched.submit(Request(job=job, on_done=finish(i)))
         assert all(d.wait(timeout) for d in done), "a request never ended"
     finally:
         sched.stop()

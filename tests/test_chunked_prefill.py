@@ -160,8 +160,7 @@ def test_a_fast_model_runs_a_long_prompt_in_one_step(engine):
     ended = threading.Event()
     sched.start()
     try:
-        sched.submit(Request(_job(engine, "ar", 0, prompt_len=800), None,
-                             lambda out: ended.set()))  # fmt: skip
+        sched.submit(Request(_job(engine, "ar", 0, prompt_len=800), lambda out: ended.set()))
         assert ended.wait(60)
     finally:
         sched.stop()
@@ -242,8 +241,8 @@ def test_a_long_prompt_runs_in_chunks_between_other_requests_steps(engine):
     sched.start()
     try:
         with sched._cv:  # admitted at the same step
-            sched.submit(Request(_job(engine, "ar", 0, prompt_len=800), None, record("long")))
-            sched.submit(Request(_job(engine, "ar", 1, prompt_len=5), None, record("short")))
+            sched.submit(Request(_job(engine, "ar", 0, prompt_len=800), record("long")))
+            sched.submit(Request(_job(engine, "ar", 1, prompt_len=5), record("short")))
         assert finished.wait(120)
     finally:
         sched.stop()
@@ -262,7 +261,7 @@ def test_a_request_cancelled_during_its_prefill_is_dropped_at_the_next_chunk(eng
     ran: list[int] = []
     outcome: list = []
     ended = threading.Event()
-    req = Request(_job(engine, "sd", 0, prompt_len=400), None,
+    req = Request(_job(engine, "sd", 0, prompt_len=400),
                   lambda out: (outcome.append(out), ended.set()))  # fmt: skip
 
     def on_step(stats):

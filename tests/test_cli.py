@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+from pathlib import Path
 
 import pytest
 from tiny_models import make_tiny_hf_model
 
+import smcspec.cli
 from smcspec.cli import build_parser, main, parse_args
 from smcspec.cli.evaluate import gsm8k_data
-from smcspec.cli.options import config_from_args, resolve_max_new_tokens
+from smcspec.cli.options import config_from_args, method_args, resolve_max_new_tokens
 from smcspec.eval.gsm8k import packaged_test_path
 
 
@@ -69,10 +72,68 @@ def test_rpc_server_refuses_bad_options(capsys, args, message):
 
 def test_truncation_options_reach_the_config():
     args = parse_args(["generate", "hi", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"])
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, method_args(args))
     assert (cfg.top_k, cfg.top_p, cfg.min_p) == (40, 0.9, 0.05)
-    default = config_from_args(parse_args(["generate", "hi"]))
+    plain = parse_args(["generate", "hi"])
+    default = config_from_args(plain, method_args(plain))
     assert (default.top_k, default.top_p, default.min_p) == (0, 1.0, 0.0)  # all off
+
+
+def _cli_functions(root: Path):
+    """``(file name, function)`` of every function of the modules under ``root``."""
+    for path in sorted(root.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef):
+                yield path.name, fn
+
+
+def _on_args(node: ast.AST, attr: str | None = None) -> bool:
+    """``node`` is ``args.<attr>`` (any attribute with ``attr`` None)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "args"
+        and (attr is None or node.attr == attr)
+    )
+
+
+def method_lookups(root: Path) -> list[tuple[str, str]]:
+    """``(file, function)`` of every function under ``root`` that reads ``args.method`` or
+    looks a name up in the decoder table's choices (``choice``, ``choice_or_none``)."""
+    found = set()
+    for name, fn in _cli_functions(root):
+        for node in ast.walk(fn):
+            calls = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id in ("choice", "choice_or_none"))  # fmt: skip
+            if _on_args(node, "method") or calls:
+                found.add((name, fn.name))
+    return sorted(found)
+
+
+def namespace_writes(root: Path) -> list[tuple[str, str]]:
+    """``(file, function)`` of every function under ``root`` that sets an attribute of
+    ``args`` (the argparse Namespace)."""
+    found = set()
+    for name, fn in _cli_functions(root):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and any(_on_args(t) for t in node.targets):
+                found.add((name, fn.name))
+    return sorted(found)
+
+
+def test_the_cli_resolves_the_method_once():
+    """``--method`` is read and resolved in the table by ``options.method_args`` alone (each
+    command's ``run`` calls it once and passes the result on), ``bench``'s ``--methods`` by
+    ``_bench_choices`` alone; only the parser sets anything on the argparse Namespace (the
+    defaults it resolves), nothing is cached there later. Broken variants caught:
+    ``generate._stats_line`` calling ``choice(args.method)`` for its note again; on cb48c1a
+    eight functions of ``cli/options.py``, ``cli/engine_args.py``, ``cli/generate.py`` and
+    ``cli/serve.py`` read or resolve it, and ``load_engine``, ``config_from_args`` and the
+    pair-stats reader cached on the Namespace (``git archive cb48c1a src/smcspec/cli``: this
+    scan finds them)."""
+    root = Path(smcspec.cli.__file__).parent
+    assert method_lookups(root) == [("bench.py", "_bench_choices"), ("options.py", "method_args")]
+    assert namespace_writes(root) == [("parser.py", "parse_args")]
 
 
 def test_unknown_resampler_and_method_are_usage_errors(capsys):
@@ -367,9 +428,8 @@ def test_provenance_names_what_computed():
     assert "1 llama.cpp threads (fewer while cores are busy)" in line and "float32" not in line
     ns.fixed_threads = True
     assert "1 llama.cpp threads;" in provenance(ns)
-    chosen = argparse.Namespace(backend="auto", resolved_backend="llamacpp", threads=None,
-                                device="cpu", dtype="float32")  # fmt: skip
-    assert "physical-core llama.cpp threads" in provenance(chosen)  # what auto chose
+    chosen = argparse.Namespace(backend="auto", threads=None, device="cpu", dtype="float32")
+    assert "physical-core llama.cpp threads" in provenance(chosen, "llamacpp")  # what auto chose
     ns = argparse.Namespace(backend="torch", threads=None, device="cpu", dtype="bfloat16")
     assert provenance(ns).endswith("; bfloat16") and "torch threads" in provenance(ns)
 

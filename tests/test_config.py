@@ -163,29 +163,34 @@ def test_every_cli_setting_has_a_flag_that_reaches_the_config():
     """Settings are declared once (config.py): each field carrying an Option is a flag of
     generate, serve, bench and eval, with the field's default, and a value given on the
     command line arrives in the GenerationConfig."""
-    from smcspec.cli import parse_args
-    from smcspec.cli.options import cli_fields, config_from_args
+    from smcspec.cli.options import cli_fields
 
     fields = cli_fields()
     assert len(fields) >= 12
-    defaults = config_from_args(parse_args(["generate", "x"]))
+    defaults = _cli_config(["generate", "x"])
     for f in fields:
         assert getattr(defaults, f.name) == f.default, f.name
         value, argv = _other_value(f)
         for command in (["generate", "x"], ["serve"], ["bench"], ["eval", "gsm8k"]):
-            cfg = config_from_args(parse_args([*command, *argv]))
+            cfg = _cli_config([*command, *argv])
             assert getattr(cfg, f.name) == value, (command, f.name)
 
 
-def test_groups_need_the_particles_they_divide():
+def _cli_config(argv: list[str]) -> GenerationConfig:
+    """The config a command line describes, as its command's ``run`` makes it."""
     from smcspec.cli import parse_args
-    from smcspec.cli.options import config_from_args
+    from smcspec.cli.options import config_from_args, method_args
 
+    args = parse_args(argv)
+    return config_from_args(args, method_args(args))
+
+
+def test_groups_need_the_particles_they_divide():
     with pytest.raises(ConfigError, match="--groups needs -N"):
-        config_from_args(parse_args(["generate", "x", "--groups", "2"]))
+        _cli_config(["generate", "x", "--groups", "2"])
     with pytest.raises(ConfigError, match="must divide"):
-        config_from_args(parse_args(["generate", "x", "--groups", "3", "-N", "8"]))
-    cfg = config_from_args(parse_args(["generate", "x", "--groups", "4", "-N", "8"]))
+        _cli_config(["generate", "x", "--groups", "3", "-N", "8"])
+    cfg = _cli_config(["generate", "x", "--groups", "4", "-N", "8"])
     assert (cfg.groups, cfg.particles) == (4, 8)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -48,8 +49,7 @@ def _run(scheduler: BatchScheduler, engine: Engine, cfg: GenerationConfig, timeo
     done = threading.Event()
     outcome: list = []
     job = engine.prepare("ab cd", cfg)
-    scheduler.submit(Request(job=job, on_tokens=None, on_done=lambda o: (outcome.append(o),
-                                                                         done.set())))  # fmt: skip
+    scheduler.submit(Request(job=job, on_done=lambda o: (outcome.append(o), done.set())))
     assert done.wait(timeout), "the request never ended"
     return outcome[0]
 
@@ -157,3 +157,32 @@ def test_a_reward_that_raises(scheduler, engine, twisted):
 def test_a_constraint_that_raises(scheduler, engine, method):
     outcome = _run(scheduler, engine, _cfg(method, constraint=_Exploding(engine.vocab)))
     _after(scheduler, engine, _cfg(method), outcome, RuntimeError)
+
+
+def test_one_job_behind_several_requests_each_gives_back_its_own(scheduler, engine):
+    """A request's reservation lives on its job (the scheduler's ``Request`` refers to it):
+    one job submitted as three requests, admitted at the same step, each takes and gives
+    back a lease of its own, so every request decodes the seed's tokens and the pools are
+    full again; a job that already carries a reservation is refused (the scheduler would
+    release what it did not take). Broken variant caught: admission setting
+    ``head.job.reservation`` on the shared job instead of the request's own copy (the first
+    two leases are overwritten and never released)."""
+    job = engine.prepare("ab cd", _cfg("smc"))
+    done = [threading.Event() for _ in range(3)]
+    outcomes: list = [None] * 3
+    with scheduler._cv:  # all queued before the worker admits any
+        for i in range(3):
+            on_done = lambda o, i=i: (outcomes.__setitem__(i, o), done[i].set())  # noqa: E731
+            scheduler.submit(Request(job, on_done=on_done))
+    assert all(d.wait(60) for d in done), "a request never ended"
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    assert outcomes[0].token_ids == outcomes[1].token_ids == outcomes[2].token_ids
+    assert job.reservation is None
+    _pools_full(engine)
+    held = engine.try_reserve(job)
+    try:
+        with pytest.raises(ValueError, match="on admission"):
+            Request(replace(job, reservation=held), on_done=lambda o: None)
+    finally:
+        held.release()
+    _pools_full(engine)

@@ -148,7 +148,6 @@ def _cli_here(engine, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
     def shared_pair(parsed, with_draft: bool = True):
         assert parsed.target is None and parsed.draft is None and parsed.backend == "auto"
-        parsed.resolved_backend = engine.target.backend
         return engine
 
     monkeypatch.setattr(generate, "load_engine", shared_pair)

@@ -157,6 +157,19 @@ def test_no_module_imports_itself_through_others():
     assert cycles(graph) == []
 
 
+def test_the_request_object_is_on_no_cycle_even_for_type_checking():
+    """``decoding/job.py``, the request a decoder's program is given, sits below every
+    decoder and the table (``decoding/registry.py``) that imports them: it imports none of
+    them, not even for type checking (the check above leaves those imports out, so it did
+    not see ``Job.decoder``'s ``Decoder`` type close a circle job -> registry -> decoders ->
+    job). Broken variant caught: ``if TYPE_CHECKING: from smcspec.decoding.registry import
+    Decoder`` in job.py (a cycle of ten modules)."""
+    graph = import_graph(type_checking=True)
+    assert "smcspec.decoding.job" in graph["smcspec.decoding.ar"]  # the decoders import it
+    on_cycles = {m for comp in cycles(graph) for m in comp}
+    assert "smcspec.decoding.job" not in on_cycles
+
+
 def test_the_cycle_finder_finds_a_cycle():
     """The check above can fail: a planted two-module and three-module cycle are found,
     and a chain is not a cycle."""
@@ -229,3 +242,59 @@ def test_the_architecture_doc_draws_the_layers():
         assert len(at) == 1, f"the layer {names} is drawn on {len(at)} lines, not 1"
         rows.append(at.pop())
     assert rows == sorted(rows, reverse=True), "the drawing's layers are not in LAYERS' order"
+
+
+def _defines(path: Path, name: str) -> bool:
+    """``path``'s module defines ``name`` at its top level (a function, class or name)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return True
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+    return False
+
+
+def missing_references(text: str, src: Path) -> list[str]:
+    """The files (``dir/name.py``, or a bare ``name.py`` anywhere in the package) and the
+    names in them (``dir/name.py:function``) that ``text`` mentions and ``src`` (a copy of
+    ``src/smcspec``) lacks; ``name.py`` and ``file.py`` are the page's notation, not files."""
+    repo = src.parents[1]
+    missing = []
+    for m in re.finditer(r"(?<![\w./])((?:[\w-]+/)*\w+\.py)(?::(\w+))?", text):
+        rel, name = m.group(1), m.group(2)
+        if rel in ("name.py", "file.py"):
+            continue
+        if "/" in rel:
+            where = [p for p in (repo / rel, src.parent / rel, src / rel) if p.is_file()]
+        else:
+            where = sorted(src.rglob(rel))
+        if not where:
+            missing.append(rel)
+        elif name is not None and not any(_defines(p, name) for p in where):
+            missing.append(f"{rel}:{name}")
+    return sorted(set(missing))
+
+
+def test_the_architecture_doc_names_files_and_functions_that_exist():
+    """Every file ``docs/architecture.md`` names exists, and every ``file.py:name`` is
+    defined there (where the decoder is picked, where a method is resolved, ...); the
+    ``job.<field>`` it names are fields of :class:`~smcspec.decoding.job.Job`. Broken
+    variants caught: the doc naming ``cli/options.py:resolve_method`` (a function that
+    does not exist) or ``job.decoder`` (a field dropped)."""
+    from dataclasses import fields
+
+    from smcspec.decoding.job import Job
+
+    text = ARCHITECTURE.read_text()
+    src = Path(smcspec.backends.__file__).parents[1]
+    assert len(re.findall(r"\.py:\w+", text)) >= 5
+    assert missing_references(text, src) == []
+    assert missing_references("`cli/options.py:resolve_method` `decoding/nope.py`", src) == [
+        "cli/options.py:resolve_method",
+        "decoding/nope.py",
+    ]
+    named = set(re.findall(r"(?<![\w/])job\.(?!py\b)(\w+)", text))
+    assert named and named <= {f.name for f in fields(Job)}, named

@@ -15,6 +15,7 @@ by a few hundredths on these models (0.056 measured at a value of -16.8).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -186,9 +187,10 @@ def test_streamed_logprobs_are_the_answers(engine):
         job = engine.prepare(PROMPT, cfg, chat=False)
         events: list = []
         record = events.append
-        program = engine.program(
-            job, lambda ids, f=record: f(("tok", ids)), None, lambda e, f=record: f(("lp", e))
-        )
+        program = engine.program(replace(
+            job, on_tokens=lambda ids, f=record: f(("tok", ids)),
+            on_logprobs=lambda e, f=record: f(("lp", e)),
+        ))  # fmt: skip
         out = run_program(program)
         kinds = [k for k, _ in events]
         assert kinds == ["lp", "tok"] * len(out.tokens)
@@ -263,13 +265,13 @@ def test_prompt_logprobs_in_scheduler_chunks_equal_the_whole(engine):
     sched.start()
     try:
         got, order, done = {}, [], []
-        req = Request(
+        job = replace(
             engine.prepare(text, cfg, chat=False),
             on_tokens=lambda ids: order.append("tok"),
-            on_done=done.append,
             on_logprobs=lambda e: None,
             on_prompt_logprobs=lambda e: (got.setdefault("p", e), order.append("prompt")),
         )
+        req = Request(job, on_done=done.append)
         sched.submit(req)
         deadline = time.monotonic() + 120  # bounds a broken scheduler only
         while not done and time.monotonic() < deadline:

@@ -385,8 +385,8 @@ def _held_programs(engine, monkeypatch, gate: threading.Event, holding: threadin
     the queue. ``holding`` is set once the worker waits there."""
     real = engine.program
 
-    def held(job, on_tokens=None, reservation=None):
-        program = real(job, on_tokens, reservation)
+    def held(job):
+        program = real(job)
         try:
             result = yield next(program)
             holding.set()
@@ -474,8 +474,8 @@ def test_health_is_503_when_not_serving(engine):
 def test_a_failing_request_does_not_stop_the_worker(server, engine, monkeypatch):
     real = engine.program
 
-    def broken(job, on_tokens=None, reservation=None):
-        program = real(job, on_tokens, reservation)
+    def broken(job):
+        program = real(job)
         yield next(program)  # the prefill runs, then the decoder "crashes"
         raise RuntimeError("boom")
 

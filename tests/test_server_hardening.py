@@ -475,8 +475,8 @@ def _slowed(engine, monkeypatch, seconds: float) -> None:
     of many rounds is still decoding when its client gives up."""
     real = engine.program
 
-    def slow(job, on_tokens=None, reservation=None):
-        program = real(job, on_tokens, reservation)
+    def slow(job):
+        program = real(job)
         try:
             step = next(program)
             while True:

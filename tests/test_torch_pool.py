@@ -303,7 +303,7 @@ def _submit_all(sched: BatchScheduler, jobs) -> list:
                 outcomes[i] = out
                 done.release()
 
-            sched.submit(Request(job=job, on_tokens=None, on_done=on_done))
+            sched.submit(Request(job=job, on_done=on_done))
     for _ in jobs:
         assert done.acquire(timeout=120), "a request never ended"
     return outcomes

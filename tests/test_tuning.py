@@ -206,9 +206,10 @@ def test_auto_takes_ngram_sd_for_ar_where_its_gate_pays(per_row, chosen):
 
 def test_the_note_on_a_chosen_ngram_sd_says_where_its_prediction_holds():
     from smcspec.cli.engine_args import tuned_note
+    from smcspec.decoding.registry import choice
 
     pick = Prediction(Setting("sd", 1, 4, draft="ngram"), tokens_per_round=1.8, round_seconds=0.04)
-    line = tuned_note(pick, "auto")
+    line = tuned_note(pick, choice("auto"))
     assert line.startswith("sd-ngram-k4 chosen by --method auto") and "45.00 tokens/s" in line
     assert "gate's threshold" in line
 

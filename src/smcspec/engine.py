@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from smcspec.decoding import DecodeOutput, Program, run_program
 from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
 from smcspec.decoding.logprobs import TokenLogprobs
-from smcspec.decoding.output import LogprobCallback, hit_token_cap
+from smcspec.decoding.output import hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
@@ -60,6 +60,11 @@ class GenerationResult:
     (:class:`~smcspec.aggregate.Vote`): ``{"answer", "share", "text", "answers"}``, the
     text being the particle that carries the answer with the largest weight; None when no
     particle has an answer.
+    ``decode_stats`` is the decoder's own statistics, typed
+    (:mod:`smcspec.decoding.decoder_stats`); ``seed`` the seed it ran with, ``greedy``
+    whether it decoded greedily, ``ran_as`` the method whose decoder ran it where that is
+    not the requested one (greedy ``smc`` runs as ``sd``), else None; :attr:`stats` is all
+    of them as JSON.
     """
 
     text: str
@@ -69,17 +74,32 @@ class GenerationResult:
     new_tokens: int
     seconds: float
     tokens_per_second: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    decode_stats: Stats
+    seed: int | None = None
+    greedy: bool = False
+    ran_as: str | None = None
     particles: list[dict[str, Any]] | None = None
     log_normalizer: float | None = None
     finish_reason: str = "stop"  # "length": cut by max_new_tokens (see hit_token_cap)
     vote: dict[str, Any] | None = None
-    decode_stats: Stats | None = None  # the decoder's own, typed (``stats`` is its JSON)
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     first_token_s: float | None = None  # seconds to the first streamed token
     max_gap_s: float | None = None  # the longest wait between two streamed tokens
     max_burst: int | None = None  # Engine.generate: the most tokens streamed at once
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The result's statistics as JSON, derived from the typed fields: the decoder's
+        keys (``decode_stats.to_dict()``), then ``seed``, ``greedy`` (only when true) and
+        ``ran_as`` (only where set), in that order: what the server's ``smcspec`` field,
+        ``eval``'s records and ``generate --json`` write."""
+        out = {**self.decode_stats.to_dict(), "seed": self.seed}
+        if self.greedy:
+            out["greedy"] = True
+        if self.ran_as is not None:
+            out["ran_as"] = self.ran_as
+        return out
 
     @property
     def stream_stats(self) -> dict[str, float]:
@@ -269,7 +289,7 @@ class Engine:
         try:
             t0 = time.perf_counter()
             clock = TokenClock(streamer, t0)
-            out = run_program(self.program(job, clock, reservation))
+            out = run_program(self.program(replace(job, on_tokens=clock, reservation=reservation)))
             if self.target.model.device.type == "cuda":
                 torch.cuda.synchronize()  # inside the timed region
             seconds = time.perf_counter() - t0
@@ -294,7 +314,7 @@ class Engine:
 
     def cache_needs(self, job: Job) -> list[CacheNeed]:
         """The KV caches ``job``'s decoder opens (see :meth:`program`)."""
-        return job.decoder.caches(job.config, len(job.ids))
+        return decoder_for(job.config).caches(job.config, len(job.ids))
 
     def never_fits(self, job: Job) -> str | None:
         """Why ``job`` can never run on these models' pools (even alone), or None
@@ -346,7 +366,7 @@ class Engine:
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
         cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
         draft = self.draft.model if self.draft is not None and decoder.draft_model else None
-        return Job(ids, cfg, stop_ids, decoder, self.target.model, draft, self.vocab)
+        return Job(ids, cfg, stop_ids, self.target.model, draft, self.vocab)
 
     def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
@@ -368,22 +388,14 @@ class Engine:
             )
         return out
 
-    def program(
-        self,
-        job: Job,
-        on_tokens: Callable[[list[int]], None] | None = None,
-        reservation: Reservation | None = None,
-        on_logprobs: LogprobCallback | None = None,
-        on_prompt_logprobs: LogprobCallback | None = None,
-    ) -> Program:
-        """The program of ``job``'s decoder (see :mod:`smcspec.decoding.program`), started
-        with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`), its caches
-        drawn on ``reservation`` (:meth:`try_reserve`); ``on_logprobs``: each streamed
-        token's log-probabilities, before ``on_tokens`` streams it (requests with
-        ``config.logprobs``); ``on_prompt_logprobs``: the prompt's, once prefilled (with
-        ``config.prompt_logprobs``)."""
-        started = job.started(on_tokens, reservation, on_logprobs, on_prompt_logprobs)
-        return job.decoder.program(started)
+    def program(self, job: Job) -> Program:
+        """The program of the decoder the table picks for ``job``'s config
+        (:func:`~smcspec.decoding.registry.decoder_for`; see :mod:`smcspec.decoding.program`),
+        started with its seed (:meth:`Job.started <smcspec.decoding.job.Job.started>`). It
+        streams through the job's ``on_tokens`` (``on_logprobs`` before each token where
+        ``config.logprobs`` asks for them, ``on_prompt_logprobs`` once prefilled) and draws
+        its caches on ``job.reservation`` (:meth:`try_reserve`; the caller releases it)."""
+        return decoder_for(job.config).program(job.started())
 
     def finish(self, job: Job, out: DecodeOutput, seconds: float) -> GenerationResult:
         """Turn a program's output into a :class:`GenerationResult`."""
@@ -403,10 +415,6 @@ class Engine:
                 vote = _vote(cfg.vote, particles)
             if not cfg.return_particles:
                 particles = None
-        stats = {**out.stats.to_dict(), "seed": cfg.seed}
-        if cfg.greedy:
-            stats["greedy"] = True
-        stats.update(job.decoder.stats(cfg))
         return GenerationResult(
             text=text,
             token_ids=out.tokens,
@@ -415,11 +423,13 @@ class Engine:
             new_tokens=len(out.tokens),
             seconds=seconds,
             tokens_per_second=len(out.tokens) / seconds if seconds > 0 else 0.0,
-            stats=stats,
+            decode_stats=out.stats,
+            seed=cfg.seed,
+            greedy=cfg.greedy,
+            ran_as=decoder_for(cfg).ran_as(cfg),
             particles=particles,
             log_normalizer=out.log_normalizer,
             vote=vote,
-            decode_stats=out.stats,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
             finish_reason=(

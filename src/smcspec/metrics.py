@@ -142,8 +142,7 @@ class ServerMetrics:
             self.tpot.observe(
                 max(0.0, result.seconds - req.first_token_s) / (result.new_tokens - 1)
             )
-        if result.decode_stats is not None:
-            result.decode_stats.observe(self)
+        result.decode_stats.observe(self)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (``/metrics``)."""

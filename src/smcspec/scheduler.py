@@ -44,14 +44,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from smcspec.backends.pool import Reservation
 from smcspec.decoding.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.job import Job
-from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.program import Forward, Prefill, Program, Round, execute_rounds
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ContextLengthError, SmcspecError
@@ -73,23 +71,26 @@ class PoolLeakError(SmcspecError):
 
 @dataclass
 class Request:
-    """One generation handled by the :class:`BatchScheduler`.
+    """One generation handled by the :class:`BatchScheduler`: its :class:`Job` and what the
+    scheduler keeps of its run.
 
-    ``on_tokens`` is called (on the worker thread) with token ids as they become final;
-    ``on_done`` exactly once, with the result or the exception that ended the request.
-    ``on_logprobs`` (requests with ``config.logprobs``) with each token's log-probabilities
-    just before ``on_tokens`` streams it, ``on_prompt_logprobs`` with the prompt's once it is
-    prefilled (``config.prompt_logprobs``). ``first_token_s``: seconds from submission to
-    the first streamed token; ``max_gap_s``: the longest wait between two streamed tokens
-    (what a client waits at most once the answer has started; SMC-SD streams only what every
-    particle holds); both also in the result (``GenerationResult.first_token_s``, ``max_gap_s``).
+    The job carries the request's callbacks and, once admitted, its reservation, in one
+    place: ``job.on_tokens`` is called (on the worker thread) with token ids as they become
+    final, ``job.on_logprobs`` (with ``config.logprobs``) with each token's log-probabilities
+    just before ``on_tokens`` streams it, ``job.on_prompt_logprobs`` with the prompt's once
+    it is prefilled (``config.prompt_logprobs``); ``job.reservation`` is set on admission
+    (on the request's own copy of the job: one job may back several requests) and released
+    when the request ends (:meth:`BatchScheduler._finish`); a job submitted with one is
+    refused (ValueError). ``on_done`` is called exactly once, with the result or the
+    exception that ended the request. ``first_token_s``: seconds from submission to the
+    first streamed token; ``max_gap_s``: the longest wait between two streamed tokens (what
+    a client waits at most once the answer has started; SMC-SD streams only what every
+    particle holds); both also in the result (``GenerationResult.first_token_s``,
+    ``max_gap_s``).
     """
 
     job: Job
-    on_tokens: Callable[[list[int]], None] | None
     on_done: Callable[[GenerationResult | BaseException], None]
-    on_logprobs: Callable[[TokenLogprobs], None] | None = None
-    on_prompt_logprobs: Callable[[TokenLogprobs], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token_s: float | None = None
     max_gap_s: float | None = None
@@ -99,8 +100,11 @@ class Request:
     program: Program | None = None
     pending: Prefill | Forward | Round | None = None
     tokens: int = 0
-    reservation: Reservation | None = None
     prefill_turn: int = -1  # the step that last ran a chunk of its prefill
+
+    def __post_init__(self) -> None:
+        if self.job.reservation is not None:  # _finish would release what it did not take
+            raise ValueError("a scheduler's request takes its reservation on admission")
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step."""
@@ -292,7 +296,7 @@ class BatchScheduler:
             if reservation is None:
                 return
             self._waiting.popleft()
-            head.reservation = reservation
+            head.job = replace(head.job, reservation=reservation)  # its own; _finish releases it
             self._admit(head)
 
     def _check_idle_pools(self) -> None:
@@ -314,6 +318,7 @@ class BatchScheduler:
 
     def _admit(self, req: Request) -> None:
         req.started = time.perf_counter()
+        stream = req.job.on_tokens
 
         def on_tokens(ids: list[int], req: Request = req) -> None:
             if ids:
@@ -325,14 +330,11 @@ class BatchScheduler:
                     req.max_gap_s = max(req.max_gap_s or 0.0, gap)
                 req.last_token_at = now
             req.tokens += len(ids)
-            if req.on_tokens is not None:
-                req.on_tokens(ids)
+            if stream is not None:
+                stream(ids)
 
-        try:
-            callbacks = {"on_logprobs": req.on_logprobs,
-                         "on_prompt_logprobs": req.on_prompt_logprobs}  # fmt: skip
-            extra = {name: fn for name, fn in callbacks.items() if fn is not None}
-            req.program = self.engine.program(req.job, on_tokens, req.reservation, **extra)
+        try:  # the program streams through the timing above, to the job's own on_tokens
+            req.program = self.engine.program(replace(req.job, on_tokens=on_tokens))
         except Exception as exc:  # e.g. a generator that refuses the seed
             log.exception("request failed before its first step")
             self._finish(req, exc)
@@ -368,8 +370,9 @@ class BatchScheduler:
         except Exception:  # a program that fails while closing is done all the same
             log.exception("closing a request's program failed")
         finally:
-            reservation, req.reservation = req.reservation, None
+            reservation = req.job.reservation
             if reservation is not None:
+                req.job.reservation = None
                 try:
                     reservation.release()
                 except Exception:  # a backend that cannot clear: visible as a leak later

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from smcspec.cli.engine_args import load_engine, needs_model_draft, provenance, tune_for
-from smcspec.cli.options import config_from_args
+from smcspec.cli.options import config_from_args, method_args
 from smcspec.config import GenerationConfig
 from smcspec.decoding.registry import Choice, choice_or_none
 
@@ -28,15 +28,17 @@ def run(args: argparse.Namespace) -> int:
         from smcspec.errors import ConfigError
 
         raise ConfigError("--export-pair-stats goes with --predict")
-    base = config_from_args(args, ignore_eos=not args.stop_at_eos)
-    specs = _bench_specs(args, base)  # option errors before the models load
+    method = method_args(args)
+    base = config_from_args(args, method, ignore_eos=not args.stop_at_eos)
+    listed = _bench_choices(args)
+    specs = _bench_specs(args, base, listed)  # option errors before the models load
     needs_draft = args.predict or needs_model_draft([s.config for s in specs])
-    always_tuned = any(c.tuned == "always" for c in _bench_choices(args))  # auto
+    always_tuned = any(c is not None and c.tuned == "always" for _, c in listed)  # auto
     engine = load_engine(args, with_draft=needs_draft or always_tuned)
     if args.predict:
         from smcspec.tuning import format_table
 
-        tuning = tune_for(engine, args, base)
+        tuning = tune_for(engine, args, base, method)
         print(format_table(tuning), end="")
         if args.export_pair_stats:
             _export_pair_stats(args.export_pair_stats, engine, tuning, base)
@@ -49,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_prompt_tokens,
         path=args.sharegpt,
     )
-    tuning = tune_for(engine, args, base) if _bench_tunes(args) else None
-    specs = _bench_specs(args, base, tuning)
+    tuning = tune_for(engine, args, base, method) if _bench_tunes(args, listed) else None
+    specs = _bench_specs(args, base, listed, tuning)
     records = throughput.run_bench(engine, prompts, specs, seed=args.seed or 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,7 @@ def _bench_note(args: argparse.Namespace, engine, prompts: int, base, tuning) ->
         + "."
     )
     return (
-        f"{provenance(args)}. Target {engine.target.path.name}, draft "
+        f"{provenance(args, engine.target.backend)}. Target {engine.target.path.name}, draft "
         f"{engine.draft.path.name if engine.draft else '-'}. {prompts} ShareGPT V3 first "
         f"turns ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, seed "
         f"{args.prompt_seed}), chat template; {base.max_new_tokens} new tokens"
@@ -106,25 +108,28 @@ def _bench_note(args: argparse.Namespace, engine, prompts: int, base, tuning) ->
     )
 
 
-def _bench_methods(args: argparse.Namespace) -> list[str]:
-    return [m.strip() for m in args.methods.split(",") if m.strip()]
+def _bench_choices(args: argparse.Namespace) -> list[tuple[str, Choice | None]]:
+    """``--methods`` resolved once: each listed name with its
+    :class:`~smcspec.decoding.registry.Choice` (``ar``, ``sd``, ``smc``, ``auto``), or None
+    where it names a setting (``smc-n8-k2``)."""
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    return [(name, choice_or_none(name)) for name in names]
 
 
-def _bench_choices(args: argparse.Namespace) -> list[Choice]:
-    """The listed methods that are choices (``ar``, ``sd``, ``smc``, ``auto``), not the
-    names of settings (``smc-n8-k2``)."""
-    return [c for name in _bench_methods(args) if (c := choice_or_none(name)) is not None]
-
-
-def _bench_tunes(args: argparse.Namespace) -> bool:
+def _bench_tunes(args: argparse.Namespace, listed: list[tuple[str, Choice | None]]) -> bool:
     """Whether bench needs the tuner: ``auto`` listed, or ``smc`` without -N/-K/--grid."""
     grid = args.grid is not None
     return any(
-        c.wants_tuning(args.particles, args.draft_tokens, grid) for c in _bench_choices(args)
+        c.wants_tuning(args.particles, args.draft_tokens, grid) for _, c in listed if c is not None
     )
 
 
-def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) -> list:
+def _bench_specs(
+    args: argparse.Namespace,
+    base: GenerationConfig,
+    listed: list[tuple[str, Choice | None]],
+    tuning=None,
+) -> list:
     """The bench's methods: ``auto`` as ``auto-<chosen setting>``, ``smc`` without
     -N/-K/--grid as the chosen smc setting (both skipped/defaulted while ``tuning`` is None,
     to check the options before the models load), the others by
@@ -136,9 +141,8 @@ def _bench_specs(args: argparse.Namespace, base: GenerationConfig, tuning=None) 
     from smcspec.eval.harness import MethodSpec, method_specs
 
     specs = []
-    tunes = _bench_tunes(args)
-    for name in _bench_methods(args):
-        wanted = choice_or_none(name)
+    tunes = _bench_tunes(args, listed)
+    for name, wanted in listed:
         tuned = "never" if wanted is None else wanted.tuned
         if tuned == "always":  # auto: named auto-<the setting chosen>
             if tuning is not None:

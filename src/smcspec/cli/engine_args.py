@@ -7,8 +7,9 @@ import argparse
 import os
 import sys
 
+from smcspec.cli.options import MethodArgs
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig, draft_named
-from smcspec.decoding.registry import choice
+from smcspec.decoding.registry import Choice
 
 
 def needs_model_draft(configs: list[GenerationConfig]) -> bool:
@@ -21,12 +22,12 @@ def needs_model_draft(configs: list[GenerationConfig]) -> bool:
 
 def load_engine(args: argparse.Namespace, with_draft: bool = True):
     """Engine.load with the model options of ``args``; imported lazily so that
-    `smcspec --help` and option errors are fast. Sets ``args.resolved_backend`` (the
-    target's backend) for :func:`provenance`. ``--draft ngram`` names no file: the default
-    draft model is loaded only if ``with_draft``."""
+    `smcspec --help` and option errors are fast. ``--draft ngram`` names no file: the default
+    draft model is loaded only if ``with_draft``. What ``--backend auto`` chose is the
+    engine's ``target.backend`` (for :func:`provenance`)."""
     from smcspec.engine import Engine
 
-    engine = Engine.load(
+    return Engine.load(
         args.target,
         None if draft_named(args.draft).from_text else args.draft,  # --draft ngram: no file
         device=args.device,
@@ -41,8 +42,6 @@ def load_engine(args: argparse.Namespace, with_draft: bool = True):
         fair_share=not args.fixed_threads,
         fp8=args.fp8,
     )
-    args.resolved_backend = engine.target.backend  # what --backend auto chose, for reports
-    return engine
 
 
 def note(line: str) -> None:
@@ -50,14 +49,9 @@ def note(line: str) -> None:
     print(f"smcspec: {line}", file=sys.stderr, flush=True)
 
 
-def wants_tuning(args: argparse.Namespace) -> bool:
-    """Whether the setting is chosen from measured costs: ``--method auto``, or ``smc``
-    without ``-N`` or ``-K`` (the one given is kept)."""
-    return choice(args.method).wants_tuning(args.particles, args.draft_tokens)
-
-
-def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
-    """Measured costs (cached) -> predictions -> the chosen setting, for ``args``."""
+def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig, method: MethodArgs):
+    """Measured costs (cached) -> predictions -> the chosen setting, for ``args`` (the pair's
+    acceptance from ``method.pair_stats`` where given)."""
     from smcspec.tuning import tune
 
     return tune(
@@ -69,30 +63,19 @@ def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig):
         log=note,
         remeasure=getattr(args, "remeasure", False),
         min_ess=getattr(args, "min_ess", DEFAULT_MIN_ESS),
-        pair_stats=_pair_stats(args),
+        pair_stats=method.pair_stats,
     )
 
 
-def _pair_stats(args: argparse.Namespace):
-    """The ``--pair-stats`` file, read once (:func:`config_from_args` reads it first, so that
-    a bad file fails before the models load)."""
-    if getattr(args, "pair_stats", None) is None:
-        return None
-    if getattr(args, "pair_stats_read", None) is None:
-        from smcspec.tuning.pair_stats import read_pair_stats
-
-        args.pair_stats_read = read_pair_stats(args.pair_stats)
-    return args.pair_stats_read
-
-
-def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
+def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig, method: MethodArgs):
     """``(cfg with the chosen setting, the Prediction)``, or ``(cfg, None)`` when ``args``
-    names the setting itself (:func:`wants_tuning`)."""
-    if not wants_tuning(args):
+    names the setting itself: ``--method auto``, or ``smc`` without ``-N`` or ``-K`` (the
+    one given is kept), is chosen from measured costs."""
+    if not method.choice.wants_tuning(args.particles, args.draft_tokens):
         return cfg, None
-    tuning = tune_for(engine, args, cfg)
+    tuning = tune_for(engine, args, cfg, method)
     best_smc = tuning.smc
-    picks_any = not choice(args.method).particles_only  # auto: ar and sd as well
+    picks_any = not method.choice.particles_only  # auto: ar and sd as well
     if picks_any and best_smc is not None and best_smc.ess is not None:
         if best_smc.ess < tuning.min_ess:
             note(
@@ -100,15 +83,15 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig):
                 f"on this pair (best: {best_smc.setting.name}, {best_smc.ess:.2f}); auto "
                 "chooses among ar and sd (--min-ess)"
             )
-    pick = tuning.pick(args.method)
+    pick = tuning.pick(method.choice.name)
     return pick.setting.apply(cfg).validate(), pick
 
 
-def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
-    """One line on a setting the tuner chose (``pick``, a
+def tuned_note(pick, method: Choice, min_ess: float = DEFAULT_MIN_ESS) -> str:
+    """One line on a setting the tuner chose for ``method`` (``pick``, a
     :class:`~smcspec.tuning.predict.Prediction`): its name, predicted tokens/s and, for smc,
     its predicted ESS after a round, and whether it falls short of ``min_ess``."""
-    how = "--method auto" if choice(method).tuned == "always" else "smc without -N/-K"
+    how = "--method auto" if method.tuned == "always" else "smc without -N/-K"
     note_ = (
         f"{pick.setting.name} chosen by {how} from measured costs, predicted "
         f"{pick.tokens_per_second:.2f} tokens/s"
@@ -123,22 +106,23 @@ def tuned_note(pick, method: str, min_ess: float = DEFAULT_MIN_ESS) -> str:
     return note_
 
 
-def provenance(args: argparse.Namespace) -> str:
+def provenance(args: argparse.Namespace, backend: str | None = None) -> str:
     """Today's date and :func:`machine_line`: ``"<YYYY-MM-DD>; <machine and software>"``."""
     from datetime import date
 
-    return f"{date.today().isoformat()}; {machine_line(args)}"
+    return f"{date.today().isoformat()}; {machine_line(args, backend)}"
 
 
-def machine_line(args: argparse.Namespace) -> str:
+def machine_line(args: argparse.Namespace, backend: str | None = None) -> str:
     """The machine (CPU model and threads, or the GPU's name) and the software that computed:
-    llama-cpp-python's version and threads where the llamacpp backend runs (as given, or as
-    ``--backend auto`` chose it in :func:`load_engine`), else torch's version and dtype."""
+    llama-cpp-python's version and threads where the llamacpp backend runs, else torch's
+    version and dtype. ``backend``: the one that ran (a loaded engine's
+    ``target.backend``: what ``--backend auto`` chose), else ``--backend`` as given."""
     import torch
 
     from smcspec.tuning.cache import cpu_model
 
-    backend = getattr(args, "resolved_backend", None) or getattr(args, "backend", None)
+    backend = backend or getattr(args, "backend", None)
     if backend == "llamacpp":
         from importlib.metadata import version
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smcspec.cli.engine_args import load_engine, machine_line, needs_model_draft, provenance
-from smcspec.cli.options import config_from_args
+from smcspec.cli.options import config_from_args, method_args
 from smcspec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from smcspec.eval import harness, report
     from smcspec.eval.results import ResultFile
 
-    base = config_from_args(args)  # eval decodes the settings it is given: N and K default to 4
+    # eval decodes the settings it is given (--methods): N and K default to 4
+    base = config_from_args(args, method_args(args))
     if args.task == "fidelity":
         return run_fidelity(args)
     specs = harness.method_specs(args.methods, base, args.grid)
@@ -45,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         items = items[: args.first]
     out = Path(args.out)
     results = ResultFile(out / "results.jsonl")
+    backend = None  # the one that ran, once the models load
     if args.rescore:
         records = harness.rescore(args.task, results.records(), items)
     else:
         configs = [s.config for s in specs]
         engine = load_engine(args, with_draft=needs_model_draft(configs))
+        backend = engine.target.backend
         records = harness.run_task(
             engine,
             args.task,
@@ -58,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
             results,
             seed=args.seed or 0,
             score_nll=args.nll,
-            machine=machine_line(args),
+            machine=machine_line(args, backend),
         )
     speeds = None
     if args.speed_from:
         from smcspec.eval.throughput import load_bench_speeds
 
         speeds = load_bench_speeds(args.speed_from)
-    note = _report_note(args, base, records, len(items))
+    note = _report_note(args, base, records, len(items), backend)
     rows = report.summarize(records)
     summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds, records=records)
     print(summary.read_text())
@@ -73,10 +76,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report_note(
-    args: argparse.Namespace, base: GenerationConfig, records: list[dict], n_items: int
+    args: argparse.Namespace,
+    base: GenerationConfig,
+    records: list[dict],
+    n_items: int,
+    backend: str | None = None,
 ) -> str:
-    """The report's provenance: items answered, methods, budget, temperatures, machine(s),
-    the command, and for GSM8K the answer rule."""
+    """The report's provenance: items answered, methods, budget, temperatures, machine(s)
+    (``backend``: the one that ran), the command, and for GSM8K the answer rule."""
     from smcspec.eval import report
 
     answered = len({r["item"] for r in records})
@@ -87,7 +94,7 @@ def _report_note(
         f"{', grid ' + args.grid if args.grid else ''}; "
         f"{report.budget_note(records, base.max_new_tokens)}, "
         f"T_t {base.temperature}, T_d {base.draft_temperature}; "
-        f"{'rescored ' if args.rescore else ''}{provenance(args)}.\n\n"
+        f"{'rescored ' if args.rescore else ''}{provenance(args, backend)}.\n\n"
         f"Command: `smcspec {shlex.join(args.argv)}`"
     )
     if args.rescore:

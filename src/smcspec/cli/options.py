@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smcspec.config import (
     DEFAULT_MIN_ESS,
@@ -19,11 +19,14 @@ from smcspec.config import (
     draft_named,
     field_type,
 )
-from smcspec.decoding.registry import choice, decoder_for
+from smcspec.decoding.registry import Choice, choice, decoder_for
 from smcspec.errors import ConfigError
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
+
+if TYPE_CHECKING:
+    from smcspec.tuning.pair_stats import PairStats
 
 DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
 
@@ -235,30 +238,59 @@ def tuning_options() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace, **extra) -> GenerationConfig:
-    """The GenerationConfig of ``args``, validated before any model loads. An unset N or K is
-    the default one (4) here; ``auto`` validates as ``smc``. For ``auto``, and ``smc`` without
-    -N/-K, :func:`tuned_config` later replaces them with the chosen setting."""
+@dataclass(frozen=True)
+class MethodArgs:
+    """What a command's method options resolve to, once per command before any model loads
+    (:func:`method_args`), then passed to whatever reads them.
+
+    Attributes:
+        choice: ``--method`` in the decoder table (:class:`~smcspec.decoding.registry.Choice`:
+            ``ar``, ``sd``, ``smc`` or ``auto``).
+        pair_stats: the ``--pair-stats`` file, read
+            (:class:`~smcspec.tuning.pair_stats.PairStats`), or None: the tuner measures.
+    """
+
+    choice: Choice
+    pair_stats: PairStats | None = None
+
+
+def method_args(args: argparse.Namespace) -> MethodArgs:
+    """Resolve the parsed command's ``--method`` and read its ``--pair-stats`` (a command
+    without the tuner's options has none): called once, by the command's ``run``.
+
+    Raises:
+        ConfigError: an unknown method, or a pair-stats file that cannot be read or is not
+            one.
+    """
+    pair_stats = None
+    if getattr(args, "pair_stats", None) is not None:  # a bad file fails before models load
+        from smcspec.tuning.pair_stats import read_pair_stats
+
+        pair_stats = read_pair_stats(args.pair_stats)
+    return MethodArgs(choice(args.method), pair_stats)
+
+
+def config_from_args(args: argparse.Namespace, method: MethodArgs, **extra) -> GenerationConfig:
+    """The GenerationConfig of ``args`` and its resolved ``method``, validated before any
+    model loads. An unset N or K is the default one (4) here; ``auto`` validates as ``smc``.
+    For ``auto``, and ``smc`` without -N/-K, :func:`~smcspec.cli.engine_args.tuned_config`
+    later replaces them with the chosen setting."""
     if getattr(args, "min_particles", None) is not None:
         check_min_particles(args.min_particles)
     if getattr(args, "min_ess", None) is not None:
         check_min_ess(args.min_ess)
-    if getattr(args, "pair_stats", None) is not None:  # a bad file fails before models load
-        from smcspec.tuning.pair_stats import read_pair_stats
-
-        args.pair_stats_read = read_pair_stats(args.pair_stats)
     if args.groups > 1 and args.particles is None and not hasattr(args, "methods"):
-        if choice(args.method).decoder.particles:  # N would be chosen, G divides it
+        if method.choice.decoder.particles:  # N would be chosen, G divides it
             raise ConfigError("--groups needs -N: the number of particles the groups divide")
     draft = draft_named(args.draft)  # --draft ngram: n-gram drafts (else a model file)
     if draft.from_text and hasattr(args, "methods"):  # eval, bench: for their sd settings
-        return replace(_config(args, **extra), draft=draft.name)
-    return _config(args, draft=draft.name, **extra)
+        return replace(_config(args, method.choice, **extra), draft=draft.name)
+    return _config(args, method.choice, draft=draft.name, **extra)
 
 
-def _config(args: argparse.Namespace, **extra) -> GenerationConfig:
+def _config(args: argparse.Namespace, method: Choice, **extra) -> GenerationConfig:
     cfg = GenerationConfig(
-        method=choice(args.method).method,  # auto validates as smc
+        method=method.method,  # auto validates as smc
         max_new_tokens=args.max_new_tokens,
         particles=args.particles,  # None: the method's default N
         draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,

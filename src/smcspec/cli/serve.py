@@ -6,7 +6,7 @@ import argparse
 import os
 
 from smcspec.cli.engine_args import load_engine, note, tuned_config, tuned_note
-from smcspec.cli.options import config_from_args
+from smcspec.cli.options import config_from_args, method_args
 from smcspec.config import draft_named
 from smcspec.errors import ConfigError
 
@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
     from smcspec.server import ServerSettings, serve
 
-    cfg = config_from_args(args)
+    method = method_args(args)
+    cfg = config_from_args(args, method)
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     settings = ServerSettings(
@@ -38,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     # with the draft model, a request may ask for any method; with --draft ngram, for ar and
     # sd with n-gram drafts only
     engine = load_engine(args, with_draft=not draft_named(args.draft).from_text)
-    cfg, pick = tuned_config(engine, args, cfg)  # once, at startup
+    cfg, pick = tuned_config(engine, args, cfg, method)  # once, at startup
     if pick is not None:
-        note(f"default setting {tuned_note(pick, args.method, args.min_ess)}")
+        note(f"default setting {tuned_note(pick, method.choice, args.min_ess)}")
     name = args.served_model_name or engine.target.name
     return serve(engine, args.host, args.port, cfg, replace(settings, model_name=name))

@@ -1,18 +1,21 @@
 """The one request object: what a decoder's program is given, and all it is given.
 
 :meth:`smcspec.engine.Engine.prepare` makes a :class:`Job` (prompt ids, the validated config
-with its seed fixed, stop tokens, the decoder that runs it, the models, the vocabulary);
+with its seed fixed, stop tokens, the models, the vocabulary); whoever runs it gives it its
+stream callbacks and its reservation (:meth:`~smcspec.engine.Engine.generate`, or the
+scheduler on admission: they live on the job, and a scheduler's request refers to them).
 :meth:`~smcspec.engine.Engine.program` starts it (:meth:`Job.started`: the request's random
-generator, its stream callback and its reservation) and hands it to the decoder's program
-(``decoder.program(job)``). Settings are read from ``job.config`` under the config's own names;
-what a decoder derives from them lives here or on :class:`~smcspec.config.GenerationConfig`.
+generator) and hands it to the program of the decoder the table picks for its config
+(:func:`~smcspec.decoding.registry.decoder_for`: ``decoder_for(job.config).program(job)``).
+A job does not name its decoder: this module sits below the table, which imports every
+decoder's program. Settings are read from ``job.config`` under the config's own names; what
+a decoder derives from them lives here or on :class:`~smcspec.config.GenerationConfig`.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,9 +26,6 @@ from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import LogprobCallback, TokenCallback
 from smcspec.potentials import TokenConstraint, compiled_constraint
 
-if TYPE_CHECKING:
-    from smcspec.decoding.registry import Decoder
-
 
 @dataclass
 class Job:
@@ -35,15 +35,14 @@ class Job:
         ids: the prompt's token ids.
         config: the validated :class:`GenerationConfig`, its seed fixed.
         stop_ids: tokens that end an answer (EOS, end of turn, the request's stop tokens).
-        decoder: the :class:`~smcspec.decoding.registry.Decoder` that runs it (decided once,
-            :func:`~smcspec.decoding.registry.decoder_for`).
         target, draft: the models (``draft`` None where none is loaded or needed).
         vocab: token ids ``< vocab`` may be sampled (the pair's shared vocabulary).
         generator: the request's random generator on the target's device (set by
             :meth:`started`).
         on_tokens: called with token ids as soon as they are final (streaming).
-        reservation: the request's leases on the models' pools; without one each cache
-            reserves its own.
+        reservation: the request's leases on the models' pools, taken before it runs
+            (:meth:`~smcspec.engine.Engine.try_reserve`) and released by whoever took it;
+            without one each cache reserves its own.
         truncate_draft: smc only: the proposal is the draft truncated like the target
             (``docs/sampling.md``; a comparison, not consistent).
         on_logprobs: with ``config.logprobs``, called with each final token's
@@ -56,7 +55,6 @@ class Job:
     ids: list[int]
     config: GenerationConfig
     stop_ids: frozenset[int]
-    decoder: Decoder | Any
     target: DecoderModel
     draft: DecoderModel | None = None
     vocab: int = 0
@@ -67,20 +65,12 @@ class Job:
     on_logprobs: LogprobCallback | None = None
     on_prompt_logprobs: LogprobCallback | None = None
 
-    def started(
-        self,
-        on_tokens: TokenCallback | None = None,
-        reservation: Reservation | None = None,
-        on_logprobs: LogprobCallback | None = None,
-        on_prompt_logprobs: LogprobCallback | None = None,
-    ) -> Job:
+    def started(self) -> Job:
         """A copy ready to run: a generator on the target's device seeded with
-        ``config.seed``, the stream callbacks and the reservation."""
+        ``config.seed`` (the stream callbacks and the reservation are the job's own, set by
+        whoever runs it: ``dataclasses.replace(job, on_tokens=..., reservation=...)``)."""
         gen = torch.Generator(device=self.target.device).manual_seed(self.config.seed or 0)
-        return replace(
-            self, generator=gen, on_tokens=on_tokens, reservation=reservation,
-            on_logprobs=on_logprobs, on_prompt_logprobs=on_prompt_logprobs,
-        )  # fmt: skip
+        return replace(self, generator=gen)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -144,13 +134,11 @@ def job_for(
     truncate_draft: bool = False,
 ) -> Job:
     """A started :class:`Job` from its parts, for running one decoder's program without an
-    engine (the ``decode_*`` helpers, tests, calibration); its ``decoder`` is None (the
-    caller picked the program)."""
+    engine (the ``decode_*`` helpers, tests, calibration): the caller picks the program."""
     return Job(
         ids=list(prompt),
         config=cfg,
         stop_ids=stop_ids,
-        decoder=None,
         target=target,
         draft=draft,
         vocab=vocab,

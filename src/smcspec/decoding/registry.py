@@ -81,10 +81,10 @@ class Decoder:
     label: Callable[[int, int], str]
     pattern: re.Pattern
 
-    def stats(self, cfg: GenerationConfig) -> dict[str, Any]:
-        """What a result's stats add to the decoder's own: ``ran_as`` where the decoder is
-        not the requested method's own (greedy smc)."""
-        return {} if self.method == cfg.method else {"ran_as": self.method}
+    def ran_as(self, cfg: GenerationConfig) -> str | None:
+        """The method this decoder implements where it is not ``cfg``'s (greedy smc runs as
+        sd), else None: a result's ``ran_as``, in its stats where set."""
+        return None if self.method == cfg.method else self.method
 
     def configure(self, cfg: GenerationConfig, n: int = 1, k: int = 0) -> GenerationConfig:
         """``cfg`` set to run on this decoder with N = ``n`` and K = ``k`` where it has them

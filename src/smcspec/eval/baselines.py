@@ -76,7 +76,7 @@ def sample_batch(
     try:
         start = time.perf_counter()
         for j, job in enumerate(jobs):
-            sched.submit(Request(job=job, on_tokens=None, on_done=finisher(j)))
+            sched.submit(Request(job=job, on_done=finisher(j)))
         if not done.wait(timeout=timeout_s):
             raise TimeoutError(f"{n} samples did not finish in {timeout_s:g} s")
         seconds = time.perf_counter() - start

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from smcspec.aggregate import Vote
 from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
 from smcspec.decoding.job import Job
-from smcspec.decoding.registry import method_decoder, with_updates
+from smcspec.decoding.registry import decoder_for, method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
@@ -269,13 +269,13 @@ class Completion:
             self.state.engine.tokenizer, lambda text: self._send("text", c, text)
         )
         asked = job.config.logprobs is not None
-        return EngineRequest(
-            job=job,
+        streamed = replace(
+            job,
             on_tokens=streamer,
-            on_done=lambda out: self._send("done", c, out),
             on_logprobs=(lambda lps: self._send("logprobs", c, lps)) if asked else None,
             on_prompt_logprobs=(lambda lps: self._send("prompt", c, lps)) if asked else None,
         )
+        return EngineRequest(job=streamed, on_done=lambda out: self._send("done", c, out))
 
     def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
         try:
@@ -314,7 +314,7 @@ class Completion:
     def ran_method(self) -> str:
         """The method the request runs as (greedy ``smc`` runs as ``sd``): what its metrics
         count under."""
-        return self.jobs[0].decoder.method if self.jobs else self.cfg.method
+        return decoder_for(self.jobs[0].config).method if self.jobs else self.cfg.method
 
     def _record(self, c: Choice, outcome: str) -> None:
         self.state.metrics.observe_request(

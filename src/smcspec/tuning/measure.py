@@ -310,8 +310,10 @@ def measure_acceptance(
         if budget < 2:
             raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
         result = engine.generate(ids, replace(run, max_new_tokens=budget))
-        for name in counts:
-            counts[name] += result.stats[name]
+        sd = result.decode_stats  # an sd run: SdStats
+        counts["accepted"] += sd.accepted
+        counts["drafted"] += sd.drafted
+        counts["rounds"] += sd.rounds
         total += budget
         if not run.greedy:
             logs.append(pair_log_probs(
