@@ -35,7 +35,17 @@ SMALL_GRID = TuningGrid(
 
 def pytest_configure(config) -> None:
     """Under CI (``CI`` set, as ``.ci/run`` runs) the llamacpp backend is part of what is
-    tested: a missing llama-cpp-python is an error there, not a module of silent skips."""
+    tested: a missing llama-cpp-python is an error there, not a module of silent skips.
+
+    In a pytest-xdist worker (``-n``), torch gets the worker's share of the cores: two
+    workers' threads spinning on two cores would slow each other down many times over (the
+    llamacpp backend's threads fit the free cores by themselves,
+    :mod:`smcspec.backends.cpu_share`)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     if not os.environ.get("CI"):
         return
     try:
@@ -85,6 +95,37 @@ def pytest_collection_modifyitems(config, items) -> None:
         used = REAL_PAIR_FIXTURES & set(getattr(item, "fixturenames", ()))
         if used and item.get_closest_marker("real_pair") is None:
             raise pytest.UsageError(f"{item.nodeid} uses {sorted(used)} but is not real_pair")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N --dist loadgroup`` (README's test command): each test file runs whole in one
+    worker (its module fixtures, tiny models and servers made once), and every file that
+    marks tests ``real_pair`` runs in the same one, so the real pair is loaded and served
+    once and two copies of it (about 5 GB each) never compete for the cores. Files go out
+    most tests first (xdist's ``loadscope`` order). pytest-xdist's own ``xdist_group``
+    marks do not group under pytest 9 (the node-id suffix they rely on is not kept), hence
+    this scheduler."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    real_files: dict[str, bool] = {}
+
+    def is_real(path: str) -> bool:
+        if path not in real_files:
+            try:
+                text = (config.rootpath / path).read_text()
+            except OSError:
+                text = ""
+            real_files[path] = "mark.real_pair" in text
+        return real_files[path]
+
+    class FilesAndTheRealPair(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "real_pair" if is_real(path) else path
+
+    return FilesAndTheRealPair(config, log)
 
 
 @pytest.fixture(scope="session")
