@@ -313,7 +313,7 @@ def _keep_runs(target, draft, vocab, stop, monkeypatch, seeds, rel=1e-5) -> tupl
     """Keep-rule SMC-SD with ``stop`` as the stop token, with and without hosts for the
     particles that end (``_host_ended``): identical tokens and particles, weights and stats
     equal within ``rel``; returns the mean distinct target fraction with and without hosts."""
-    import smcspec.decoding.smc as smc_module
+    import smcspec.decoding.smc.program as smc_module
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
@@ -384,7 +384,7 @@ def test_particles_with_the_same_tokens_have_the_same_matcher_state(monkeypatch)
     """Sharing never looks at matchers (each particle keeps its own mask), but a shared row
     is only right if a particle's state is a function of its tokens: checked after every
     round of constrained SMC-SD (with resampling), for every pair of live particles."""
-    import smcspec.decoding.smc as smc_module
+    import smcspec.decoding.smc.program as smc_module
     from smcspec.eval.automaton import NextTokenAutomaton
     from smcspec.eval.fidelity import CONSTRAINT_TABLE
 

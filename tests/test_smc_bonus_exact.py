@@ -18,7 +18,7 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.program as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.eval.automaton import NextTokenAutomaton

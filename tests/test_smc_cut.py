@@ -1,6 +1,6 @@
 """SMC-SD rounds cut where the ESS falls (``round_end="ess"``) and the epsilon stop.
 
-Checked cheaply here: where a round is cut (:func:`smcspec.decoding.smc_cut.cut_position`
+Checked cheaply here: where a round is cut (:func:`smcspec.decoding.smc.cut.cut_position`
 on hand-made weights); after every cut round each particle's target and draft KV rows and
 its matcher hold exactly its tokens (fresh computations), which a round that forgets to roll
 the caches back fails; the fused round draws what the step path draws (bank and keep rules,
@@ -17,12 +17,12 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc as smc_module
-import smcspec.decoding.smc_cut as smc_cut
+import smcspec.decoding.smc.cut as smc_cut
+import smcspec.decoding.smc.program as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
-from smcspec.decoding.smc import _Block, _Particles
-from smcspec.decoding.smc_cut import cut_position
+from smcspec.decoding.smc.cut import cut_position
+from smcspec.decoding.smc.program import _Block, _Particles
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.eval.automaton import NextTokenAutomaton
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from enumerable import sequence_log_probs, stopped_sequence_log_probs, tiny_transformer
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.program as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.errors import ConfigError

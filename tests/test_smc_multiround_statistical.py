@@ -19,7 +19,7 @@ import pytest
 import torch
 from enumerable import one_particle_log_probs, sequence_log_probs, tiny_transformer, total_variation
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.program as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.potentials import DeadEndError

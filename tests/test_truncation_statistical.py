@@ -27,8 +27,8 @@ from enumerable import (
 )
 from scipy.stats import chisquare
 
-import smcspec.decoding.sd as sd_module
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.sd.chain as sd_module
+import smcspec.decoding.smc.program as smc_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.sampling.truncation import truncate_log_probs

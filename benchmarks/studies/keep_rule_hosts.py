@@ -1,4 +1,4 @@
-"""Ended particles under the keep rule, with and without hosts (``decoding/smc.py::_host_ended``).
+"""Ended particles under the keep rule, with and without hosts (``decoding/smc``, ``_host_ended``).
 
 Under the keep rule (a reward, a constraint, alpha != 1) a particle that ends stays among the
 N, and a request runs until its last particle ends. Without hosts every ended particle is
@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.program as smc_module
 from smcspec import Engine, GenerationConfig
 from smcspec.eval import harness
 from smcspec.eval.humaneval import load_humaneval

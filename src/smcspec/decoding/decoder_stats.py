@@ -56,7 +56,7 @@ class ArStats:
 @dataclass(slots=True)
 class SdStats:
     """Exact speculative decoding with ``draft_tokens`` K: ``rounds``, tokens ``drafted`` and
-    ``accepted``; ``ngram``: drafts from the text (:mod:`smcspec.decoding.ngram`), whose gate
+    ``accepted``; ``ngram``: drafts from the text (:mod:`smcspec.decoding.sd.ngram`), whose gate
     cut or kept ``gated_rounds`` rounds from drafting (None: no gate); ``constraint_seconds``
     as :class:`ArStats`. Multi-draft sd (:meth:`multi_draft`) also counts ``chains`` N, and
     per depth the rounds that reached it and accepted a token there; its ``drafted`` counts
@@ -78,7 +78,7 @@ class SdStats:
     def multi_draft(cls, chains: int, draft_tokens: int) -> SdStats:
         """Empty stats of multi-draft sd with ``chains`` N: per depth ``j`` (0-based) the
         rounds that reached it and those that accepted a token there, and the candidates
-        examined over all rounds (:mod:`smcspec.decoding.multi_sd`)."""
+        examined over all rounds (:mod:`smcspec.decoding.sd.multi_draft`)."""
         zeros = [0] * draft_tokens
         return cls(draft_tokens, 0, 0, 0, chains=chains, depth_reached=zeros,
                    depth_accepted=list(zeros), candidates=0)  # fmt: skip
@@ -145,7 +145,7 @@ class SdStats:
 @dataclass(slots=True)
 class SmcStats:
     """SMC-SD with ``particles`` N and ``draft_tokens`` K (see
-    :func:`smcspec.decoding.smc.smc_program` for each field): ``rounds``, ``resamples``,
+    :func:`smcspec.decoding.smc.program.smc_program` for each field): ``rounds``, ``resamples``,
     ``mean_ess`` and ``min_ess`` over rounds (before resampling), ``degenerate_rounds``,
     ``degenerate_weights``, ``mean_round_ess``, ``banked`` particles and their
     ``banked_mass``, with a constraint or reward ``log_normalizer`` and ``dead_particles``,

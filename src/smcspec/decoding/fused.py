@@ -12,7 +12,7 @@ runs captured as a CUDA graph (:mod:`smcspec.backends.torch.graphs`):
   the N particles, each drawing from ``q_T`` (truncated only with ``truncate_draft``), the
   target's forward over the N x (K+1) block, the drafted tokens' ``log p~``, the bonus token
   from ``∝ p~^alpha`` and its log-weight (with ``round_end="ess"`` the target's logits
-  instead: the bonus is drawn where the round is cut, :mod:`smcspec.decoding.smc_cut`).
+  instead: the bonus is drawn where the round is cut, :mod:`smcspec.decoding.smc.cut`).
   Weights, ESS, resampling and banking stay in the decoder (they read a few numbers per
   round, once).
 * :func:`ar_round`: one target forward and the next token's draw; the ar decoder launches
@@ -400,7 +400,7 @@ def sd_round(
     that is empty, the bonus from ``p`` at position K+1).
 
     Returns ``(drafted, n, next)``: the K drafted tokens, how many were accepted and the
-    target's token after them, as :func:`~smcspec.decoding.sd.verify_block` does. Both
+    target's token after them, as :func:`~smcspec.decoding.sd.chain.verify_block` does. Both
     caches hold the whole block afterwards; the caller rolls back what was rejected.
     Raises NumericalError after the round, ContextLengthError before it."""
     cfg, dev, k, w, generator = (
@@ -520,7 +520,7 @@ def _sd_rounds(job: Job, x: Tensors, draft: Forward, target: Forward) -> Tensors
 def multi_sd_round(
     job: Job, tcache: KVCache, dcache: KVCache, pending_d: list[int], pending_t: int
 ) -> Generator[Round, Tensors, tuple[list[list[int]], TreeVerdict]]:
-    """One round of multi-draft sd (:mod:`smcspec.decoding.multi_sd`) as a :class:`Round`,
+    """One round of multi-draft sd (:mod:`smcspec.decoding.sd.multi_draft`) as a :class:`Round`,
     which the scheduler may run batched with other requests' rounds of the same shape
     (:class:`Join`, :func:`multi_sd_joined`): K draft steps for the N chains after feeding
     ``pending_d`` (1 or 2 tokens, the same on every row), the target's forward over

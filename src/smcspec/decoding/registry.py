@@ -30,13 +30,13 @@ from typing import Any
 import smcspec.decoding.rounds as rounds
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT, Draft, GenerationConfig
-from smcspec.decoding.ar import ar_caches, ar_program
+from smcspec.decoding.ar.program import ar_caches, ar_program
 from smcspec.decoding.job import Job
-from smcspec.decoding.multi_sd import multi_sd_caches, multi_sd_program
-from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.program import Program
-from smcspec.decoding.sd import sd_caches, sd_program
-from smcspec.decoding.smc import smc_caches, smc_program
+from smcspec.decoding.sd.chain import sd_caches, sd_program
+from smcspec.decoding.sd.multi_draft import multi_sd_caches, multi_sd_program
+from smcspec.decoding.sd.ngram import ngram_caches, ngram_sd_program
+from smcspec.decoding.smc.program import smc_caches, smc_program
 from smcspec.errors import ConfigError
 
 Shapes = tuple[tuple[rounds.Shape, ...], tuple[rounds.Shape, ...]]

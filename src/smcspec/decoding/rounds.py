@@ -7,7 +7,7 @@ decoders issue:
 
 * ``ar``: one target forward of 1 token (1 row); 1 token a round.
 * ``sd`` (K): K draft forwards of 1 row, the first of them with 2 tokens when the previous
-  round accepted every draft (deferred feeding, :mod:`smcspec.decoding.sd`) and 1 token
+  round accepted every draft (deferred feeding, :mod:`smcspec.decoding.sd.chain`) and 1 token
   otherwise, then one target forward of K+1 tokens. Expected tokens a round with per-token
   acceptance probability ``alpha`` (Leviathan et al. 2023, "Fast Inference from
   Transformers via Speculative Decoding", eq. 1): ``(1 - alpha^(K+1)) / (1 - alpha)``; the

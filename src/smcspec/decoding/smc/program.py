@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-import smcspec.decoding.smc_cut as smc_cut
-import smcspec.decoding.smc_potentials as smc_potentials
+import smcspec.decoding.smc.cut as smc_cut
+import smcspec.decoding.smc.potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
@@ -62,7 +62,7 @@ from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import DecodeOutput, ParticleOutput, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
-from smcspec.decoding.smc_logprobs import ParticleLogprobs, Values, position_values
+from smcspec.decoding.smc.logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -416,7 +416,7 @@ def _advance(job: Job, ps: _Particles, b: _Block, cut: int | None = None) -> tor
     ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
     twist ``phi(new) / phi(old)``, and the new tokens. ``cut`` (round_end "ess"): the block is
     the first ``cut`` drafted tokens only, the bonus comes later
-    (:func:`smcspec.decoding.smc_cut.deferred_bonus`). Returns bool ``[N]``: the particles
+    (:func:`smcspec.decoding.smc.cut.deferred_bonus`). Returns bool ``[N]``: the particles
     that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
     cfg = job.config
     k = cfg.draft_tokens

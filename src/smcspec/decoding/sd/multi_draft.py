@@ -11,7 +11,7 @@ was not accepted. The output is distributed exactly as the target (after tempera
 top-k / top-p / min-p, as chain sd), and the accepted length grows with N.
 
 With a constraint each chain drafts from the masked draft with its own matcher and the
-target is masked row by row, as chain sd masks its one row (:mod:`smcspec.decoding.sd`):
+target is masked row by row, as chain sd masks its one row (:mod:`smcspec.decoding.sd.chain`):
 the output is exactly the locally-masked target. A chain that drafts a stop token or reaches
 a dead end ends early; its node is then a leaf of the tree. Greedy requests run as chain sd
 (every chain would be the draft's argmax chain).
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-import smcspec.decoding.smc_potentials as smc_potentials
+import smcspec.decoding.smc.potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
@@ -38,7 +38,7 @@ from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
-from smcspec.decoding.sd import first_token
+from smcspec.decoding.sd.chain import first_token
 from smcspec.errors import NumericalError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import draw_uniforms, sample_categorical, step_log_probs

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import smcspec.decoding.smc_potentials as smc_potentials
+import smcspec.decoding.smc.potentials as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
-from smcspec.decoding.smc_logprobs import position_values
+from smcspec.decoding.smc.logprobs import position_values
 from smcspec.potentials import DeadEndError
 from smcspec.sampling.distributions import sample_categorical
 from smcspec.sampling.smc_weights import power_target_probs
 
 if TYPE_CHECKING:
-    from smcspec.decoding.smc import _Block, _Particles
+    from smcspec.decoding.smc.program import _Block, _Particles
 
 
 def cut_position(job: Job, ps: _Particles, b: _Block) -> int:

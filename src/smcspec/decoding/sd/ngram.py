@@ -48,7 +48,7 @@ from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import DecodeOutput, cut_at_stop
 from smcspec.decoding.program import Program, run_program, target_prefill
-from smcspec.decoding.sd import first_token, verify_block
+from smcspec.decoding.sd.chain import first_token, verify_block
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
 NGRAM_MIN = 1  # the shortest n-gram matched

@@ -1,0 +1,23 @@
+"""Exact speculative decoding (``sd``): drafts verified so that the output is the target's.
+
+* :mod:`.chain`: one chain of K drafted tokens a round from the draft model (Leviathan et
+  al. 2023); its first token and block verification serve the other two.
+* :mod:`.multi_draft`: N drafted chains a round, verified as a token tree (``-N`` >= 2).
+* :mod:`.ngram`: drafts looked up in the text (prompt lookup), no draft model.
+"""
+
+from smcspec.decoding.sd.chain import decode_sd, sd_caches, sd_program
+from smcspec.decoding.sd.multi_draft import decode_multi_sd, multi_sd_caches, multi_sd_program
+from smcspec.decoding.sd.ngram import decode_ngram_sd, ngram_caches, ngram_sd_program
+
+__all__ = [
+    "decode_multi_sd",
+    "decode_ngram_sd",
+    "decode_sd",
+    "multi_sd_caches",
+    "multi_sd_program",
+    "ngram_caches",
+    "ngram_sd_program",
+    "sd_caches",
+    "sd_program",
+]
