@@ -33,12 +33,13 @@ from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SdStats
-from smcspec.decoding.fused import fused_rounds, is_static, multi_sd_round, plain
+from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
 from smcspec.decoding.sd.chain import first_token
+from smcspec.decoding.sd.fused import multi_sd_round
 from smcspec.errors import NumericalError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import draw_uniforms, sample_categorical, step_log_probs
@@ -65,7 +66,7 @@ def multi_sd_program(job: Job) -> Program:
 
     Yields :class:`Prefill`/:class:`Forward` requests, or one
     :class:`~smcspec.decoding.program.Round` per full round where the models run rounds fused
-    (:func:`smcspec.decoding.fused.multi_sd_round`).
+    (:func:`smcspec.decoding.sd.fused.multi_sd_round`).
 
     Returns:
         :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` from
@@ -209,7 +210,7 @@ def _round_steps(
 ) -> Generator[Forward, torch.Tensor, _Tree]:
     """One round step by step: ``k`` draft forwards of N rows, the target's forward over
     ``[pending_t, d_1..d_k]`` on every row and the tree's verdict; the random numbers in the
-    order :func:`smcspec.decoding.fused.multi_sd_round` draws them."""
+    order :func:`smcspec.decoding.sd.fused.multi_sd_round` draws them."""
     cfg, dev, vocab = job.config, job.device, job.vocab
     n = cfg.particles
     drafts = _Drafts(job, state, n, k)

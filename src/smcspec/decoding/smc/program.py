@@ -57,11 +57,12 @@ from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
 from smcspec.decoding.decoder_stats import SmcStats
-from smcspec.decoding.fused import fused_rounds, is_static, plain, smc_block
+from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import DecodeOutput, ParticleOutput, as_prompt_tensor
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
+from smcspec.decoding.smc.fused import smc_block
 from smcspec.decoding.smc.logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
@@ -360,7 +361,7 @@ def _draft_block(job: Job, ps: _Particles, dcache: KVCache) -> Program:
 
 def _fused_block(job: Job, ps: _Particles, tcache: KVCache, dcache: KVCache) -> Program:
     """Steps 3a, 3b and 3d as one :class:`~smcspec.decoding.program.Round`
-    (:func:`smcspec.decoding.fused.smc_block`): the same draws as :func:`_draft_block` and
+    (:func:`smcspec.decoding.smc.fused.smc_block`): the same draws as :func:`_draft_block` and
     :func:`_score_block`, without a host read between the forwards."""
     out = yield from smc_block(job, ps.pending_d, ps.pending_t, ps.host, tcache, dcache)
     b = _Block(out["drafted"], out["draft_lp"], None, None, out["target_lp"], out.get("bonus"))
