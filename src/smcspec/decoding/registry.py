@@ -2,7 +2,7 @@
 
 Each :class:`Decoder` owns its program (``program(job)``, on the request's
 :class:`~smcspec.decoding.job.Job`), the KV caches it opens (``caches(cfg, prompt_len)``, for
-the pools' reservation), its typed stats (:mod:`smcspec.decoding.decoder_stats`: their JSON keys,
+the pools' reservation), its typed stats (:mod:`smcspec.decoding.stats`: their JSON keys,
 stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.decoding.rounds`:
 what the tuner predicts and the roofline prices), the name of a setting in reports and
 ``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run

@@ -10,8 +10,8 @@ from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.ar.fused import HostCopy, ar_round
+from smcspec.decoding.ar.stats import ArStats
 from smcspec.decoding.caches import run_on_caches
-from smcspec.decoding.decoder_stats import ArStats
 from smcspec.decoding.fused import check_ok, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
@@ -56,7 +56,7 @@ def ar_program(job: Job) -> Program:
     Raises:
         DeadEndError: with a constraint, no allowed token has positive probability.
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.ArStats`.
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.ar.stats.ArStats`.
     """
     fused = fused_rounds(job.target) and plain(job.config)
     return (yield from run_on_caches(job, ar_caches(job.config, len(job.ids)), _ar_steps, fused))

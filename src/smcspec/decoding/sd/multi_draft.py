@@ -32,7 +32,6 @@ from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
@@ -40,6 +39,7 @@ from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
 from smcspec.decoding.sd.chain import first_token
 from smcspec.decoding.sd.fused import multi_sd_round
+from smcspec.decoding.sd.stats import SdStats
 from smcspec.errors import NumericalError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import draw_uniforms, sample_categorical, step_log_probs
@@ -69,8 +69,8 @@ def multi_sd_program(job: Job) -> Program:
     (:func:`smcspec.decoding.sd.fused.multi_sd_round`).
 
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` from
-        :meth:`~smcspec.decoding.decoder_stats.SdStats.multi_draft`: rounds, the depth
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.sd.stats.SdStats` from
+        :meth:`~smcspec.decoding.sd.stats.SdStats.multi_draft`: rounds, the depth
         offered (``drafted``, K a round) and accepted, per-depth acceptance, candidates
         examined.
 

@@ -56,7 +56,6 @@ from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.decoder_stats import SmcStats
 from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs
@@ -64,6 +63,7 @@ from smcspec.decoding.output import DecodeOutput, ParticleOutput, as_prompt_tens
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
 from smcspec.decoding.smc.fused import smc_block
 from smcspec.decoding.smc.logprobs import ParticleLogprobs, Values, position_values
+from smcspec.decoding.smc.stats import SmcStats
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, reorder, timed_start
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
 from smcspec.sampling.resampling import (
@@ -185,7 +185,7 @@ def smc_program(job: Job) -> Program:
 
     Returns:
         :class:`DecodeOutput` with the chosen particle's tokens;
-        :class:`~smcspec.decoding.decoder_stats.SmcStats`: ``rounds``,
+        :class:`~smcspec.decoding.smc.stats.SmcStats`: ``rounds``,
         ``resamples``, ``mean_ess``, ``min_ess`` (over rounds, before resampling),
         ``degenerate_rounds`` (rounds whose ESS before resampling was below 1.1: the
         weights had collapsed onto one particle, and that round was only importance
