@@ -2,15 +2,16 @@
 
 Each :class:`Decoder` owns its program (``program(job)``, on the request's
 :class:`~smcspec.decoding.job.Job`), the KV caches it opens (``caches(cfg, prompt_len)``, for
-the pools' reservation), its typed stats (:mod:`smcspec.decoding.stats`: their JSON keys,
-stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.decoding.rounds`:
-what the tuner predicts and the roofline prices), the name of a setting in reports and
-``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run
-on it. :func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
-(SMC-SD's weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs
-multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder.
-:data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
-tuned; :data:`BASELINE` is the decoder speed-ups are measured against.
+the pools' reservation), its typed stats (:mod:`smcspec.decoding.stats`: their JSON keys, stats
+line and metrics), its round's forward shapes and cost (each decoder's ``cost`` module,
+:mod:`smcspec.decoding.rounds`: what the tuner predicts and the roofline prices), the name of a
+setting in reports and ``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a
+config must hold to run on it. :func:`decoder_for` picks the decoder of a config: greedy
+``smc`` runs as greedy ``sd`` (SMC-SD's weights are undefined for a point-mass target), ``sd``
+with N >= 2 chains runs multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs
+the n-gram decoder. :data:`CHOICES` are the values a user may ask for (the methods and
+``auto``), with how each is tuned; :data:`BASELINE` is the decoder speed-ups are measured
+against.
 
 This module is the one place code decides on the name of a method, a draft
 (:class:`~smcspec.config.Draft`) or a decoder: elsewhere it asks the table (:func:`decoder_for`,
@@ -27,19 +28,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import smcspec.decoding.rounds as rounds
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT, Draft, GenerationConfig
+from smcspec.decoding.ar.cost import ar_cost, ar_shapes
 from smcspec.decoding.ar.program import ar_caches, ar_program
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Program
+from smcspec.decoding.rounds import Shape
 from smcspec.decoding.sd.chain import sd_caches, sd_program
+from smcspec.decoding.sd.cost import (
+    multi_sd_cost,
+    multi_sd_shapes,
+    ngram_cost,
+    ngram_shapes,
+    sd_cost,
+    sd_shapes,
+)
 from smcspec.decoding.sd.multi_draft import multi_sd_caches, multi_sd_program
 from smcspec.decoding.sd.ngram import ngram_caches, ngram_sd_program
+from smcspec.decoding.smc.cost import smc_cost, smc_shapes
 from smcspec.decoding.smc.program import smc_caches, smc_program
 from smcspec.errors import ConfigError
 
-Shapes = tuple[tuple[rounds.Shape, ...], tuple[rounds.Shape, ...]]
+Shapes = tuple[tuple[Shape, ...], tuple[Shape, ...]]
 
 
 @dataclass(frozen=True)
@@ -116,26 +127,26 @@ def _decoder(name: str, method: str, caches, program, *, draft_model: bool, draf
 DECODERS = {
     "ar": _decoder(
         "ar", "ar", ar_caches, ar_program, draft_model=False, drafts=False,
-        shapes=rounds.ar_shapes, cost=rounds.ar_cost, label=lambda n, k: "ar", pattern=r"ar",
+        shapes=ar_shapes, cost=ar_cost, label=lambda n, k: "ar", pattern=r"ar",
     ),
     "sd": _decoder(
         "sd", "sd", sd_caches, sd_program, draft_model=True, drafts=True,
-        shapes=rounds.sd_shapes, cost=rounds.sd_cost, label=lambda n, k: f"sd-k{k}",
+        shapes=sd_shapes, cost=sd_cost, label=lambda n, k: f"sd-k{k}",
         pattern=r"sd-k(?P<k>\d+)",
     ),
     "multi-sd": _decoder(
         "multi-sd", "sd", multi_sd_caches, multi_sd_program, draft_model=True, drafts=True,
-        chains=True, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
+        chains=True, shapes=multi_sd_shapes, cost=multi_sd_cost,
         label=lambda n, k: f"sd-n{n}-k{k}", pattern=r"sd-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
     "ngram-sd": _decoder(
         "ngram-sd", "sd", ngram_caches, ngram_sd_program, draft_model=False, drafts=True,
-        from_text=True, shapes=rounds.ngram_shapes, cost=rounds.ngram_cost,
+        from_text=True, shapes=ngram_shapes, cost=ngram_cost,
         label=lambda n, k: f"sd-ngram-k{k}", pattern=r"sd-ngram-k(?P<k>\d+)",
     ),
     "smc": _decoder(
         "smc", "smc", smc_caches, smc_program, draft_model=True, drafts=True, particles=True,
-        shapes=rounds.smc_shapes, cost=rounds.smc_cost, label=lambda n, k: f"smc-n{n}-k{k}",
+        shapes=smc_shapes, cost=smc_cost, label=lambda n, k: f"smc-n{n}-k{k}",
         pattern=r"smc-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
 }  # fmt: skip

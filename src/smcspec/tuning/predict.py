@@ -2,12 +2,12 @@
 
 Pure functions (no model, no clock): unit-testable with hand-written costs.
 
-A *round* of each method, the forwards it issues and what they cost, is its decoder's
-(:mod:`smcspec.decoding.rounds`, through :attr:`Setting.decoder`): ``ar`` one target forward a
-token; ``sd`` K draft forwards and a K+1-token target forward, ``(1 - alpha^(K+1)) /
-(1 - alpha)`` tokens a round (Leviathan et al. 2023, eq. 1); ``smc`` K draft forwards of N rows
-and one target forward of N x (K+1) tokens for K+1 tokens (Emara et al. 2026,
-arXiv:2604.15672; the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row
+A *round* of each method, the forwards it issues and what they cost, is its decoder's (its
+``cost`` module, :mod:`smcspec.decoding.rounds`; through :attr:`Setting.decoder`): ``ar`` one
+target forward a token; ``sd`` K draft forwards and a K+1-token target forward,
+``(1 - alpha^(K+1)) / (1 - alpha)`` tokens a round (Leviathan et al. 2023, eq. 1); ``smc`` K
+draft forwards of N rows and one target forward of N x (K+1) tokens for K+1 tokens (Emara et
+al. 2026, arXiv:2604.15672; the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row
 costs). ``sd`` with n-gram drafts (no draft model, :mod:`smcspec.decoding.sd.ngram`) is priced
 *at its gate's threshold*: its speed depends on how much the answer copies the text before
 it, which no prompt-independent measurement knows, and its gate drafts only where the
@@ -69,8 +69,8 @@ import numpy as np
 from smcspec.config import NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
 from smcspec.decoding.registry import Decoder, choice, decoder_named
 from smcspec.decoding.rounds import RoundCosts, Shape
-from smcspec.decoding.rounds import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
+from smcspec.decoding.sd.cost import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.errors import ConfigError
 from smcspec.tuning.multi_draft import multi_sd_tokens_per_round
 
