@@ -125,7 +125,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         if fused and k == cfg.draft_tokens:  # the whole round on the device
             tree = _Tree(*(yield from multi_sd_round(job, tcache, dcache, pending_d, pending_t)))
         else:
-            tree = yield from _round_steps(job, tcache, dcache, pending_d, pending_t, k, state)
+            tree = yield from _tree_round_steps(job, tcache, dcache, pending_d, pending_t, k, state)
         _count(stats, tree, k)
         v = tree.verdict
         c, n, nxt = int(v.chain), int(v.accepted), int(v.token)
@@ -140,7 +140,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         if state is not None:
             state = tree_state(tree, c, n, nxt, finished)
         _restart_rows(tcache, dcache, c, t_len0 + 1 + n)
-        pending_d = _draft_pending(dcache, d_len0, pending_d, tree.drafted[c], n, nxt)
+        pending_d = _tree_draft_pending(dcache, d_len0, pending_d, tree.drafted[c], n, nxt)
         pending_t = nxt
     if clock is not None:
         stats.constraint_seconds = clock.seconds
@@ -181,7 +181,7 @@ def _restart_rows(tcache: KVCache, dcache: KVCache, chain: int, t_keep: int) -> 
     dcache.reorder(anc)
 
 
-def _draft_pending(
+def _tree_draft_pending(
     dcache: KVCache, d_len0: int, pending: list[int], chain: list[int], n: int, nxt: int
 ) -> list[int]:
     """The tokens the draft has not seen after a round (deferred feeding), its KV rolled back
@@ -199,7 +199,7 @@ def _draft_pending(
     return [chain[-1], nxt]
 
 
-def _round_steps(
+def _tree_round_steps(
     job: Job,
     tcache: KVCache,
     dcache: KVCache,
@@ -266,16 +266,16 @@ class _Drafts:
         """Draw each chain's token ``j+1`` from its draft log-probs ``lq`` ``[N, V]``
         (masked under a constraint); returns int64 ``[N]``."""
         if self.masks:
-            lq = _masked_draft(lq, self.masks[j])
+            lq = _masked_draft_rows(lq, self.masks[j])
         q = lq.exp()
         d = sample_categorical(q, self.job.generator)
         self.q.append(q)
         self.tokens[:, j] = d
         if self.masks:
-            self._advance(j, d)
+            self._step_matchers(j, d)
         return d
 
-    def _advance(self, j: int, d: torch.Tensor) -> None:
+    def _step_matchers(self, j: int, d: torch.Tensor) -> None:
         """Matchers consume token ``j+1``; a chain ends at a stop token (its next mask all
         True, junk: a leaf there) or at a dead end after it (an empty mask)."""
         job = self.job
@@ -334,7 +334,7 @@ class _Drafts:
         return _Tree(chains, v, self.states, consumed)
 
 
-def _masked_draft(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_draft_rows(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``log norm(q~ * m)`` per row (float32 ``[N, V]``); a row whose kept set misses the
     mask is uniform over the mask (any proposal keeps the rule exact)."""
     empty = ~(mask & (lq > -torch.inf)).any(-1, keepdim=True)
