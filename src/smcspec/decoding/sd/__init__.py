@@ -4,6 +4,12 @@
   al. 2023); its first token and block verification serve the other two.
 * :mod:`.multi_draft`: N drafted chains a round, verified as a token tree (``-N`` >= 2).
 * :mod:`.ngram`: drafts looked up in the text (prompt lookup), no draft model.
+* :mod:`.fused`: chain and multi-draft rounds as single functions of device tensors.
+* :mod:`.stats`: :class:`~smcspec.decoding.sd.stats.SdStats`, what each of the three reports.
+* :mod:`.cost`: their rounds' forward shapes and cost (the tuner's and the roofline's).
+
+The speculative rule and the tree's verification are pure tensor functions of the sampling
+layer: :mod:`smcspec.sampling.speculative` and :mod:`smcspec.sampling.tree_verify`.
 """
 
 from smcspec.decoding.sd.chain import decode_sd, sd_caches, sd_program
