@@ -339,7 +339,7 @@ def test_the_defaults_kept_beside_the_table_agree_with_it():
 )
 def test_each_request_gets_its_decoder(kwargs, name, stats):
     """The decoder, and what the result's stats add to its own (N and K are in its typed
-    stats, :mod:`smcspec.decoding.stats`)."""
+    stats, :mod:`smcspec.decoding.decoder_stats`)."""
     cfg = GenerationConfig(**kwargs).validate()
     decoder = decoder_for(cfg)
     assert decoder is DECODERS[name]

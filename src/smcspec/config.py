@@ -128,7 +128,7 @@ class GenerationConfig:
         draft_temperature: draft temperature ``T_d`` (> 0; smc and sd; greedy decoding
             drafts the draft's most likely tokens whatever it is).
         particles: N, particles per request (smc), or drafted chains per round (sd: N >= 2
-            is multi-draft sd, :mod:`smcspec.decoding.sd.multi_draft`; 1 is chain sd). ``None``
+            is multi-draft sd, :mod:`smcspec.decoding.sd.multi_sd`; 1 is chain sd). ``None``
             (the default) is the method's default (:data:`METHOD_PARTICLES`), resolved when
             the config is made: ``replace(cfg, method=...)`` keeps ``cfg``'s N unless it is
             given ``particles=None`` too.

@@ -24,11 +24,11 @@ from smcspec.backends.pool import CacheNeed, Reservation, ResourcePool
 from smcspec.chat import encode_chat, encode_raw
 from smcspec.config import GenerationConfig
 from smcspec.decoding import DecodeOutput, Program, run_program
+from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import LogprobCallback, hit_token_cap
 from smcspec.decoding.registry import Decoder, decoder_for
-from smcspec.decoding.stats import Stats
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair

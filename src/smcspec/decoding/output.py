@@ -34,7 +34,7 @@ class ParticleOutput:
 @dataclass
 class DecodeOutput:
     """What a decoder returns: the new tokens and its statistics (its own typed record,
-    :mod:`smcspec.decoding.stats`); with ``cfg.logprobs`` the tokens'
+    :mod:`smcspec.decoding.decoder_stats`); with ``cfg.logprobs`` the tokens'
     log-probabilities (:class:`~smcspec.decoding.logprobs.TokenLogprobs`, one per token),
     with ``cfg.prompt_logprobs`` the prompt's (prompt tokens 1 .. P-1)."""
 

@@ -2,16 +2,16 @@
 
 Each :class:`Decoder` owns its program (``program(job)``, on the request's
 :class:`~smcspec.decoding.job.Job`), the KV caches it opens (``caches(cfg, prompt_len)``, for
-the pools' reservation), its typed stats (:mod:`smcspec.decoding.stats`: their JSON keys, stats
-line and metrics), its round's forward shapes and cost (each decoder's ``cost`` module,
-:mod:`smcspec.decoding.rounds`: what the tuner predicts and the roofline prices), the name of a
-setting in reports and ``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a
-config must hold to run on it. :func:`decoder_for` picks the decoder of a config: greedy
-``smc`` runs as greedy ``sd`` (SMC-SD's weights are undefined for a point-mass target), ``sd``
-with N >= 2 chains runs multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs
-the n-gram decoder. :data:`CHOICES` are the values a user may ask for (the methods and
-``auto``), with how each is tuned; :data:`BASELINE` is the decoder speed-ups are measured
-against.
+the pools' reservation), the class of its typed stats (``stats_class``,
+:mod:`smcspec.decoding.decoder_stats`: their JSON keys, stats line and metrics), its round's
+forward shapes and cost (each decoder's ``cost`` module, :mod:`smcspec.decoding.rounds`: what
+the tuner predicts and the roofline prices), the name of a setting in reports and ``eval``
+(``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run on it.
+:func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
+(SMC-SD's weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs
+multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder.
+:data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
+tuned; :data:`BASELINE` is the decoder speed-ups are measured against.
 
 This module is the one place code decides on the name of a method, a draft
 (:class:`~smcspec.config.Draft`) or a decoder: elsewhere it asks the table (:func:`decoder_for`,
@@ -33,6 +33,7 @@ from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT, Draft, GenerationConfig
 from smcspec.decoding.ar.cost import ar_cost, ar_shapes
 from smcspec.decoding.ar.program import ar_caches, ar_program
 from smcspec.decoding.ar.stats import ArStats
+from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Program
 from smcspec.decoding.rounds import Shape
@@ -45,13 +46,12 @@ from smcspec.decoding.sd.cost import (
     sd_cost,
     sd_shapes,
 )
-from smcspec.decoding.sd.multi_draft import multi_sd_caches, multi_sd_program
+from smcspec.decoding.sd.multi_sd import multi_sd_caches, multi_sd_program
 from smcspec.decoding.sd.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.sd.stats import SdStats
 from smcspec.decoding.smc.cost import smc_cost, smc_shapes
 from smcspec.decoding.smc.program import smc_caches, smc_program
 from smcspec.decoding.smc.stats import SmcStats
-from smcspec.decoding.stats import Stats
 from smcspec.errors import ConfigError
 
 Shapes = tuple[tuple[Shape, ...], tuple[Shape, ...]]
@@ -67,7 +67,7 @@ class Decoder:
         caches: ``(cfg, prompt_len) -> [CacheNeed]``.
         program: ``(job) -> Program`` (:class:`~smcspec.decoding.job.Job`).
         stats_class: the class of the stats its program returns (its ``DecodeOutput.stats``:
-            JSON keys, stats line, metrics; :mod:`smcspec.decoding.stats`).
+            JSON keys, stats line, metrics; :mod:`smcspec.decoding.decoder_stats`).
         draft_model: it runs the draft model.
         draft_tokens: it drafts ``cfg.draft_tokens`` tokens a round (the last round may
             overshoot the budget by that many).

@@ -1,11 +1,11 @@
-"""``ar``'s statistics (:mod:`smcspec.decoding.stats`)."""
+"""``ar``'s statistics (:mod:`smcspec.decoding.decoder_stats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from smcspec.decoding.stats import Metrics, with_optional
+from smcspec.decoding.decoder_stats import Metrics, with_optional
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 * :mod:`.chain`: one chain of K drafted tokens a round from the draft model (Leviathan et
   al. 2023); its first token and block verification serve the other two.
-* :mod:`.multi_draft`: N drafted chains a round, verified as a token tree (``-N`` >= 2).
+* :mod:`.multi_sd`: N drafted chains a round, verified as a token tree (``-N`` >= 2).
 * :mod:`.ngram`: drafts looked up in the text (prompt lookup), no draft model.
 * :mod:`.fused`: chain and multi-draft rounds as single functions of device tensors.
 * :mod:`.stats`: :class:`~smcspec.decoding.sd.stats.SdStats`, what each of the three reports.
@@ -13,7 +13,7 @@ layer: :mod:`smcspec.sampling.speculative` and :mod:`smcspec.sampling.tree_verif
 """
 
 from smcspec.decoding.sd.chain import decode_sd, sd_caches, sd_program
-from smcspec.decoding.sd.multi_draft import decode_multi_sd, multi_sd_caches, multi_sd_program
+from smcspec.decoding.sd.multi_sd import decode_multi_sd, multi_sd_caches, multi_sd_program
 from smcspec.decoding.sd.ngram import decode_ngram_sd, ngram_caches, ngram_sd_program
 
 __all__ = [

@@ -4,7 +4,7 @@
   speculative test (Leviathan et al. 2023, Alg. 1) and the token after the accepted prefix
   (chain sd, :mod:`smcspec.decoding.sd.chain`).
 * :func:`multi_sd_round`: K draft steps for N chains, the target's forward over every row and
-  the tree's verdict (multi-draft sd, :mod:`smcspec.decoding.sd.multi_draft`).
+  the tree's verdict (multi-draft sd, :mod:`smcspec.decoding.sd.multi_sd`).
 
 Each with its ``*_joined`` twin over every slot of a bank (the scheduler's joined rounds).
 """
@@ -171,7 +171,7 @@ def _sd_body(job: Job, x: Tensors, draft: StaticForward, target: StaticForward) 
 def multi_sd_round(
     job: Job, tcache: KVCache, dcache: KVCache, pending_d: list[int], pending_t: int
 ) -> Generator[Round, Tensors, tuple[list[list[int]], TreeVerdict]]:
-    """One round of multi-draft sd (:mod:`smcspec.decoding.sd.multi_draft`) as a :class:`Round`,
+    """One round of multi-draft sd (:mod:`smcspec.decoding.sd.multi_sd`) as a :class:`Round`,
     which the scheduler may run batched with other requests' rounds of the same shape
     (:class:`Join`, :func:`multi_sd_joined`): K draft steps for the N chains after feeding
     ``pending_d`` (1 or 2 tokens, the same on every row), the target's forward over

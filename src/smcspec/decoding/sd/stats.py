@@ -1,11 +1,12 @@
-"""sd's statistics, chain, multi-draft and n-gram sd alike (:mod:`smcspec.decoding.stats`)."""
+"""sd's statistics, chain, multi-draft and n-gram sd alike
+(:mod:`smcspec.decoding.decoder_stats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from smcspec.decoding.stats import Metrics, with_optional
+from smcspec.decoding.decoder_stats import Metrics, with_optional
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class SdStats:
     def multi_draft(cls, chains: int, draft_tokens: int) -> SdStats:
         """Empty stats of multi-draft sd with ``chains`` N: per depth ``j`` (0-based) the
         rounds that reached it and those that accepted a token there, and the candidates
-        examined over all rounds (:mod:`smcspec.decoding.sd.multi_draft`)."""
+        examined over all rounds (:mod:`smcspec.decoding.sd.multi_sd`)."""
         zeros = [0] * draft_tokens
         return cls(draft_tokens, 0, 0, 0, chains=chains, depth_reached=zeros,
                    depth_accepted=list(zeros), candidates=0)  # fmt: skip

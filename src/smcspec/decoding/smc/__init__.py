@@ -9,9 +9,9 @@ The steps follow ``docs/smc-sd.md``:
 * :mod:`.fused`: steps 3a, 3b and 3d as one function of device tensors (a CUDA graph).
 * :mod:`.round_end`: step 3f: resampling, banking, the epsilon stop, hosts for ended rows.
 * :mod:`.cut`: rounds cut where the ESS falls (``round_end="ess"``).
-* :mod:`.output`: streaming, and step 5: the answer drawn from the particles.
-* :mod:`.potentials`: the hooks for constraints, rewards and twists.
-* :mod:`.logprobs`: every particle's token log-probabilities (``cfg.logprobs``).
+* :mod:`.answer`: streaming, and step 5: the answer drawn from the particles.
+* :mod:`.potential_hooks`: the hooks for constraints, rewards and twists.
+* :mod:`.particle_logprobs`: every particle's token log-probabilities (``cfg.logprobs``).
 * :mod:`.stats`: :class:`~smcspec.decoding.smc.stats.SmcStats`, what a request reports.
 * :mod:`.cost`: the round's forward shapes and cost (the tuner's and the roofline's).
 

@@ -10,12 +10,12 @@ import math
 
 import torch
 
-import smcspec.decoding.smc.potentials as smc_potentials
+import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Program
 from smcspec.decoding.smc.fused import smc_block
-from smcspec.decoding.smc.logprobs import position_values
+from smcspec.decoding.smc.particle_logprobs import position_values
 from smcspec.decoding.smc.particles import Block, Particles
 from smcspec.potentials import DeadEndError
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import smcspec.decoding.smc.potentials as smc_potentials
+import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.decoding.job import Job
-from smcspec.decoding.smc.logprobs import ParticleLogprobs, Values, position_values
+from smcspec.decoding.smc.particle_logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import sample_categorical
 from smcspec.sampling.smc_weights import power_target_probs
@@ -44,7 +44,7 @@ class Particles:
     # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
     # (itself while running; see round_end.host_ended), or None before any particle ended
     host: torch.Tensor | None = None
-    # requests that ask for logprobs: every particle's tokens' values (smc/logprobs.py)
+    # requests that ask for logprobs: every particle's tokens' values (smc/particle_logprobs.py)
     logprobs: ParticleLogprobs | None = None
 
 

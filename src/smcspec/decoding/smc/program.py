@@ -47,9 +47,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import smcspec.decoding.smc.answer as smc_answer
 import smcspec.decoding.smc.block as blocks
 import smcspec.decoding.smc.cut as smc_cut
-import smcspec.decoding.smc.output as smc_output
 import smcspec.decoding.smc.round_end as round_end
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
@@ -132,7 +132,7 @@ def smc_program(job: Job) -> Program:
 def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     """Steps 1 to 5 on the request's caches: the prefills and x0, then rounds (the proposal,
     :mod:`.block`; its end, :mod:`.round_end`; cut rounds, :mod:`.cut`) until every particle
-    has ended, streaming what every particle holds and drawing the answer (:mod:`.output`)."""
+    has ended, streaming what every particle holds and drawing the answer (:mod:`.answer`)."""
     cfg = job.config
     cap = cache_capacity(cfg.max_new_tokens, cfg.draft_tokens)
     # 1. prefill once per model (shared prefix KV); x0 from the target's power distribution
@@ -140,7 +140,7 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     first = first[: job.vocab]
     yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
     ps, clock = initial_particles(job, first, cap)
-    emitted = smc_output.emit(ps, 0, job)
+    emitted = smc_answer.emit(ps, 0, job)
     fused = not cfg.has_potential and is_static(tcache, dcache)
     while not bool(ps.finished.all()) and not round_end.mass_stop(job, ps):
         lengths0 = (tcache.length, dcache.length, ps.pending_d.shape[1])
@@ -162,9 +162,9 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
             if bool(ended.any()):  # particles the bonus ended: banked now
                 round_end.end_round(job, ps, ended, ended, tcache, dcache, bank_only=True)
         round_end.host_ended(ps, tcache, dcache)
-        emitted = smc_output.emit(ps, emitted, job)
+        emitted = smc_answer.emit(ps, emitted, job)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
-    out = smc_output.final_output(job, ps, keep, emitted, clock, tcache, dcache)
+    out = smc_answer.final_output(job, ps, keep, emitted, clock, tcache, dcache)
     out.prompt_logprobs = prompt_lps
     return out
 

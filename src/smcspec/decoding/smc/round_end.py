@@ -94,7 +94,7 @@ def _bank_group(job: Job, ps: Particles, g: int, ended: torch.Tensor) -> torch.T
     to its own share; the running particles are resampled into all the group's slots (an
     unbiased resampling among them, so the SMC estimate stays consistent) and restart at
     equal weights. The output is later drawn from the banked particles in proportion to their
-    mass (:func:`~smcspec.decoding.smc.output.final_output`)."""
+    mass (:func:`~smcspec.decoding.smc.answer.final_output`)."""
     cfg = job.config
     sl = cfg.group(g)
     log_shares, log_run = finished_shares(ps.logw[sl], ended[sl])

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-import smcspec.decoding.smc.potentials as smc_potentials
+import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
