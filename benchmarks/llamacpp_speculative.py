@@ -149,7 +149,7 @@ def main() -> int:
     if args.ngram_min is not None:  # an experiment: the decoder builds its index from here
         import functools
 
-        import smcspec.decoding.ngram as ngram
+        import smcspec.decoding.sd.ngram as ngram
 
         ngram.NgramIndex = functools.partial(ngram.NgramIndex, n_min=args.ngram_min)
     engine.generate("Hello", GenerationConfig(method="ar", max_new_tokens=4, seed=0))  # warm-up

@@ -29,7 +29,7 @@ from enumerable import (
     until_decided,
 )
 
-import smcspec.decoding.smc_potentials as hooks_module
+import smcspec.decoding.smc.potential_hooks as hooks_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.eval.automaton import NextTokenAutomaton

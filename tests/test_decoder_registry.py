@@ -9,10 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from enumerable import tiny_transformer
 
 import smcspec
 from smcspec import GenerationConfig
 from smcspec.config import DRAFT_KINDS, METHOD_PARTICLES, METHODS
+from smcspec.decoding.job import job_for
+from smcspec.decoding.program import run_program
 from smcspec.decoding.registry import BASELINE, BY_METHOD, CHOICES, DECODERS, decoder_for
 
 SRC = Path(smcspec.__file__).parent
@@ -56,13 +60,10 @@ def _lookups(root: Path) -> set[str]:
     return _defined(root / REGISTRY, ast.FunctionDef)
 
 
-@functools.cache
-def _stats_classes(root: Path) -> set[str]:
-    """The decoders' stats classes (``ArStats``, ``SdStats``, ``SmcStats``), wherever in
-    ``decoding/`` they are defined."""
-    return {
-        c for p in (root / "decoding").rglob("*.py") for c in _defined(p, ast.ClassDef, "Stats")
-    }
+def _stats_classes() -> set[str]:
+    """The decoders' stats classes (``ArStats``, ``SdStats``, ``SmcStats``): the ones the
+    table's rows name (:attr:`~smcspec.decoding.registry.Decoder.stats_class`)."""
+    return {d.stats_class.__name__ for d in DECODERS.values()}
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
@@ -182,7 +183,7 @@ def method_switches(
     attribute with anything; any lookup in the table's dicts (``BY_METHOD[x]``, ``x in
     BY_METHOD``); and a type switch on a decoder's stats class (``isinstance(s, SmcStats)``).
     ``source``: its text or tree; ``strings``: the module's constants (:func:`_strings`)."""
-    scan = _Scan(strings, _lookups(root), _stats_classes(root))
+    scan = _Scan(strings, _lookups(root), _stats_classes())
     tree = ast.parse(source) if isinstance(source, str) else source
     out = []
     for node in ast.walk(tree):
@@ -346,3 +347,19 @@ def test_each_request_gets_its_decoder(kwargs, name, ran_as):
     assert decoder.ran_as(cfg) == ran_as
     assert decoder.draft_model == (name in ("sd", "smc"))
     assert decoder.draft_tokens == (name != "ar")
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_each_program_returns_the_stats_class_its_row_names(name):
+    """A row's ``stats_class`` is the class of the stats its program returns (the guard above
+    reads the stats classes from the rows). Broken variant: the ``ngram-sd`` row naming
+    ``SmcStats`` fails here (its program returns ``SdStats``)."""
+    decoder = DECODERS[name]
+    cfg = decoder.configure(GenerationConfig(max_new_tokens=4, temperature=1.0), n=2, k=2)
+    cfg = cfg.validate()
+    assert decoder_for(cfg) is decoder
+    target = tiny_transformer(seed=1, vocab=8)
+    draft = tiny_transformer(seed=2, vocab=8) if decoder.draft_model else None
+    job = job_for(target, draft, [1, 2, 0], cfg, frozenset(), 8, torch.Generator().manual_seed(0))
+    out = run_program(decoder.program(job))
+    assert type(out.stats) is decoder.stats_class

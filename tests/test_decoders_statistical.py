@@ -23,7 +23,7 @@ from enumerable import (
 )
 from scipy.stats import chisquare
 
-import smcspec.decoding.sd as sd_module
+import smcspec.decoding.sd.chain as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd, decode_smc
 

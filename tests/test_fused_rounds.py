@@ -1,4 +1,4 @@
-"""Rounds as one function of device tensors (decoding/fused.py) against the step-by-step rounds.
+"""Rounds as one function of device tensors (each decoder's fused.py) against step-by-step rounds.
 
 On the CPU the fused rounds run uncaptured (``rounds="eager"``) on static caches under the
 host-read guard, which raises at any host read inside a round; captured, the same functions

@@ -2,7 +2,7 @@
 
 The static caches of one shape live in one bank (``backends/torch/static_cache.py``); the
 scheduler runs the pending ``ar`` rounds of the requests on one bank as one forward over
-every slot (``Transformer.decode_bank``, ``decoding/fused.ar_joined``), captured as one CUDA
+every slot (``Transformer.decode_bank``, ``decoding/ar/fused.ar_joined``), captured as one CUDA
 graph on a GPU. On the CPU they run uncaptured under the host-read guard (``rounds="eager"``).
 Checked here: the bank keeps what its caches hold when it grows; the batched forward gives
 each slot the logits its own static forward gives, and leaves the slots outside the call

@@ -21,13 +21,13 @@ from enumerable import tiny_transformer
 from scipy.stats import chisquare
 from tiny_models import make_tiny_chat_pair
 
-import smcspec.decoding.multi_sd as multi_sd
+import smcspec.decoding.sd.multi_sd as multi_sd
 import smcspec.sampling.tree_verify as tree_verify
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.pool import pool_needs
 from smcspec.backends.torch import load_hf_dir
-from smcspec.decoding.multi_sd import decode_multi_sd
 from smcspec.decoding.registry import DECODERS, decoder_for, parse_label
+from smcspec.decoding.sd.multi_sd import decode_multi_sd
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.sampling.speculative import speculative_verify
 from smcspec.sampling.tree_verify import multi_draft_verify

@@ -1,4 +1,4 @@
-"""Exact speculative decoding with n-gram drafts (:mod:`smcspec.decoding.ngram`).
+"""Exact speculative decoding with n-gram drafts (:mod:`smcspec.decoding.sd.ngram`).
 
 The n-gram proposal is a point mass; the exact rule accepts a drafted token with probability
 ``p(x)`` and resamples from ``p`` without it on a rejection, so the output must follow the
@@ -25,11 +25,11 @@ from enumerable import (
     until_decided,
 )
 
-import smcspec.decoding.sd as sd_module
+import smcspec.decoding.sd.chain as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_ngram_sd
-from smcspec.decoding.ngram import NgramGate, NgramIndex, next_draft_length
 from smcspec.decoding.registry import decoder_for
+from smcspec.decoding.sd.ngram import NgramGate, NgramIndex, next_draft_length
 from smcspec.errors import ConfigError
 
 # the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
@@ -164,7 +164,7 @@ def test_rounds_the_gate_cuts_short_stay_exact(target, monkeypatch):
     the real gate's cut is rare in 5-token runs, so the gate's length is replaced by a rule
     that cuts most rounds, from the past only (the number of first-position observations):
     the decoder's partial drafts, verified by the exact rule, must still sample the target."""
-    from smcspec.decoding import ngram
+    from smcspec.decoding.sd import ngram
 
     cuts = Counter()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
 
-import smcspec.decoding.sd as sd_module
+import smcspec.decoding.sd.chain as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd
 from smcspec.errors import ConfigError

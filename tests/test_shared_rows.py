@@ -311,9 +311,10 @@ KEEP_CFG = GenerationConfig(
 
 def _keep_runs(target, draft, vocab, stop, monkeypatch, seeds, rel=1e-5) -> tuple[float, float]:
     """Keep-rule SMC-SD with ``stop`` as the stop token, with and without hosts for the
-    particles that end (``_host_ended``): identical tokens and particles, weights and stats
-    equal within ``rel``; returns the mean distinct target fraction with and without hosts."""
-    import smcspec.decoding.smc as smc_module
+    particles that end (``round_end.host_ended``): identical tokens and particles, weights and
+    stats equal within ``rel``; returns the mean distinct target fraction with and without
+    hosts."""
+    import smcspec.decoding.smc.round_end as round_end
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
@@ -323,7 +324,7 @@ def _keep_runs(target, draft, vocab, stop, monkeypatch, seeds, rel=1e-5) -> tupl
     for seed in seeds:
         a = run(seed)
         with monkeypatch.context() as m:
-            m.setattr(smc_module, "_host_ended", lambda ps, tcache, dcache: None)
+            m.setattr(round_end, "host_ended", lambda ps, tcache, dcache: None)
             b = run(seed)
         assert a.tokens == b.tokens
         assert [p.tokens for p in a.particles] == [p.tokens for p in b.particles]
@@ -384,12 +385,12 @@ def test_particles_with_the_same_tokens_have_the_same_matcher_state(monkeypatch)
     """Sharing never looks at matchers (each particle keeps its own mask), but a shared row
     is only right if a particle's state is a function of its tokens: checked after every
     round of constrained SMC-SD (with resampling), for every pair of live particles."""
-    import smcspec.decoding.smc as smc_module
+    import smcspec.decoding.smc.round_end as round_end
     from smcspec.eval.automaton import NextTokenAutomaton
     from smcspec.eval.fidelity import CONSTRAINT_TABLE
 
     target, draft = tiny_transformer(seed=1), tiny_transformer(seed=2)
-    real_resample, pairs = smc_module._end_round, []
+    real_resample, pairs = round_end.end_round, []
 
     def checked(st, ps, ended, running, tcache, dcache):
         real_resample(st, ps, ended, running, tcache, dcache)
@@ -406,7 +407,7 @@ def test_particles_with_the_same_tokens_have_the_same_matcher_state(monkeypatch)
                     assert torch.equal(ps.states[a].allowed(), ps.states[b].allowed())
                     assert ps.states[a].is_accepting() == ps.states[b].is_accepting()
 
-    monkeypatch.setattr(smc_module, "_end_round", checked)
+    monkeypatch.setattr(round_end, "end_round", checked)
     cfg = GenerationConfig(
         max_new_tokens=9,
         particles=8,

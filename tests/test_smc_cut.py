@@ -1,6 +1,6 @@
 """SMC-SD rounds cut where the ESS falls (``round_end="ess"``) and the epsilon stop.
 
-Checked cheaply here: where a round is cut (:func:`smcspec.decoding.smc_cut.cut_position`
+Checked cheaply here: where a round is cut (:func:`smcspec.decoding.smc.cut.cut_position`
 on hand-made weights); after every cut round each particle's target and draft KV rows and
 its matcher hold exactly its tokens (fresh computations), which a round that forgets to roll
 the caches back fails; the fused round draws what the step path draws (bank and keep rules,
@@ -17,12 +17,13 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc as smc_module
-import smcspec.decoding.smc_cut as smc_cut
+import smcspec.decoding.smc.cut as smc_cut
+import smcspec.decoding.smc.program as smc_module
+import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
-from smcspec.decoding.smc import _Block, _Particles
-from smcspec.decoding.smc_cut import cut_position
+from smcspec.decoding.smc.cut import cut_position
+from smcspec.decoding.smc.particles import Block, Particles
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.eval.automaton import NextTokenAutomaton
 
@@ -38,11 +39,11 @@ class _Job:
         self.stop_tensor = torch.tensor([9])
 
 
-def _particles(logw: list[float], finished: list[bool] | None = None) -> _Particles:
+def _particles(logw: list[float], finished: list[bool] | None = None) -> Particles:
     n = len(logw)
     z = torch.zeros(n, dtype=torch.float64)
     one = torch.zeros(n, 1, dtype=torch.long)
-    return _Particles(
+    return Particles(
         tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.ones(n, dtype=torch.long),
         finished=torch.tensor(finished or [False] * n),
         logw=torch.tensor(logw, dtype=torch.float64), pending_t=one, pending_d=one, phi=z,
@@ -57,7 +58,7 @@ def test_the_round_is_cut_at_the_first_position_whose_ess_falls():
     # increments: equal at positions 1-2, then particle 0 gains 5 nats at position 3
     target_lp = torch.zeros(4, 4)
     target_lp[0, 2] = 5.0
-    b = _Block(drafted, torch.zeros(4, 4), None, None, target_lp)
+    b = Block(drafted, torch.zeros(4, 4), None, None, target_lp)
     assert cut_position(job, _particles([0.0] * 4), b) == 3
     # no fall: the whole block
     b.target_lp = torch.zeros(4, 4)
@@ -69,7 +70,7 @@ def test_the_round_is_cut_at_the_first_position_whose_ess_falls():
     # a finished particle gains nothing; weights already unequal count from the start
     drafted[0, 1] = 0
     assert cut_position(job, _particles([0.0] * 4, [True, False, False, False]), b) == 4
-    assert cut_position(job, _particles([9.0, 0.0, 0.0, 0.0]), _Block(
+    assert cut_position(job, _particles([9.0, 0.0, 0.0, 0.0]), Block(
         drafted, torch.zeros(4, 4), None, None, torch.zeros(4, 4))) == 1  # fmt: skip
     # kappa 0 never resamples: never cut
     assert cut_position(_Job(replace(cfg, ess_threshold=0.0)), _particles([0.0] * 4), b) == 4
@@ -204,7 +205,7 @@ def test_the_epsilon_stop_ends_only_below_epsilon(pair, monkeypatch):
 
 def test_an_epsilon_stop_that_ignores_the_mass_is_caught(pair, monkeypatch):
     """Broken variant: stop as soon as anything is banked."""
-    real = smc_module._mass_stop
+    real = round_end.mass_stop
 
     def eager(job, ps):
         if ps.banked and job.config.stop_epsilon > 0:
@@ -213,7 +214,7 @@ def test_an_epsilon_stop_that_ignores_the_mass_is_caught(pair, monkeypatch):
             return True
         return real(job, ps)
 
-    monkeypatch.setattr(smc_module, "_mass_stop", eager)
+    monkeypatch.setattr(round_end, "mass_stop", eager)
     cfg = replace(ESS, max_new_tokens=30, round_end="block", return_particles=False,
                   stop_epsilon=0.2)  # fmt: skip
     masses = [_run(pair, "steps", cfg, seed=s).stats.banked_mass for s in range(12)]

@@ -20,7 +20,7 @@ import torch
 from enumerable import one_particle_log_probs, sequence_log_probs, tiny_transformer, total_variation
 from scipy.stats import binom
 
-import smcspec.decoding.smc_cut as smc_cut
+import smcspec.decoding.smc.cut as smc_cut
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from enumerable import sequence_log_probs, stopped_sequence_log_probs, tiny_transformer
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.errors import ConfigError
@@ -74,13 +74,13 @@ def test_no_particle_is_ever_copied_across_groups(stop_pair, monkeypatch, rule):
     """Resampling at every round (kappa 1) and banking: every ancestor vector keeps each
     particle in its own group, and groups resample on their own."""
     target, draft = stop_pair
-    real, seen = smc_module._take_ancestors, []
+    real, seen = round_end._take_ancestors, []
 
     def spy(ps, anc, reset, *rest):
         seen.append((anc.clone(), reset.clone()))
         real(ps, anc, reset, *rest)
 
-    monkeypatch.setattr(smc_module, "_take_ancestors", spy)
+    monkeypatch.setattr(round_end, "_take_ancestors", spy)
     cfg = _cfg(8, 4, max_new_tokens=9, ess_threshold=1.0, finished_particles=rule)
     for seed in range(20):
         gen = torch.Generator().manual_seed(seed)

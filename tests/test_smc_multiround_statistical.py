@@ -19,7 +19,8 @@ import pytest
 import torch
 from enumerable import one_particle_log_probs, sequence_log_probs, tiny_transformer, total_variation
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.program as smc_module
+import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.potentials import DeadEndError
@@ -118,8 +119,8 @@ def _skip_pending_reorder(real):
 def test_skipping_the_pending_tokens_reorder_is_caught(pair, monkeypatch):
     """Measured TV 0.285 at N=16 (against 0.096 for the real code above)."""
     target, draft = pair
-    real = smc_module._end_round
-    monkeypatch.setattr(smc_module, "_end_round", _skip_pending_reorder(real))
+    real = round_end.end_round
+    monkeypatch.setattr(round_end, "end_round", _skip_pending_reorder(real))
     tv, resamples = _tv(target, draft, _cfg(16))
     assert resamples >= 0.9
     assert tv > 0.2
@@ -141,7 +142,7 @@ def _rows_hold_their_tokens(model, cache, tokens: torch.Tensor) -> bool:
 def _checked_runs(target, draft, monkeypatch, variant=None) -> list[bool]:
     """After every resampling of 6 seeded runs (N=8, K=2, 12 tokens, no stop tokens), do the
     target's and the draft's KV rows hold their particles' tokens?"""
-    real = smc_module._end_round
+    real = round_end.end_round
     step = variant(real) if variant else real
     checks: list[bool] = []
 
@@ -151,7 +152,7 @@ def _checked_runs(target, draft, monkeypatch, variant=None) -> list[bool]:
             checks.append(_rows_hold_their_tokens(target, tcache, ps.tokens))
             checks.append(_rows_hold_their_tokens(draft, dcache, ps.tokens))
 
-    monkeypatch.setattr(smc_module, "_end_round", spy)
+    monkeypatch.setattr(round_end, "end_round", spy)
     cfg = GenerationConfig(
         method="smc", max_new_tokens=12, particles=8, draft_tokens=2, ess_threshold=1.0
     )
@@ -229,8 +230,8 @@ def _constrained_checks(monkeypatch, skip_state_reorder: bool) -> list[bool]:
     target = tiny_transformer(seed=1)
     draft = tiny_transformer(seed=2, scale=0.1, base=target)
     if skip_state_reorder:
-        monkeypatch.setattr(smc_module, "reorder", lambda states, ancestors: states)
-    real = smc_module._end_round
+        monkeypatch.setattr(round_end, "reorder", lambda states, ancestors: states)
+    real = round_end.end_round
     checks: list[bool] = []
 
     def spy(st, ps, ended, running, tcache, dcache):
@@ -238,7 +239,7 @@ def _constrained_checks(monkeypatch, skip_state_reorder: bool) -> list[bool]:
         if ps.resamples and ps.states:
             checks.append(_states_match_tokens(dfa, ps))
 
-    monkeypatch.setattr(smc_module, "_end_round", spy)
+    monkeypatch.setattr(round_end, "end_round", spy)
     cfg = GenerationConfig(
         method="smc", max_new_tokens=9, particles=8, draft_tokens=1, ess_threshold=1.0,
         constraint=dfa,

@@ -19,10 +19,10 @@ import torch
 from enumerable import chisquare_p, total_variation, tv_lower_bound, until_decided
 from tiny_models import make_tiny_gguf
 
-import smcspec.decoding.sd as sd_module
+import smcspec.decoding.sd.chain as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd, decode_smc
-from smcspec.decoding.multi_sd import decode_multi_sd
+from smcspec.decoding.sd.multi_sd import decode_multi_sd
 
 pytest.importorskip("llama_cpp")
 from smcspec.backends.llamacpp import LlamaCppModel, LlamaCppSettings  # noqa: E402

@@ -27,8 +27,8 @@ from enumerable import (
 )
 from scipy.stats import chisquare
 
-import smcspec.decoding.sd as sd_module
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.sd.chain as sd_module
+import smcspec.decoding.smc.block as smc_block
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.sampling.truncation import truncate_log_probs
@@ -200,7 +200,7 @@ def test_smc_error_falls_with_particles_and_a_wrong_weight_rule_stays_higher(pai
             SMC_RUNS,
         ),
     }
-    monkeypatch.setattr(smc_module, "truncate_log_probs", _unprocessed_target_weights)
+    monkeypatch.setattr(smc_block, "truncate_log_probs", _unprocessed_target_weights)
     cfg16 = _cfg("smc", setting, particles=16)
     wrong = total_variation(ex, _sample(decode_smc, (target, draft), cfg16, SMC_RUNS), SMC_RUNS)
     # N=1 is plain drafting (exact TV 0.901 here: the draft favours tokens the target's

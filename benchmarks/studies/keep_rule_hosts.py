@@ -1,4 +1,4 @@
-"""Ended particles under the keep rule, with and without hosts (``decoding/smc.py::_host_ended``).
+"""Ended particles under the keep rule, with and without hosts (``decoding/smc/round_end.py``).
 
 Under the keep rule (a reward, a constraint, alpha != 1) a particle that ends stays among the
 N, and a request runs until its last particle ends. Without hosts every ended particle is
@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
-import smcspec.decoding.smc as smc_module
+import smcspec.decoding.smc.round_end as round_end
 from smcspec import Engine, GenerationConfig
 from smcspec.eval import harness
 from smcspec.eval.humaneval import load_humaneval
@@ -32,17 +32,18 @@ from smcspec.tuning.cache import cpu_model
 
 
 def run(engine: Engine, item, index: int, spec, seed: int, hosts: bool) -> dict:
-    """One answer of ``spec`` to ``item``; ``hosts`` False replaces ``_host_ended`` by a no-op."""
-    real = smc_module._host_ended
+    """One answer of ``spec`` to ``item``; ``hosts`` False replaces ``round_end.host_ended``
+    by a no-op."""
+    real = round_end.host_ended
     if not hosts:
-        smc_module._host_ended = lambda ps, tcache, dcache: None
+        round_end.host_ended = lambda ps, tcache, dcache: None
     try:
         cfg = replace(spec.config, seed=seed + index)
         ans = harness._answer(
             engine, "humaneval", item, spec, harness._humaneval_messages(item), cfg
         )
     finally:
-        smc_module._host_ended = real
+        round_end.host_ended = real
     st = ans.result.stats
     return {
         "text": ans.text,

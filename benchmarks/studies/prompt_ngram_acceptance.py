@@ -1,6 +1,6 @@
 """Can a prompt's own n-grams tell, before decoding, whether n-gram drafts will pay? (issue 40)
 
-For each prompt, the n-gram index (``smcspec.decoding.ngram.NgramIndex``) is built token by
+For each prompt, the n-gram index (``smcspec.decoding.sd.ngram.NgramIndex``) is built token by
 token over the prompt itself; at each position its proposal (if any) is compared with the
 prompt's actual next token. Reported per workload (medians over prompts): the share of
 positions with a proposal, and the share of proposals that were right: a model-free proxy
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from smcspec import Engine
-from smcspec.decoding.ngram import NgramIndex
+from smcspec.decoding.sd.ngram import NgramIndex
 from smcspec.eval.sharegpt import load_sharegpt_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/

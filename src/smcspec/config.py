@@ -128,7 +128,7 @@ class GenerationConfig:
         draft_temperature: draft temperature ``T_d`` (> 0; smc and sd; greedy decoding
             drafts the draft's most likely tokens whatever it is).
         particles: N, particles per request (smc), or drafted chains per round (sd: N >= 2
-            is multi-draft sd, :mod:`smcspec.decoding.multi_sd`; 1 is chain sd). ``None``
+            is multi-draft sd, :mod:`smcspec.decoding.sd.multi_sd`; 1 is chain sd). ``None``
             (the default) is the method's default (:data:`METHOD_PARTICLES`), resolved when
             the config is made: ``replace(cfg, method=...)`` keeps ``cfg``'s N unless it is
             given ``particles=None`` too.
@@ -154,7 +154,7 @@ class GenerationConfig:
             its weight among the running ones until every particle has ended). ``"bank"``
             applies where the target's prefix marginals are its own next-token
             distributions (alpha = 1, no constraint or reward); elsewhere ``"keep"`` runs.
-            See :mod:`smcspec.decoding.smc`.
+            See :mod:`smcspec.decoding.smc.program`.
         seed: random seed, any integer (used modulo 2**64, the range of
             ``torch.Generator`` seeds); ``None`` draws a fresh one.
         return_particles: also return every particle with its normalised weight (smc).
@@ -191,29 +191,29 @@ class GenerationConfig:
             likely token has less than this probability (llama.cpp's ``--draft-p-min``).
             With n-gram drafts: draft only while the target's probability of the n-gram's
             proposals, over the last 4 rounds that had one, is at least this
-            (:class:`smcspec.decoding.ngram.NgramGate`). 0: off. ``None`` (the default):
+            (:class:`smcspec.decoding.sd.ngram.NgramGate`). 0: off. ``None`` (the default):
             the draft's own default, off with the draft model and
             :data:`NGRAM_DRAFT_P_MIN` with n-gram drafts (:attr:`p_min`). The output stays
             exact.
         draft: where drafted tokens come from: ``"model"`` (the draft model) or
             ``"ngram"`` (prompt lookup, no draft model: ``sd`` only, without a constraint;
-            :mod:`smcspec.decoding.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
+            :mod:`smcspec.decoding.sd.ngram`). SMC-SD refuses ``"ngram"``: a point-mass
             proposal does not cover the target, so its weights are undefined.
         draft_schedule: ``sd`` with n-gram drafts: ``"confidence"`` (the default) drafts the
             longest prefix of the proposal whose estimated acceptance probability, the
             product of the recent per-position means of the target's probability of the
             proposed tokens, is at least :attr:`p_min`
-            (:meth:`smcspec.decoding.ngram.NgramGate.length`; with ``p_min`` 0 the whole
+            (:meth:`smcspec.decoding.sd.ngram.NgramGate.length`; with ``p_min`` 0 the whole
             proposal); ``"fixed"`` drafts up to ``draft_tokens`` tokens every round the gate
             is open; ``"adaptive"`` lets each round's length follow the last round's
-            acceptance (:func:`smcspec.decoding.ngram.next_draft_length`: at most
+            acceptance (:func:`smcspec.decoding.sd.ngram.next_draft_length`: at most
             ``draft_tokens``, at least 1). The output stays exact either way.
         round_end: where an SMC-SD round ends: ``"block"`` (default) after all K drafted
             tokens and the bonus token; ``"ess"`` at the first drafted position where the
             running ESS falls below ``kappa * N`` (of any group): the particles are resampled
             there, the drafted tokens after it discarded, and the next token of every
             particle drawn from the target at that position (a round yields 2 to K+1
-            tokens; :mod:`smcspec.decoding.smc`, ``docs/smc-sd.md``).
+            tokens; :mod:`smcspec.decoding.smc.program`, ``docs/smc-sd.md``).
         stop_epsilon: smc with the bank rule: end the request once the particles still
             running carry less than this probability mass (and every group has banked one);
             the output is then drawn from the bank, which moves its distribution by at most

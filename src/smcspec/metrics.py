@@ -127,7 +127,7 @@ class ServerMetrics:
         ``smc`` runs as ``sd``), tokens, time to first token and, when it produced a result,
         its time per output token and its decoder's own counters; per method, the time to
         first token and the longest gap between two streamed tokens
-        (:meth:`~smcspec.decoding.decoder_stats.SmcStats.observe` and the like)."""
+        (:meth:`~smcspec.decoding.smc.stats.SmcStats.observe` and the like)."""
         self.requests.labels(method, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(req.tokens)

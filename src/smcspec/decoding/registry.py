@@ -2,11 +2,12 @@
 
 Each :class:`Decoder` owns its program (``program(job)``, on the request's
 :class:`~smcspec.decoding.job.Job`), the KV caches it opens (``caches(cfg, prompt_len)``, for
-the pools' reservation), its typed stats (:mod:`smcspec.decoding.decoder_stats`: their JSON keys,
-stats line and metrics), its round's forward shapes and cost (:mod:`smcspec.decoding.rounds`:
-what the tuner predicts and the roofline prices), the name of a setting in reports and
-``eval`` (``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run
-on it. :func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
+the pools' reservation), the class of its typed stats (``stats_class``,
+:mod:`smcspec.decoding.decoder_stats`: their JSON keys, stats line and metrics), its round's
+forward shapes and cost (each decoder's ``cost`` module, :mod:`smcspec.decoding.rounds`: what
+the tuner predicts and the roofline prices), the name of a setting in reports and ``eval``
+(``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run on it.
+:func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
 (SMC-SD's weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs
 multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder.
 :data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
@@ -27,19 +28,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import smcspec.decoding.rounds as rounds
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT, Draft, GenerationConfig
-from smcspec.decoding.ar import ar_caches, ar_program
+from smcspec.decoding.ar.cost import ar_cost, ar_shapes
+from smcspec.decoding.ar.program import ar_caches, ar_program
+from smcspec.decoding.ar.stats import ArStats
+from smcspec.decoding.decoder_stats import Stats
 from smcspec.decoding.job import Job
-from smcspec.decoding.multi_sd import multi_sd_caches, multi_sd_program
-from smcspec.decoding.ngram import ngram_caches, ngram_sd_program
 from smcspec.decoding.program import Program
-from smcspec.decoding.sd import sd_caches, sd_program
-from smcspec.decoding.smc import smc_caches, smc_program
+from smcspec.decoding.rounds import Shape
+from smcspec.decoding.sd.chain import sd_caches, sd_program
+from smcspec.decoding.sd.cost import (
+    multi_sd_cost,
+    multi_sd_shapes,
+    ngram_cost,
+    ngram_shapes,
+    sd_cost,
+    sd_shapes,
+)
+from smcspec.decoding.sd.multi_sd import multi_sd_caches, multi_sd_program
+from smcspec.decoding.sd.ngram import ngram_caches, ngram_sd_program
+from smcspec.decoding.sd.stats import SdStats
+from smcspec.decoding.smc.cost import smc_cost, smc_shapes
+from smcspec.decoding.smc.program import smc_caches, smc_program
+from smcspec.decoding.smc.stats import SmcStats
 from smcspec.errors import ConfigError
 
-Shapes = tuple[tuple[rounds.Shape, ...], tuple[rounds.Shape, ...]]
+Shapes = tuple[tuple[Shape, ...], tuple[Shape, ...]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,8 @@ class Decoder:
         method: the method it implements (``ngram-sd`` implements ``sd``).
         caches: ``(cfg, prompt_len) -> [CacheNeed]``.
         program: ``(job) -> Program`` (:class:`~smcspec.decoding.job.Job`).
+        stats_class: the class of the stats its program returns (its ``DecodeOutput.stats``:
+            JSON keys, stats line, metrics; :mod:`smcspec.decoding.decoder_stats`).
         draft_model: it runs the draft model.
         draft_tokens: it drafts ``cfg.draft_tokens`` tokens a round (the last round may
             overshoot the budget by that many).
@@ -70,6 +87,7 @@ class Decoder:
     method: str
     caches: Callable[[GenerationConfig, int], list[CacheNeed]]
     program: Callable[[Job], Program]
+    stats_class: type[Stats]
     draft_model: bool
     draft_tokens: bool
     particles: bool
@@ -106,36 +124,37 @@ class Decoder:
         return self.particles or self.chains
 
 
-def _decoder(name: str, method: str, caches, program, *, draft_model: bool, drafts: bool,
-             particles: bool = False, chains: bool = False, from_text: bool = False,
-             tuned: bool = True, shapes, cost, label, pattern: str) -> Decoder:  # fmt: skip
-    return Decoder(name, method, caches, program, draft_model, drafts, particles, chains,
-                   from_text, tuned, shapes, cost, label, re.compile(pattern))  # fmt: skip
+def _decoder(name: str, method: str, caches, program, stats_class, *, draft_model: bool,
+             drafts: bool, particles: bool = False, chains: bool = False,
+             from_text: bool = False, tuned: bool = True, shapes, cost, label,
+             pattern: str) -> Decoder:  # fmt: skip
+    return Decoder(name, method, caches, program, stats_class, draft_model, drafts, particles,
+                   chains, from_text, tuned, shapes, cost, label, re.compile(pattern))  # fmt: skip
 
 
 DECODERS = {
     "ar": _decoder(
-        "ar", "ar", ar_caches, ar_program, draft_model=False, drafts=False,
-        shapes=rounds.ar_shapes, cost=rounds.ar_cost, label=lambda n, k: "ar", pattern=r"ar",
+        "ar", "ar", ar_caches, ar_program, ArStats, draft_model=False, drafts=False,
+        shapes=ar_shapes, cost=ar_cost, label=lambda n, k: "ar", pattern=r"ar",
     ),
     "sd": _decoder(
-        "sd", "sd", sd_caches, sd_program, draft_model=True, drafts=True,
-        shapes=rounds.sd_shapes, cost=rounds.sd_cost, label=lambda n, k: f"sd-k{k}",
+        "sd", "sd", sd_caches, sd_program, SdStats, draft_model=True, drafts=True,
+        shapes=sd_shapes, cost=sd_cost, label=lambda n, k: f"sd-k{k}",
         pattern=r"sd-k(?P<k>\d+)",
     ),
     "multi-sd": _decoder(
-        "multi-sd", "sd", multi_sd_caches, multi_sd_program, draft_model=True, drafts=True,
-        chains=True, shapes=rounds.smc_shapes, cost=rounds.multi_sd_cost,
+        "multi-sd", "sd", multi_sd_caches, multi_sd_program, SdStats, draft_model=True,
+        drafts=True, chains=True, shapes=multi_sd_shapes, cost=multi_sd_cost,
         label=lambda n, k: f"sd-n{n}-k{k}", pattern=r"sd-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
     "ngram-sd": _decoder(
-        "ngram-sd", "sd", ngram_caches, ngram_sd_program, draft_model=False, drafts=True,
-        from_text=True, shapes=rounds.ngram_shapes, cost=rounds.ngram_cost,
+        "ngram-sd", "sd", ngram_caches, ngram_sd_program, SdStats, draft_model=False,
+        drafts=True, from_text=True, shapes=ngram_shapes, cost=ngram_cost,
         label=lambda n, k: f"sd-ngram-k{k}", pattern=r"sd-ngram-k(?P<k>\d+)",
     ),
     "smc": _decoder(
-        "smc", "smc", smc_caches, smc_program, draft_model=True, drafts=True, particles=True,
-        shapes=rounds.smc_shapes, cost=rounds.smc_cost, label=lambda n, k: f"smc-n{n}-k{k}",
+        "smc", "smc", smc_caches, smc_program, SmcStats, draft_model=True, drafts=True,
+        particles=True, shapes=smc_shapes, cost=smc_cost, label=lambda n, k: f"smc-n{n}-k{k}",
         pattern=r"smc-n(?P<n>\d+)-k(?P<k>\d+)",
     ),
 }  # fmt: skip

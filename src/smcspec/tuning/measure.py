@@ -44,7 +44,7 @@ ACCEPTANCE_SEED = 0
 
 @dataclass(frozen=True)
 class Acceptance:
-    """alpha and the sd run it came from (counts of ``smcspec.decoding.sd``'s stats)."""
+    """alpha and the sd run it came from (counts of ``smcspec.decoding.sd.chain``'s stats)."""
 
     alpha: float
     draft_tokens: int

@@ -1,6 +1,6 @@
 """Multi-draft sd's tokens a round, predicted from the pair's measured distributions.
 
-Multi-draft sd (:mod:`smcspec.decoding.multi_sd`) verifies N drafted chains from one prefix by
+Multi-draft sd (:mod:`smcspec.decoding.sd.multi_sd`) verifies N drafted chains from one prefix by
 recursive rejection over their token tree (:mod:`smcspec.sampling.tree_verify`; SpecInfer,
 Miao et al. 2024, section 4.2). At a node whose ``m`` chains propose ``x_1..x_m`` i.i.d. from
 the draft's ``q``, candidate ``i`` is tried against the residual ``r_{i-1}`` (``r_0 = p``,

@@ -2,13 +2,13 @@
 
 Pure functions (no model, no clock): unit-testable with hand-written costs.
 
-A *round* of each method, the forwards it issues and what they cost, is its decoder's
-(:mod:`smcspec.decoding.rounds`, through :attr:`Setting.decoder`): ``ar`` one target forward a
-token; ``sd`` K draft forwards and a K+1-token target forward, ``(1 - alpha^(K+1)) /
-(1 - alpha)`` tokens a round (Leviathan et al. 2023, eq. 1); ``smc`` K draft forwards of N rows
-and one target forward of N x (K+1) tokens for K+1 tokens (Emara et al. 2026,
-arXiv:2604.15672; the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row
-costs). ``sd`` with n-gram drafts (no draft model, :mod:`smcspec.decoding.ngram`) is priced
+A *round* of each method, the forwards it issues and what they cost, is its decoder's (its
+``cost`` module, :mod:`smcspec.decoding.rounds`; through :attr:`Setting.decoder`): ``ar`` one
+target forward a token; ``sd`` K draft forwards and a K+1-token target forward,
+``(1 - alpha^(K+1)) / (1 - alpha)`` tokens a round (Leviathan et al. 2023, eq. 1); ``smc`` K
+draft forwards of N rows and one target forward of N x (K+1) tokens for K+1 tokens (Emara et
+al. 2026, arXiv:2604.15672; the roofline ``(K+1) / ((K+1) c + 1)`` when N rows cost what one row
+costs). ``sd`` with n-gram drafts (no draft model, :mod:`smcspec.decoding.sd.ngram`) is priced
 *at its gate's threshold*: its speed depends on how much the answer copies the text before
 it, which no prompt-independent measurement knows, and its gate drafts only where the
 target's recent probability of the proposals (the acceptance probability of a point-mass
@@ -35,7 +35,7 @@ forwards; its tokens a round come from the pair's measured tree acceptance and t
 the formula and its assumptions), and its rows are the token tree's distinct prefixes
 (:func:`predicted_tree_distinct`: every round restarts from one accepted path).
 
-**SMC-SD rounds cut where the ESS falls** (``round_end="ess"``, :mod:`smcspec.decoding.smc_cut`)
+**SMC-SD rounds cut where the ESS falls** (``round_end="ess"``, :mod:`smcspec.decoding.smc.cut`)
 issue a block round's forwards and yield ``j* + 1`` tokens, ``j*`` the first drafted position
 whose running ESS is below ``kappa N``; :func:`predicted_cut_round` simulates ``j*`` and the
 ESS there from the same log-weight quantiles as :func:`predicted_ess`. The fidelity floor is
@@ -69,8 +69,8 @@ import numpy as np
 from smcspec.config import NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
 from smcspec.decoding.registry import Decoder, choice, decoder_named
 from smcspec.decoding.rounds import RoundCosts, Shape
-from smcspec.decoding.rounds import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
+from smcspec.decoding.sd.cost import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.errors import ConfigError
 from smcspec.tuning.multi_draft import multi_sd_tokens_per_round
 
@@ -87,9 +87,9 @@ class Setting:
         particles: N (smc's particles, multi-draft sd's chains; 1 otherwise).
         draft_tokens: K (sd and smc; 0 for ar).
         draft: ``"model"`` (the draft model) or ``"ngram"`` (sd only: n-gram drafts from the
-            text, gated by the target's confidence; :mod:`smcspec.decoding.ngram`).
+            text, gated by the target's confidence; :mod:`smcspec.decoding.sd.ngram`).
         round_end: smc only: ``"block"`` (K drafts a round) or ``"ess"`` (cut where the ESS
-            falls, :mod:`smcspec.decoding.smc_cut`).
+            falls, :mod:`smcspec.decoding.smc.cut`).
     """
 
     method: str
@@ -345,7 +345,7 @@ def predicted_cut_round(
     seed: int = 0,
 ) -> tuple[float, float]:
     """Expected tokens and ESS at the end of an SMC-SD round cut where the ESS falls
-    (:mod:`smcspec.decoding.smc_cut`) of N = ``particles`` and K = ``draft_tokens`` from
+    (:mod:`smcspec.decoding.smc.cut`) of N = ``particles`` and K = ``draft_tokens`` from
     equal weights: ``(E[j* + 1], E[ESS(j*)])``, ``j*`` the first drafted position ``1..K``
     whose running ESS ``(sum w)^2 / sum w^2`` is below ``ess_threshold * N`` (none: K).
 

@@ -1,6 +1,6 @@
 """SMC-SD's hooks for potentials: hard constraints (token masks), rewards and twists.
 
-The plain SMC-SD round (:mod:`smcspec.decoding.smc`) calls these only where a request has a
+The plain SMC-SD round (:mod:`smcspec.decoding.smc.program`) calls these only where a request has a
 constraint or a reward; each is a step of ``docs/constraints.md`` ("Hard constraints",
 "Rewards and twists"): the masked draft ``q'``, the masked power target and its bonus
 weight, the matchers advanced by the sampled tokens (a refusal is a dead end), and the

@@ -11,7 +11,7 @@ was not accepted. The output is distributed exactly as the target (after tempera
 top-k / top-p / min-p, as chain sd), and the accepted length grows with N.
 
 With a constraint each chain drafts from the masked draft with its own matcher and the
-target is masked row by row, as chain sd masks its one row (:mod:`smcspec.decoding.sd`):
+target is masked row by row, as chain sd masks its one row (:mod:`smcspec.decoding.sd.chain`):
 the output is exactly the locally-masked target. A chain that drafts a stop token or reaches
 a dead end ends early; its node is then a leaf of the tree. Greedy requests run as chain sd
 (every chain would be the draft's argmax chain).
@@ -27,18 +27,19 @@ from typing import Any
 
 import torch
 
-import smcspec.decoding.smc_potentials as smc_potentials
+import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.decoder_stats import SdStats
-from smcspec.decoding.fused import fused_rounds, is_static, multi_sd_round, plain
+from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
-from smcspec.decoding.sd import first_token
+from smcspec.decoding.sd.chain import first_token
+from smcspec.decoding.sd.fused import multi_sd_round
+from smcspec.decoding.sd.stats import SdStats
 from smcspec.errors import NumericalError
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import draw_uniforms, sample_categorical, step_log_probs
@@ -65,11 +66,11 @@ def multi_sd_program(job: Job) -> Program:
 
     Yields :class:`Prefill`/:class:`Forward` requests, or one
     :class:`~smcspec.decoding.program.Round` per full round where the models run rounds fused
-    (:func:`smcspec.decoding.fused.multi_sd_round`).
+    (:func:`smcspec.decoding.sd.fused.multi_sd_round`).
 
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` from
-        :meth:`~smcspec.decoding.decoder_stats.SdStats.multi_draft`: rounds, the depth
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.sd.stats.SdStats` from
+        :meth:`~smcspec.decoding.sd.stats.SdStats.multi_draft`: rounds, the depth
         offered (``drafted``, K a round) and accepted, per-depth acceptance, candidates
         examined.
 
@@ -124,7 +125,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         if fused and k == cfg.draft_tokens:  # the whole round on the device
             tree = _Tree(*(yield from multi_sd_round(job, tcache, dcache, pending_d, pending_t)))
         else:
-            tree = yield from _round_steps(job, tcache, dcache, pending_d, pending_t, k, state)
+            tree = yield from _tree_round_steps(job, tcache, dcache, pending_d, pending_t, k, state)
         _count(stats, tree, k)
         v = tree.verdict
         c, n, nxt = int(v.chain), int(v.accepted), int(v.token)
@@ -139,7 +140,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         if state is not None:
             state = tree_state(tree, c, n, nxt, finished)
         _restart_rows(tcache, dcache, c, t_len0 + 1 + n)
-        pending_d = _draft_pending(dcache, d_len0, pending_d, tree.drafted[c], n, nxt)
+        pending_d = _tree_draft_pending(dcache, d_len0, pending_d, tree.drafted[c], n, nxt)
         pending_t = nxt
     if clock is not None:
         stats.constraint_seconds = clock.seconds
@@ -180,7 +181,7 @@ def _restart_rows(tcache: KVCache, dcache: KVCache, chain: int, t_keep: int) -> 
     dcache.reorder(anc)
 
 
-def _draft_pending(
+def _tree_draft_pending(
     dcache: KVCache, d_len0: int, pending: list[int], chain: list[int], n: int, nxt: int
 ) -> list[int]:
     """The tokens the draft has not seen after a round (deferred feeding), its KV rolled back
@@ -198,7 +199,7 @@ def _draft_pending(
     return [chain[-1], nxt]
 
 
-def _round_steps(
+def _tree_round_steps(
     job: Job,
     tcache: KVCache,
     dcache: KVCache,
@@ -209,7 +210,7 @@ def _round_steps(
 ) -> Generator[Forward, torch.Tensor, _Tree]:
     """One round step by step: ``k`` draft forwards of N rows, the target's forward over
     ``[pending_t, d_1..d_k]`` on every row and the tree's verdict; the random numbers in the
-    order :func:`smcspec.decoding.fused.multi_sd_round` draws them."""
+    order :func:`smcspec.decoding.sd.fused.multi_sd_round` draws them."""
     cfg, dev, vocab = job.config, job.device, job.vocab
     n = cfg.particles
     drafts = _Drafts(job, state, n, k)
@@ -265,16 +266,16 @@ class _Drafts:
         """Draw each chain's token ``j+1`` from its draft log-probs ``lq`` ``[N, V]``
         (masked under a constraint); returns int64 ``[N]``."""
         if self.masks:
-            lq = _masked_draft(lq, self.masks[j])
+            lq = _masked_draft_rows(lq, self.masks[j])
         q = lq.exp()
         d = sample_categorical(q, self.job.generator)
         self.q.append(q)
         self.tokens[:, j] = d
         if self.masks:
-            self._advance(j, d)
+            self._step_matchers(j, d)
         return d
 
-    def _advance(self, j: int, d: torch.Tensor) -> None:
+    def _step_matchers(self, j: int, d: torch.Tensor) -> None:
         """Matchers consume token ``j+1``; a chain ends at a stop token (its next mask all
         True, junk: a leaf there) or at a dead end after it (an empty mask)."""
         job = self.job
@@ -333,7 +334,7 @@ class _Drafts:
         return _Tree(chains, v, self.states, consumed)
 
 
-def _masked_draft(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_draft_rows(lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``log norm(q~ * m)`` per row (float32 ``[N, V]``); a row whose kept set misses the
     mask is uniform over the mask (any proposal keeps the rule exact)."""
     empty = ~(mask & (lq > -torch.inf)).any(-1, keepdim=True)

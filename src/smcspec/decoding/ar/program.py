@@ -9,9 +9,10 @@ import torch
 from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
+from smcspec.decoding.ar.fused import HostCopy, ar_round
+from smcspec.decoding.ar.stats import ArStats
 from smcspec.decoding.caches import run_on_caches
-from smcspec.decoding.decoder_stats import ArStats
-from smcspec.decoding.fused import HostCopy, ar_round, check_ok, fused_rounds, is_static, plain
+from smcspec.decoding.fused import check_ok, fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput
@@ -55,7 +56,7 @@ def ar_program(job: Job) -> Program:
     Raises:
         DeadEndError: with a constraint, no allowed token has positive probability.
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.ArStats`.
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.ar.stats.ArStats`.
     """
     fused = fused_rounds(job.target) and plain(job.config)
     return (yield from run_on_caches(job, ar_caches(job.config, len(job.ids)), _ar_steps, fused))
@@ -89,9 +90,9 @@ def _ar_steps(job: Job, cache: KVCache) -> Program:
 
 
 def _pipelined_rounds(job: Job, cache: KVCache, first: int) -> Program:
-    """The tokens of fused ``ar`` rounds (:func:`~smcspec.decoding.fused.ar_round`) after
+    """The tokens of fused ``ar`` rounds (:func:`~smcspec.decoding.ar.fused.ar_round`) after
     ``first``, pipelined: round t+1 is launched, fed round t's token on the device, before
-    round t's token is read on the host (:class:`~smcspec.decoding.fused.HostCopy`), so that
+    round t's token is read on the host (:class:`~smcspec.decoding.ar.fused.HostCopy`), so that
     the host's work (the read, streaming, the stop test, the next inputs) overlaps the
     device's forward. Where round t's token ends the answer, round t+1 was launched for
     nothing: one forward more than the answer needs, the price of never waiting for the

@@ -34,12 +34,13 @@ from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.decoder_stats import SdStats
-from smcspec.decoding.fused import fused_rounds, is_static, plain, sd_round
+from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
 from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
+from smcspec.decoding.sd.fused import sd_round
+from smcspec.decoding.sd.stats import SdStats
 from smcspec.potentials import ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
@@ -71,7 +72,7 @@ def sd_program(job: Job) -> Program:
     rounds fused.
 
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` (rounds, tokens
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.sd.stats.SdStats` (rounds, tokens
         drafted and accepted, the acceptance rate, the mean accepted length as vLLM defines
         it; with a constraint the seconds in masks and matchers).
     """

@@ -28,23 +28,20 @@ bonus is drawn after resampling, so that copies of one ancestor draw their own.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-import smcspec.decoding.smc_potentials as smc_potentials
+import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
-from smcspec.decoding.smc_logprobs import position_values
+from smcspec.decoding.smc.particle_logprobs import position_values
+from smcspec.decoding.smc.particles import Block, Particles
 from smcspec.potentials import DeadEndError
 from smcspec.sampling.distributions import sample_categorical
 from smcspec.sampling.smc_weights import power_target_probs
 
-if TYPE_CHECKING:
-    from smcspec.decoding.smc import _Block, _Particles
 
-
-def cut_position(job: Job, ps: _Particles, b: _Block) -> int:
+def cut_position(job: Job, ps: Particles, b: Block) -> int:
     """``j*`` of the round just scored (module docstring): the first drafted position
     ``1..K`` at which some group that ran has an ESS below ``kappa`` times its size, else K.
 
@@ -95,9 +92,7 @@ def truncate(
         dcache.truncate(d0 + w + cut)
 
 
-def deferred_bonus(
-    job: Job, ps: _Particles, b: _Block, anc: torch.Tensor, cut: int
-) -> torch.Tensor:
+def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: int) -> torch.Tensor:
     """Token ``cut+1`` of every running particle, drawn after the round's resampling from the
     target's row at position ``cut`` of its ancestor (``anc`` int64 ``[N]``) (module
     docstring); its log-weight, the twist of the grown prefix, and the pending tokens of the

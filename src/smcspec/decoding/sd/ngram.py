@@ -43,12 +43,12 @@ from smcspec.backends.base import DecoderModel, KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.decoder_stats import SdStats
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs
 from smcspec.decoding.output import DecodeOutput, cut_at_stop
 from smcspec.decoding.program import Program, run_program, target_prefill
-from smcspec.decoding.sd import first_token, verify_block
+from smcspec.decoding.sd.chain import first_token, verify_block
+from smcspec.decoding.sd.stats import SdStats
 
 NGRAM_MAX = 3  # the longest n-gram matched (llama.cpp's lookup decoding uses up to 4)
 NGRAM_MIN = 1  # the shortest n-gram matched
@@ -168,7 +168,7 @@ def ngram_sd_program(job: Job) -> Program:
     request (:class:`~smcspec.decoding.job.Job`; its draft model, if any, is not used).
 
     Returns:
-        :class:`DecodeOutput` with :class:`~smcspec.decoding.decoder_stats.SdStats` (``ngram``
+        :class:`DecodeOutput` with :class:`~smcspec.decoding.sd.stats.SdStats` (``ngram``
         set), and with ``cfg.p_min`` > 0 ``gated_rounds``: rounds whose proposal the gate
         kept from drafting, or cut short (``draft_schedule="confidence"``).
     """

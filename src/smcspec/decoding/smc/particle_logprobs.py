@@ -52,8 +52,8 @@ def position_values(
 @dataclass
 class ParticleLogprobs:
     """The log-probabilities of every particle's tokens (device tensors, column ``j`` for
-    token ``j`` as in ``_Particles.tokens``), and those of the particles banked so far (host
-    values, in the order of ``_Particles.banked``)."""
+    token ``j`` as in ``Particles.tokens``), and those of the particles banked so far (host
+    values, in the order of ``Particles.banked``)."""
 
     lp: torch.Tensor  # float32 [N, cap]
     top_ids: torch.Tensor  # int64 [N, cap, k]
