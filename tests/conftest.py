@@ -103,8 +103,8 @@ def pytest_xdist_make_scheduler(config, log):
     marks tests ``real_pair`` runs in the same one, so the real pair is loaded and served
     once and two copies of it (about 5 GB each) never compete for the cores. Files go out
     most tests first (xdist's ``loadscope`` order). pytest-xdist's own ``xdist_group``
-    marks do not group under pytest 9 (the node-id suffix they rely on is not kept), hence
-    this scheduler."""
+    marks did not group here (pytest 9.2, pytest-xdist 3.8: one group's tests went to both
+    workers of ``-n 2 --dist loadgroup``), hence this scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
