@@ -43,9 +43,15 @@ def pytest_configure(config) -> None:
     :mod:`smcspec.backends.cpu_share`)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        # the processes the worker's tests start (the CLI's torch runs, the campaign's
+        # rehearsal) take the same share, and Inductor compiles in the worker itself (its
+        # pool of compile processes would start one a core beside the other workers)
+        os.environ["OMP_NUM_THREADS"] = share
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(int(share))
     if not os.environ.get("CI"):
         return
     try:

@@ -61,3 +61,25 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def chat_tool_calls(
+    client: openai.OpenAI, stream: bool, **kwargs
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """One chat completion through ``client`` (streamed or not), as ``(finish_reason,
+    [(name, arguments), ...])``: a stream's call fragments joined by their index."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.finish_reason, calls
+    args: dict[int, str] = {}
+    names: dict[int, str] = {}
+    reason = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reason = c.finish_reason or reason
+            for tc in c.delta.tool_calls or []:
+                if tc.function.name:
+                    names[tc.index] = tc.function.name
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+    return reason, [(names[i], args[i]) for i in sorted(names)]

@@ -11,7 +11,7 @@ import re
 
 import httpx
 import pytest
-from live_server import Server
+from live_server import Server, chat_tool_calls
 from tiny_models import make_tiny_chat_pair, make_tiny_tool_chat_pair
 
 from smcspec import Engine, GenerationConfig
@@ -227,6 +227,35 @@ def test_tools_with_refs_are_served_under_every_tool_choice(tool_server, method,
         fn = call["function"]
         assert choice in ("auto", "required") or fn["name"] == choice
         jsonschema_rs.validate(REF_TOOLS[fn["name"]], json.loads(fn["arguments"]))
+
+
+CITY = {  # get_weather's arguments, short enough for a random model to close
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}},
+    "required": ["city"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # compact: no runs of newlines
+}
+
+
+@pytest.mark.parametrize("stop", [['"city"'], ["}"], ['":']])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_every_call_holds_does_not_cut_it(tool_server, stop, stream):
+    """Stop strings cut free text only, never a call: with a stop string that every call of
+    the tool spells (its key, its closing brace, the key's end), the required call still
+    comes back whole and valid, streamed or not (the real pair's "Paris" case:
+    tests/test_server_tools.py). Fails when the stop strings are matched on the raw text
+    before the call parser (tried: the call's arguments end before the stop string)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    reason, calls = chat_tool_calls(
+        tool_server.client(), stream, model=MODEL, messages=[{"role": "user", "content": "ab"}],
+        tools=tools, tool_choice="required", seed=0, max_tokens=160, stop=stop,
+    )  # fmt: skip
+    assert reason == "tool_calls" and calls, (reason, calls)
+    for name, arguments in calls:
+        assert name == "get_weather" and stop[0] in arguments  # the stop string is in it
+        jsonschema_rs.validate(CITY, json.loads(arguments))
 
 
 def _nested_items(depth: int) -> str:
