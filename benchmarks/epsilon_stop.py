@@ -36,21 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ngram_drafts import prompts as humaneval_prompts  # noqa: E402
+from records import append_record, comma_list, read_records  # noqa: E402
 
 from smcspec import Engine, GenerationConfig  # noqa: E402
 from smcspec.tuning import tune  # noqa: E402
 
 README_PROMPT = "Write a Python function that checks whether a number is prime."
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def prompts(n: int) -> list[str]:
@@ -62,13 +53,13 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    done = {(r["epsilon"], r["prompt"]) for r in _records(path)}
+    done = {(r["epsilon"], r["prompt"]) for r in read_records(path)}
     engine = Engine.load(threads=args.threads)
     base = GenerationConfig(method="smc", max_new_tokens=args.max_new_tokens)
     pick = tune(engine, base, log=lambda line: print(f"tune: {line}", flush=True)).pick("smc")
     cfg = pick.setting.apply(base).validate()
     print(f"setting: {pick.setting.name} (N={cfg.particles}, K={cfg.draft_tokens})", flush=True)
-    epsilons = _floats(args.epsilons)
+    epsilons = comma_list(args.epsilons, float)
     for i, text in enumerate(prompts(args.prompts)):
         order = epsilons[i % len(epsilons) :] + epsilons[: i % len(epsilons)]
         for eps in order:
@@ -86,8 +77,7 @@ def run(args: argparse.Namespace) -> None:
                 "stopped_early": bool(s.get("stopped_early", False)),
                 "finish_reason": result.finish_reason, "text_head": result.text[:80],
             }  # fmt: skip
-            with path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_record(path, rec)
             print(json.dumps(rec), flush=True)
 
 
@@ -96,7 +86,7 @@ def _p90(xs: list[float]) -> float:
 
 
 def report(args: argparse.Namespace) -> str:
-    recs = _records(Path(args.out) / "records.jsonl")
+    recs = read_records(Path(args.out) / "records.jsonl")
     epsilons = sorted({r["epsilon"] for r in recs})
     by = {(r["epsilon"], r["prompt"]): r for r in recs}
     answered = [{p for e, p in by if e == x} for x in epsilons]

@@ -36,34 +36,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
+from records import append_record, comma_list, read_records  # noqa: E402
 
 from smcspec import Engine, GenerationConfig  # noqa: E402
 from smcspec.eval.sharegpt import load_sharegpt_prompts  # noqa: E402
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def _label(n: int, k: int) -> str:
     return f"sd-k{k}" if n == 1 else f"sd-n{n}-k{k}"
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    done = {(r["setting"], r["prompt"]) for r in _records(path)}
+    done = {(r["setting"], r["prompt"]) for r in read_records(path)}
     engine = Engine.load(backend="llamacpp", threads=args.threads)
     texts = [("chat", t) for t in load_sharegpt_prompts(args.prompts, engine.tokenizer, seed=0)]
     texts += [("code", t) for t in rewrite_prompts(args.prompts, "rewrite")]
-    settings = [(n, k) for k in _ints(args.draft_tokens) for n in _ints(args.particles)]
+    ks, ns = comma_list(args.draft_tokens, int), comma_list(args.particles, int)
+    settings = [(n, k) for k in ks for n in ns]
     for i, (workload, text) in enumerate(texts):
         for n, k in settings:  # every setting on a prompt before the next prompt
             name = _label(n, k)
@@ -84,8 +76,7 @@ def run(args: argparse.Namespace) -> None:
                 "acceptance_by_depth": s.get("acceptance_by_depth"),
                 "seconds": round(time.perf_counter() - t0, 3),
             }  # fmt: skip
-            with path.open("a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            append_record(path, rec)
             print(json.dumps(rec), flush=True)
 
 
@@ -114,7 +105,7 @@ def _per_round(rows: list[dict]) -> float:
 
 
 def report(args: argparse.Namespace) -> str:
-    recs = _records(Path(args.out) / "records.jsonl")
+    recs = read_records(Path(args.out) / "records.jsonl")
     by: dict[str, list[dict]] = {}
     for r in recs:
         by.setdefault(r["setting"], []).append(r)

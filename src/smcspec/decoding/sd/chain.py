@@ -26,6 +26,7 @@ forward, so a round costs K draft forwards.
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,10 +39,17 @@ from smcspec.decoding.fused import fused_rounds, is_static, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
 from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
-from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
+from smcspec.decoding.program import (
+    Forward,
+    Prefill,
+    Program,
+    Step,
+    run_program,
+    target_prefill,
+)
 from smcspec.decoding.sd.fused import sd_round
 from smcspec.decoding.sd.stats import SdStats
-from smcspec.potentials import ConstraintState, DeadEndError, timed_start
+from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, timed_start
 from smcspec.sampling.distributions import (
     point_mass_log_probs,
     sample_categorical,
@@ -99,6 +107,49 @@ def first_token(
     return tok, lps
 
 
+@dataclass
+class SdStart:
+    """Where both sd programs (chain and multi-draft) stand after the prompt
+    (:func:`sd_start`): the constraint's matcher ``state`` and its ``clock`` (None without a
+    constraint), the prompt's log-probabilities where asked, the output so far (``out``: the
+    first token), its log-probabilities ``record`` (None unless asked; later rounds extend
+    it), whether the answer already ended, and whether the rounds may run fused (static
+    caches, no constraint)."""
+
+    state: ConstraintState | None
+    clock: ConstraintClock | None
+    prompt_logprobs: TokenLogprobs | None
+    out: list[int]
+    record: TokenLogprobs | None
+    finished: bool
+    fused: bool
+
+    def output(self, stats: SdStats) -> DecodeOutput:
+        """The program's result: ``out`` with ``stats`` (the constraint's seconds added)."""
+        if self.clock is not None:
+            stats.constraint_seconds = self.clock.seconds
+        return DecodeOutput(
+            self.out, stats, logprobs=self.record, prompt_logprobs=self.prompt_logprobs
+        )
+
+
+def sd_start(job: Job, tcache: KVCache, dcache: KVCache) -> Generator[Step, torch.Tensor, SdStart]:
+    """The opening both sd programs share: the constraint's matcher started (timed), the
+    target's prefill into ``tcache`` and the draft's into ``dcache``, the first token drawn
+    from the target (:func:`first_token`), emitted and, unless it ends the answer, consumed by
+    the matcher."""
+    state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
+    first_logits, prompt_lps = yield from target_prefill(job, tcache)
+    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
+    tok, record = first_token(job, first_logits[: job.vocab], state)
+    job.emit([tok], record)
+    finished = tok in job.stop_ids or job.config.max_new_tokens <= 1
+    if state is not None and not finished:
+        state.consume([tok])
+    fused = state is None and is_static(tcache, dcache)
+    return SdStart(state, clock, prompt_lps, [tok], record, finished, fused)
+
+
 def _draft_pending(
     dcache: KVCache, d_len0: int, pending: list[int], drafted: list[int], n: int, nxt: int
 ) -> list[int]:
@@ -117,26 +168,16 @@ def _draft_pending(
 
 def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
-    state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-    first_logits, prompt_lps = yield from target_prefill(job, tcache)
-    first_logits = first_logits[: job.vocab]
-    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
-    tok, lps = first_token(job, first_logits, state)
-    out = [tok]
-    record = lps
-    job.emit([tok], lps)
-    pending_t = tok  # fed to the target at the start of the next round
-    pending_d = [tok]  # tokens the draft has not seen yet
+    start = yield from sd_start(job, tcache, dcache)
+    state, out, record, finished = start.state, start.out, start.record, start.finished
+    pending_t = out[0]  # fed to the target at the start of the next round
+    pending_d = [out[0]]  # tokens the draft has not seen yet
     stats = SdStats(cfg.draft_tokens, rounds=0, drafted=0, accepted=0)
-    finished = tok in job.stop_ids or len(out) >= cfg.max_new_tokens
-    if state is not None and not finished:
-        state.consume([tok])
-    fused = state is None and is_static(tcache, dcache)
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_len0, t_len0 = dcache.length, tcache.length
         lps = None
-        if fused and k == cfg.draft_tokens:  # the whole round on the device
+        if start.fused and k == cfg.draft_tokens:  # the whole round on the device
             d_tokens, n, nxt = yield from sd_round(job, tcache, dcache, pending_d, pending_t)
         else:
             d_tokens, n, nxt, lps = yield from _round_steps(
@@ -161,9 +202,7 @@ def _sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         tcache.truncate(t_len0 + 1 + n)  # roll back what was rejected
         pending_t = nxt
         pending_d = _draft_pending(dcache, d_len0, pending_d, d_tokens, n, nxt)
-    if clock is not None:
-        stats.constraint_seconds = clock.seconds
-    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
+    return start.output(stats)
 
 
 def _round_steps(

@@ -32,16 +32,16 @@ from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
 from smcspec.decoding.caches import cache_capacity, run_on_caches
-from smcspec.decoding.fused import fused_rounds, is_static, plain
+from smcspec.decoding.fused import fused_rounds, plain
 from smcspec.decoding.job import Job, job_for
 from smcspec.decoding.logprobs import TokenLogprobs, token_logprobs
-from smcspec.decoding.output import DecodeOutput, as_prompt_tensor, cut_at_stop
-from smcspec.decoding.program import Forward, Prefill, Program, run_program, target_prefill
-from smcspec.decoding.sd.chain import first_token
+from smcspec.decoding.output import DecodeOutput, cut_at_stop
+from smcspec.decoding.program import Forward, Program, run_program
+from smcspec.decoding.sd.chain import sd_start
 from smcspec.decoding.sd.fused import multi_sd_round
 from smcspec.decoding.sd.stats import SdStats
 from smcspec.errors import NumericalError
-from smcspec.potentials import ConstraintState, DeadEndError, timed_start
+from smcspec.potentials import ConstraintState, DeadEndError
 from smcspec.sampling.distributions import draw_uniforms, sample_categorical, step_log_probs
 from smcspec.sampling.masking import mask_log_probs
 from smcspec.sampling.tree_verify import TreeVerdict, multi_draft_verify
@@ -106,23 +106,14 @@ class _Tree:
 
 def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     cfg = job.config
-    state, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-    first_logits, prompt_lps = yield from target_prefill(job, tcache)
-    first_logits = first_logits[: job.vocab]
-    yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
-    tok, record = first_token(job, first_logits, state)
-    out = [tok]
-    job.emit([tok], record)
-    pending_t, pending_d = tok, [tok]
+    start = yield from sd_start(job, tcache, dcache)
+    state, out, record, finished = start.state, start.out, start.record, start.finished
+    pending_t, pending_d = out[0], [out[0]]
     stats = SdStats.multi_draft(cfg.particles, cfg.draft_tokens)
-    finished = tok in job.stop_ids or len(out) >= cfg.max_new_tokens
-    if state is not None and not finished:
-        state.consume([tok])
-    fused = state is None and is_static(tcache, dcache)
     while not finished:
         k = min(cfg.draft_tokens, cfg.max_new_tokens - len(out) - 1)
         d_len0, t_len0 = dcache.length, tcache.length
-        if fused and k == cfg.draft_tokens:  # the whole round on the device
+        if start.fused and k == cfg.draft_tokens:  # the whole round on the device
             tree = _Tree(*(yield from multi_sd_round(job, tcache, dcache, pending_d, pending_t)))
         else:
             tree = yield from _tree_round_steps(job, tcache, dcache, pending_d, pending_t, k, state)
@@ -142,9 +133,7 @@ def _multi_sd_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
         _restart_rows(tcache, dcache, c, t_len0 + 1 + n)
         pending_d = _tree_draft_pending(dcache, d_len0, pending_d, tree.drafted[c], n, nxt)
         pending_t = nxt
-    if clock is not None:
-        stats.constraint_seconds = clock.seconds
-    return DecodeOutput(out, stats, logprobs=record, prompt_logprobs=prompt_lps)
+    return start.output(stats)
 
 
 def _count(stats: SdStats, tree: _Tree, k: int) -> None:
