@@ -21,7 +21,7 @@ from tiny_models import make_tiny_hf_model
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
-from smcspec.backends.torch.graphs import HostReadError, HostReadGuard, run_round
+from smcspec.backends.torch.graphs import HostReadError, HostReadGuard, RoundGraphs, run_round
 from smcspec.backends.torch.static_cache import StaticKVCache
 from smcspec.decoding import decode_ar, decode_sd, decode_smc
 from smcspec.decoding.fused import fused_rounds, plain
@@ -261,6 +261,30 @@ def test_the_host_read_guard_catches_a_round_that_reads_a_value():
     ):
         with pytest.raises(HostReadError):
             run_round("eager", {}, ("k",), read, x, object())
+
+
+def test_an_uncaptured_round_is_guarded_once_a_key():
+    """Mode ``eager`` with a static cache's :class:`RoundGraphs`: a key's first run is
+    guarded (as a capture), its later runs not (as replays: a key fixes the operations); a
+    run that raised leaves its key unchecked, and ``clear()`` (a cache's graphs dropped)
+    guards every key again. A plain dict guards every run."""
+    x = {"a": torch.tensor([1.0, 2.0])}
+    ok = lambda t: {"b": t["a"] * 2}  # noqa: E731
+    read = lambda t: {"b": t["a"] * float(t["a"].sum())}  # noqa: E731
+    graphs = RoundGraphs()
+    run_round("eager", graphs, ("k",), ok, x, object())
+    assert graphs.checked == {("k",)} and not graphs  # nothing captured
+    assert torch.equal(run_round("eager", graphs, ("k",), read, x, object())["b"], x["a"] * 3)
+    with pytest.raises(HostReadError):
+        run_round("eager", graphs, ("k2",), read, x, object())
+    assert ("k2",) not in graphs.checked
+    graphs.clear()
+    with pytest.raises(HostReadError):
+        run_round("eager", graphs, ("k",), read, x, object())
+    plain: dict = {}
+    run_round("eager", plain, ("k",), ok, x, object())
+    with pytest.raises(HostReadError):
+        run_round("eager", plain, ("k",), read, x, object())
 
 
 def test_the_host_read_guard_catches_writes_through_a_boolean_mask():

@@ -193,6 +193,24 @@ def _bool_index(args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+class RoundGraphs(dict):
+    """The rounds kept with a static cache or a bank of them: ``key ->``
+    :class:`CapturedRound` (mode ``graphs``), and ``checked``, the keys whose round has run
+    uncaptured under the :class:`HostReadGuard` (mode ``eager``). An uncaptured round is
+    guarded the first time its key runs, as a graph is captured once a key and replayed
+    after: a key names everything its round's operations depend on but device values
+    (which only a host read, caught at that first run, could bring in), so the later runs
+    of a key run the same operations. :meth:`clear` forgets both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: set[tuple] = set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.checked.clear()
+
+
 @dataclass
 class CapturedRound:
     """One captured round: its graph, the static input buffers it reads, its outputs."""
@@ -214,7 +232,9 @@ def run_round(
     """Run the round ``fn`` on ``inputs`` as ``mode`` says (``eager`` or ``graphs``).
 
     Args:
-        graphs: where the captured rounds are kept (a static cache's ``graphs``).
+        graphs: where the captured rounds are kept (a static cache's ``graphs``); a
+            :class:`RoundGraphs` also remembers which keys ran guarded in mode ``eager``
+            (a plain dict: every eager run is guarded).
         key: names the round's shapes and constants (module notes); the inputs must have
             the same shapes and dtypes every time a key is used.
         pool_owner: the model whose ``graph_pool`` the captures share (made here).
@@ -225,8 +245,14 @@ def run_round(
         ValueError: an unknown mode.
     """
     if mode == "eager":
+        checked = getattr(graphs, "checked", None)
+        if checked is not None and key in checked:
+            return fn(inputs)  # as a replay runs what its capture ran: checked once a key
         with HostReadGuard():
-            return fn(inputs)
+            out = fn(inputs)
+        if checked is not None:
+            checked.add(key)
+        return out
     if mode != "graphs":
         raise ValueError(f"a round runs 'eager' or as 'graphs', not {mode!r}")
     entry = graphs.get(key)

@@ -48,12 +48,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
 from smcspec.backends.pool import Lease, PoolError, ResourcePool
 from smcspec.backends.shared_rows import RowHistories
+from smcspec.backends.torch.graphs import RoundGraphs
 from smcspec.backends.torch.kv_cache import ParticleKVCache
 from smcspec.errors import ContextLengthError
 
@@ -102,7 +102,7 @@ class SlotBank:
         self._dims = (num_layers, num_kv_heads, capacity, prefix_capacity, head_dim)
         self._kind = dict(dtype=dtype, device=device)
         self.caches: list[StaticKVCache] = []
-        self.graphs: dict[tuple, Any] = {}
+        self.graphs = RoundGraphs()
         self.serial = next(_SERIALS)
         self.lease: Lease | None = None
         self.retired = self.freed = False
@@ -227,7 +227,7 @@ class StaticKVCache(ParticleKVCache):
         self._num_layers = layers
         self._kv_shape = (heads, dim, bank.suffix_k.dtype, bank.suffix_k.device)
         self.in_use = False
-        self.graphs: dict[tuple, Any] = {}
+        self.graphs = RoundGraphs()
         self.rounds_run = 0  # fused rounds run with this cache first, over its life
         self.attach()
         self.reset()
