@@ -473,9 +473,9 @@ def test_captured_rounds_are_keyed_by_the_kernel_set(pair, monkeypatch):
     keys = []
     real = transformer.run_round
 
-    def record(mode, graphs, key, *args):
+    def record(mode, graphs, key, *args, **kwargs):
         keys.append(key)
-        return real(mode, graphs, key, *args)
+        return real(mode, graphs, key, *args, **kwargs)
 
     monkeypatch.setattr(transformer, "run_round", record)
     cfg = GenerationConfig(method="ar", max_new_tokens=3, temperature=1.0)

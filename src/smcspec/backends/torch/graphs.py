@@ -228,6 +228,7 @@ def run_round(
     fn: RoundFn,
     inputs: dict[str, torch.Tensor],
     pool_owner: object,
+    guard_once: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Run the round ``fn`` on ``inputs`` as ``mode`` says (``eager`` or ``graphs``).
 
@@ -235,6 +236,10 @@ def run_round(
         graphs: where the captured rounds are kept (a static cache's ``graphs``); a
             :class:`RoundGraphs` also remembers which keys ran guarded in mode ``eager``
             (a plain dict: every eager run is guarded).
+        guard_once: in mode ``eager``, guard a key's first run only (with a
+            :class:`RoundGraphs`); False guards every run (rounds on compiled kernels:
+            Dynamo keys its compiled code on the torch-function modes active, so a round
+            run guarded and then unguarded would compile twice).
         key: names the round's shapes and constants (module notes); the inputs must have
             the same shapes and dtypes every time a key is used.
         pool_owner: the model whose ``graph_pool`` the captures share (made here).
@@ -245,7 +250,7 @@ def run_round(
         ValueError: an unknown mode.
     """
     if mode == "eager":
-        checked = getattr(graphs, "checked", None)
+        checked = getattr(graphs, "checked", None) if guard_once else None
         if checked is not None and key in checked:
             return fn(inputs)  # as a replay runs what its capture ran: checked once a key
         with HostReadGuard():

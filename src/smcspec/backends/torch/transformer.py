@@ -509,7 +509,10 @@ class Transformer(nn.Module):
 
         def call() -> dict[str, torch.Tensor]:
             with torch.inference_mode():
-                return run_round(self.round_mode, cache.graphs, self._keyed(key), fn, inputs, self)
+                return run_round(
+                    self.round_mode, cache.graphs, self._keyed(key), fn, inputs, self,
+                    guard_once=not self.kernels.compiled,
+                )  # fmt: skip
 
         return self._falling_back(call)
 
@@ -564,6 +567,7 @@ class Transformer(nn.Module):
                 return run_round(
                     self.round_mode, banks[0].graphs, self._keyed(key),
                     lambda x: fn(banks, x, span, p_windows), stacked, self,
+                    guard_once=not self.kernels.compiled,
                 )  # fmt: skip
 
         out = self._falling_back(call)
