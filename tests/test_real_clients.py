@@ -88,10 +88,10 @@ def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
 @pytest.mark.slow
 @pytest.mark.real_pair
 def test_aiperf_on_the_default_pair(real, tmp_path):
-    """aiperf at concurrency 1 and 4, 32 tokens each in fixed-length mode, on the server's
-    default method (SMC-SD, N 4, K 4), 2 and 4 requests: no errors, every answer 32
-    tokens."""
+    """aiperf at concurrency 4, 4 requests of 32 tokens in fixed-length mode, on the server's
+    default method (SMC-SD, N 4, K 4): no errors, every answer 32 tokens (the real
+    tokenizer and template; concurrency 1 against 4 is the tiny pair's test). Fails with
+    ``ignore_eos`` and ``min_tokens`` dropped from the request (tried: answers end at EOS)."""
     srv, tok_dir, _ = real
-    for concurrency, requests in ((1, 2), (4, 4)):
-        out = tmp_path / f"c{concurrency}"
-        check_profile(aiperf(srv, tok_dir, out, concurrency, requests, 32), out, requests, 32)
+    out = tmp_path / "c4"
+    check_profile(aiperf(srv, tok_dir, out, 4, 4, 32), out, 4, 32)
