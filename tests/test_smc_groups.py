@@ -13,12 +13,11 @@ are stated beside each bound.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
-from enumerable import sequence_log_probs, stopped_sequence_log_probs, tiny_transformer
+from enumerable import sequence_log_probs, tiny_transformer
 
 import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
@@ -122,34 +121,6 @@ def test_one_group_is_the_default(stop_pair):
 
 
 RUNS = 1000
-
-
-def _length_tv(pair, cfg: GenerationConfig) -> float:
-    """TV between the exact distribution of output lengths (stop token 0, 9 tokens at most)
-    and the sampled one over RUNS seeded runs."""
-    target, draft = pair
-    want: Counter = Counter()
-    for seq, lp in stopped_sequence_log_probs(target, PROMPT, 9, 1.0, 0).items():
-        want[len(seq)] += math.exp(lp)
-    got: Counter = Counter()
-    for i in range(RUNS):
-        out = decode_smc(
-            target, draft, PROMPT, cfg, frozenset({0}), 3, torch.Generator().manual_seed(i)
-        )
-        got[len(out.tokens)] += 1 / RUNS
-    return 0.5 * sum(abs(want[n] - got[n]) for n in set(want) | set(got))
-
-
-@pytest.mark.slow
-def test_banked_groups_sample_as_one_group_of_their_size(stop_pair):
-    """Measured length TV: 16 particles in 8 groups 0.546, 2 particles 0.555 (noise about
-    0.03), 16 particles in 2 groups 0.320, in one group 0.218."""
-    tv_16_8 = _length_tv(stop_pair, _cfg(16, 8, max_new_tokens=9))
-    tv_2 = _length_tv(stop_pair, _cfg(2, 1, max_new_tokens=9))
-    tv_16_2 = _length_tv(stop_pair, _cfg(16, 2, max_new_tokens=9))
-    tv_16 = _length_tv(stop_pair, _cfg(16, 1, max_new_tokens=9))
-    assert abs(tv_16_8 - tv_2) < 0.06
-    assert tv_16 < tv_16_2 - 0.05 and tv_16_2 < tv_16_8 - 0.15
 
 
 @pytest.mark.slow
