@@ -87,8 +87,8 @@ def test_required_gives_a_valid_call(server, method):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_inside_a_call_does_not_break_it(server, stream):
     """Once "stop": ["Paris"] returned arguments '{"city": "' (not JSON): stop strings now
-    cut free text only, never a call. Stop strings every call holds ('": "', "}") are tested
-    on the tiny tool server (tests/test_server_constraints.py), whose calls always hold them."""
+    cut free text only, never a call. Stop strings every call holds (its key, '":', "}")
+    are tested on the tiny tool server (tests/test_server_constraints.py)."""
     reason, calls = chat_tool_calls(
         server.client(), stream, model=server.model,
         messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
