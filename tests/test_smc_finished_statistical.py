@@ -16,6 +16,7 @@ measured values.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -76,12 +77,10 @@ def length_tv(pair):
     """``length_tv(n, rule, groups=1)``: :func:`_length_tv` of that setting, each setting's
     RUNS drawn once for the module (the banking and the groups tests share N = 2 and 16)."""
     target, draft, exact = pair
-    done: dict[tuple, float] = {}
 
+    @functools.cache
     def tv(n: int, rule: str, groups: int = 1) -> float:
-        if (n, rule, groups) not in done:
-            done[n, rule, groups] = _length_tv(target, draft, exact, _cfg(n, rule, groups=groups))
-        return done[n, rule, groups]
+        return _length_tv(target, draft, exact, _cfg(n, rule, groups=groups))
 
     return tv
 
