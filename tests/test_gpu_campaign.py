@@ -77,17 +77,18 @@ def check_rehearsal(out: Path) -> None:
         backends.append("llamacpp")
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
-    # torch: llama (ar and smc-n8-k8 as steps and graphs, and with each kernel set; ar + 2
-    # smc + 2 sd; the frontier group; ar and smc at batch 4; ar and smc-n8-k8 with FP8
-    # projections), then qwen32 and llama70 with FP8 projections (ar + 1 smc + 2 sd; batch 4)
-    assert len(torch_runs) == 4 + 8 + 5 + 4 + 2 + 2 + 2 * 6
+    # torch: llama (ar and smc-n8-k8 as steps and graphs, and with the written and
+    # whole-layer kernel sets, --tiny's; ar + 2 smc + 2 sd; the frontier group; ar and smc
+    # at batch 4; ar and smc-n8-k8 with FP8 projections), then qwen32 and llama70 with FP8
+    # projections (ar + 1 smc + 2 sd; batch 4)
+    assert len(torch_runs) == 4 + 4 + 5 + 4 + 2 + 2 + 2 * 6
     frontier = [r["system"] for r in torch_runs
                 if (r["method"], r["n"]) == ("sd", 8) or r["round_end"] == "ess"]  # fmt: skip
     assert sorted(frontier) == ["sd-n8-k4", "smc-n8-k8-ess"]
     fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 6, "llama70-fp8": 6}
     assert {p: sum(r["pair"] == p for r in torch_runs) for p in fp8_pairs} == fp8_pairs
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
-    sets = ["eager", "compiled", "flex", "layer"]
+    sets = ["eager", "layer"]  # --tiny's (the compiled and flex sets: test_layer_kernels.py)
     chosen = [(r["system"], r["kernels"]) for r in torch_runs if r["kernel_mode"] != "auto"]
     assert chosen == [(f"{m} [{s}]", s) for m in ("ar", "smc-n8-k8") for s in sets]
     assert {r["kernels"] for r in torch_runs if r["kernel_mode"] == "auto"} == {"eager"}  # CPU
