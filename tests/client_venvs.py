@@ -9,8 +9,10 @@ torch). Each gets a venv of its own under ``$SMCSPEC_CLIENT_VENVS`` (default
 ``~/.cache/smcspec/client-venvs``) that sees the project's packages through a ``.pth`` file
 (transformers, numpy, ... are not installed twice) and installs only what the client adds or
 pins differently, in its own ``site-packages``, ahead of the project's on its path. A venv is
-made by the first test that needs it (a few minutes; an exclusive file lock keeps
-concurrent test processes from building it twice) and found ready by every later run.
+made once (a few minutes; an exclusive file lock keeps concurrent test processes from
+building it twice) and found ready by every later run: in the background from the start of a
+session whose selected tests name the client (``@pytest.mark.clients``)
+(:func:`prebuild`, tests/conftest.py), or else by the first test that needs it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -38,12 +41,35 @@ def venv_root() -> Path:
     return Path(os.environ.get("SMCSPEC_CLIENT_VENVS", Path.home() / ".cache/smcspec/client-venvs"))
 
 
+def _home(name: str) -> Path:
+    parent = sysconfig.get_paths()["purelib"]
+    tag = hashlib.sha256("\n".join([parent, *CLIENTS[name]]).encode()).hexdigest()[:10]
+    return venv_root() / f"{name}-{tag}"
+
+
+def prebuild(names: Iterable[str]) -> subprocess.Popen | None:
+    """Start making the venvs of the clients ``names`` that are not ready, one after another
+    in a background process (log: ``prebuild.log`` under :func:`venv_root`), so that pip's
+    downloads overlap the tests that run before the first client test; that test then finds
+    its venv ready or waits on its lock. None when every venv is ready already."""
+    missing = [n for n in names if not (_home(n) / ".ready").exists()]
+    if not missing:
+        return None
+    venv_root().mkdir(parents=True, exist_ok=True)
+    code = "import sys, client_venvs\nfor n in sys.argv[1:]: client_venvs.client_bin(n)"
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    with open(venv_root() / "prebuild.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, *missing], cwd=here, env=env, stdout=log, stderr=log
+        )
+
+
 def client_bin(name: str) -> Path:
     """The ``bin`` directory of client ``name``'s venv, made if missing (see the module
     notes). Fails the test with pip's output when the install fails."""
     parent = sysconfig.get_paths()["purelib"]
-    tag = hashlib.sha256("\n".join([parent, *CLIENTS[name]]).encode()).hexdigest()[:10]
-    home = venv_root() / f"{name}-{tag}"
+    home = _home(name)
     ready = home / ".ready"
     if ready.exists():
         return home / "bin"

@@ -134,6 +134,30 @@ def pytest_xdist_make_scheduler(config, log):
     return FilesAndTheRealPair(config, log)
 
 
+_PREBUILD = pytest.StashKey()
+
+
+def pytest_collection_finish(session) -> None:
+    """One process of the session (the first xdist worker, or the only one) starts making the
+    venvs of the third-party clients its selected tests name (``@pytest.mark.clients``) in
+    the background (:func:`client_venvs.prebuild`); its end stops one still running (the
+    next session rebuilds what it left unfinished)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") not in (None, "gw0"):
+        return
+    wanted = {c for item in session.items for m in item.iter_markers("clients") for c in m.args}
+    if wanted:
+        from client_venvs import prebuild
+
+        session.config.stash[_PREBUILD] = prebuild(sorted(wanted))
+
+
+def pytest_sessionfinish(session) -> None:
+    proc = session.config.stash.get(_PREBUILD, None)
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def real_engine():
     """The real default pair (``Engine.load()``: the packaged GGUF pair on llama.cpp), loaded

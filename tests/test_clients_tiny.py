@@ -68,6 +68,7 @@ def recomputed_loglikelihood(hf, tok, context: str, continuation: str) -> tuple[
     return total, bool((rows.argmax(-1) == torch.tensor(cont)).all())
 
 
+@pytest.mark.clients("lm-eval")
 def test_lm_eval_local_completions_loglikelihood_and_generation(tiny, tmp_path):
     """lm-eval ``local-completions`` at its defaults (tokenized requests: prompts as lists of
     token lists): the multiple-choice task's 9 loglikelihoods each equal the target's
@@ -97,6 +98,7 @@ def test_lm_eval_local_completions_loglikelihood_and_generation(tiny, tmp_path):
     assert all(isinstance(s["resps"][0][0], str) for s in answers)
 
 
+@pytest.mark.clients("lm-eval")
 def test_lm_eval_local_chat_completions_gsm8k(tiny, tmp_path):
     """lm-eval ``local-chat-completions`` (``--apply_chat_template``) answers the 8 local
     GSM8K questions; the ``smc`` object in ``--gen_kwargs`` reaches the server."""
@@ -113,6 +115,7 @@ def test_lm_eval_local_chat_completions_gsm8k(tiny, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.clients("aiperf")
 def test_aiperf_profile_streaming_chat_fixed_length(tiny, tmp_path):
     """aiperf at concurrency 1 (4 requests) and 4 (8 requests), 8 tokens each in
     fixed-length mode, on the default method (smc): no errors, every answer 8 tokens.

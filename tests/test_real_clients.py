@@ -59,6 +59,7 @@ answer): the real tokenizer and template through each model type; the tiny pair'
 
 @pytest.mark.slow
 @pytest.mark.real_pair
+@pytest.mark.clients("lm-eval")
 def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
     """lm-eval's ``local-completions`` (multiple choice and GSM8K, its defaults) and
     ``local-chat-completions`` (GSM8K) on the default pair, 2 documents a task: every
@@ -87,6 +88,7 @@ def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.real_pair
+@pytest.mark.clients("aiperf")
 def test_aiperf_on_the_default_pair(real, tmp_path):
     """aiperf at concurrency 4, 4 requests of 32 tokens in fixed-length mode, on the server's
     default method (SMC-SD, N 4, K 4): no errors, every answer 32 tokens (the real
