@@ -52,7 +52,7 @@ def engine_loglikelihood(engine, tok, context: str, continuation: str) -> tuple[
 
 
 LIMIT = ("--limit", "2")
-"""The default pair's lm-eval runs take each task's first 2 documents (32 new tokens an
+"""The default pair's lm-eval runs take each task's first 2 documents (16 new tokens an
 answer): the real tokenizer and template through each model type; the tiny pair's tests
 (tests/test_clients_tiny.py) run every document."""
 
@@ -71,7 +71,7 @@ def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
     tasks = write_tasks(tmp_path)
     out = tmp_path / "completions"
     res = lm_eval(srv, out, tasks, "local-completions", "mc_local,gsm8k_local", *LIMIT,
-                  "--gen_kwargs", "max_gen_toks=32", model_args=f"tokenizer={tok_dir}")  # fmt: skip
+                  "--gen_kwargs", "max_gen_toks=16", model_args=f"tokenizer={tok_dir}")  # fmt: skip
     assert 0 <= res["results"]["mc_local"]["acc,none"] <= 1
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     for s in samples(out, "mc_local"):
@@ -81,7 +81,7 @@ def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
     assert len({s["doc_id"] for s in samples(out, "gsm8k_local")}) == 2
     out = tmp_path / "chat"
     res = lm_eval(srv, out, tasks, "local-chat-completions", "gsm8k_local", *LIMIT,
-                  "--apply_chat_template", "--gen_kwargs", "max_gen_toks=32")  # fmt: skip
+                  "--apply_chat_template", "--gen_kwargs", "max_gen_toks=16")  # fmt: skip
     assert "exact_match,flexible-extract" in res["results"]["gsm8k_local"]
     assert len({s["doc_id"] for s in samples(out, "gsm8k_local")}) == 2
 
