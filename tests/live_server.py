@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -63,23 +64,41 @@ class Server:
         self.thread.join(30)
 
 
-def chat_tool_calls(
-    client: openai.OpenAI, stream: bool, **kwargs
-) -> tuple[str | None, list[tuple[str, str]]]:
-    """One chat completion through ``client`` (streamed or not), as ``(finish_reason,
-    [(name, arguments), ...])``: a stream's call fragments joined by their index."""
+@dataclass
+class ChatTurn:
+    """One chat completion's first choice: its text (None when empty), its tool calls
+    (``{"id", "name", "arguments"}`` each, in order) and its finish reason."""
+
+    content: str | None
+    calls: list[dict[str, str]]
+    finish_reason: str | None
+
+
+def chat_turn(client: openai.OpenAI, stream: bool, **kwargs) -> ChatTurn:
+    """One chat completion through ``client``, streamed or not; a stream's text joined and
+    its call fragments joined by their index (a call's first delta must carry its id and
+    name, once)."""
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return choice.finish_reason, calls
-    args: dict[int, str] = {}
-    names: dict[int, str] = {}
-    reason = None
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]  # fmt: skip
+        return ChatTurn(choice.message.content, calls, choice.finish_reason)
+    content, calls, reason = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             reason = c.finish_reason or reason
+            content += c.delta.content or ""
             for tc in c.delta.tool_calls or []:
-                if tc.function.name:
-                    names[tc.index] = tc.function.name
-                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
-    return reason, [(names[i], args[i]) for i in sorted(names)]
+                if tc.id is not None:  # the first delta of a call: id, type and name
+                    assert tc.index not in calls and tc.function.name
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+    return ChatTurn(content or None, [calls[i] for i in sorted(calls)], reason)
+
+
+def chat_tool_calls(
+    client: openai.OpenAI, stream: bool, **kwargs
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """:func:`chat_turn`'s ``(finish_reason, [(name, arguments), ...])``."""
+    turn = chat_turn(client, stream, **kwargs)
+    return turn.finish_reason, [(c["name"], c["arguments"]) for c in turn.calls]

@@ -12,7 +12,7 @@ import json
 
 import jsonschema_rs
 import pytest
-from live_server import chat_tool_calls
+from live_server import chat_tool_calls, chat_turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
 WEATHER = {
@@ -121,13 +121,8 @@ def test_auto_calls_a_tool_when_the_question_needs_one(server, stream):
         messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
         tools=TOOLS, seed=1, temperature=0.7,
     )  # fmt: skip
-    if stream:
-        content, calls, finish = _stream_turn(server.client(), server.model, **kwargs)
-    else:
-        r = server.client().chat.completions.create(model=server.model, **kwargs)
-        finish, content = r.choices[0].finish_reason, r.choices[0].message.content
-        calls = [{"name": c.function.name, "arguments": c.function.arguments}
-                 for c in r.choices[0].message.tool_calls or []]  # fmt: skip
+    turn = chat_turn(server.client(), stream, model=server.model, **kwargs)
+    finish, content, calls = turn.finish_reason, turn.content, turn.calls
     assert finish == "tool_calls" and content is None and len(calls) == 1, (content, calls)
     assert calls[0]["name"] == "get_weather"
     assert _valid("get_weather", calls[0]["arguments"])["city"] == "Paris"
@@ -145,23 +140,6 @@ def test_auto_answers_in_text_when_no_tool_is_needed(server):
     assert choice.message.content and "<tool_call>" not in choice.message.content
 
 
-def _stream_turn(client, model: str, **kwargs):
-    """One streamed turn of ``model`` rebuilt from its deltas: (content, calls, finish_reason)."""
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for tc in delta.tool_calls or []:
-            if tc.id is not None:  # the first delta of a call: id, type and name
-                assert tc.index not in calls and tc.function.name
-                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
-            calls[tc.index]["arguments"] += tc.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return content or None, [calls[i] for i in sorted(calls)], finish
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_two_turn_agent_loop(server, stream):
     """Turn 1: a call (``required``: the 1.5B target rarely starts a call by itself); the
@@ -169,17 +147,9 @@ def test_a_two_turn_agent_loop(server, stream):
     client = server.client()
     messages = [{"role": "user", "content": "What is 17 times 23? Use the calculator."}]
     turn = {"messages": messages, "tools": TOOLS, "seed": 3}
-    if stream:
-        content, calls, finish = _stream_turn(client, server.model, tool_choice="required", **turn)
-    else:
-        msg = client.chat.completions.create(model=server.model, tool_choice="required", **turn)
-        finish = msg.choices[0].finish_reason
-        content = msg.choices[0].message.content
-        calls = [
-            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-            for c in msg.choices[0].message.tool_calls
-        ]
-    assert finish == "tool_calls" and content is None and calls
+    first = chat_turn(client, stream, model=server.model, tool_choice="required", **turn)
+    calls = first.calls
+    assert first.finish_reason == "tool_calls" and first.content is None and calls
     for c in calls:
         _valid(c["name"], c["arguments"])
     messages.append(
@@ -199,15 +169,8 @@ def test_a_two_turn_agent_loop(server, stream):
     for c in calls:
         result = "391" if c["name"] == "calculator" else "12 degrees celsius, sunny"
         messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
-    if stream:
-        content, calls2, finish = _stream_turn(client, server.model, **turn)
-    else:
-        msg = client.chat.completions.create(model=server.model, **turn)
-        content, finish = msg.choices[0].message.content, msg.choices[0].finish_reason
-        calls2 = msg.choices[0].message.tool_calls or []
-    assert finish in ("stop", "length", "tool_calls")
-    assert content or calls2  # an answer, or (model's choice) another valid call
-    for c in calls2:
-        name, args = (c["name"], c["arguments"]) if isinstance(c, dict) else (
-            c.function.name, c.function.arguments)  # fmt: skip
-        _valid(name, args)
+    second = chat_turn(client, stream, model=server.model, **turn)
+    assert second.finish_reason in ("stop", "length", "tool_calls")
+    assert second.content or second.calls  # an answer, or (model's choice) another valid call
+    for c in second.calls:
+        _valid(c["name"], c["arguments"])
