@@ -4,9 +4,9 @@
 ``smc-nN-kK-ess`` with) draws every particle's per-token log-weight independently from one
 pooled set of quantiles. On the GSM8K runs (``docs/benchmarks/gsm8k-frontier``) it predicted
 4.41 tokens a round at N=8 K=8 where the runs gave 6.5-7. Two candidate causes: the quantiles
-come from other text (ShareGPT chat, not GSM8K answers), and pooling makes particles'
-log-weights independent where, at one position, all particles face the same pair of
-distributions (an easy position gives every particle a log-weight near 0 at once).
+come from other text (the tuner's four short calibration prompts, not GSM8K answers), and
+pooling makes particles' log-weights independent where, at one position, all particles face
+the same pair of distributions (an easy position gives every particle a log-weight near 0 at once).
 
 This study separates them on the committed ``ar`` answers of the first ``--questions`` GSM8K
 questions (their text re-tokenized; the prompt as the harness builds it): both models'
