@@ -16,7 +16,7 @@ tokens most likely under either model (the mass left out is recorded). For ``m =
   with ``beta_i = sum_x min(r_{i-1}(x), q(x))`` (``smcspec.tuning.multi_draft``, eq. 1).
 - ``iid_bound``: ``sum_x min(p(x), 1 - (1 - q(x))^m)``, an upper bound for any exact rule on
   ``m`` i.i.d. candidates: the token it accepts is one of them, so ``P(accept x) <=
-  min(p(x), P(x drafted))`` (the bound of Sun et al. 2023, SpecTr, section 3).
+  min(p(x), P(x drafted))`` (as in SpecTr, Sun et al. 2023).
 - ``wor_rrs`` / ``wor_bound``: the same for ``m`` candidates drawn *without replacement*
   (Gumbel top-m), verified by recursive rejection with each candidate's proposal the draft
   without the tokens tried before it (Jeon et al. 2024, "Recursive Speculative Decoding"):
