@@ -48,6 +48,7 @@ import torch
 
 from smcspec import Engine, GenerationConfig
 from smcspec.eval.sharegpt import load_sharegpt_prompts
+from smcspec.sampling.tree_verify import _residual  # the rule's own residual step
 from smcspec.tuning.measure import pair_log_probs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
@@ -55,13 +56,7 @@ from ngram_drafts import prompts as rewrite_prompts  # noqa: E402
 from records import append_record, read_records  # noqa: E402
 
 M = 8  # the most candidates a node is measured with
-
-
-def _residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(r - q, 0))`` over the last axis, ``r`` where that has no mass."""
-    res = (r - q).clamp_min(0)
-    mass = res.sum(-1, keepdim=True)
-    return torch.where(mass > 0, res / mass.clamp_min(1e-300), r)
+KEYS = ("rrs", "iid_bound", "wor_rrs", "wor_bound")  # a record's per-m sums
 
 
 def iid_node(p: torch.Tensor, q: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -105,7 +100,7 @@ def wor_node(
 def prompt_record(lp: torch.Tensor, lq: torch.Tensor, support: int, draws: int, seed: int):
     """Sums over the positions of one output (``lp``, ``lq``: float64 ``[L, V]``)."""
     g = torch.Generator().manual_seed(seed)
-    sums = {key: [0.0] * M for key in ("rrs", "iid_bound", "wor_rrs", "wor_bound")}
+    sums = {key: [0.0] * M for key in KEYS}
     lost = 0.0
     for lpi, lqi in zip(lp, lq, strict=True):
         pi, qi = lpi.exp(), lqi.exp()
@@ -165,24 +160,22 @@ def report(args: argparse.Namespace) -> str:
         n = sum(r["positions"] for r in rows)
         if not n:
             continue
-        for key in ("rrs", "iid_bound", "wor_rrs", "wor_bound"):
+        for key in KEYS:
             means[workload, key] = [sum(r[key][m] for r in rows) / n for m in range(M)]
         for m in (1, 2, 4, 8):
-            cells = [f"{means[workload, key][m - 1]:.3f}"
-                     for key in ("rrs", "iid_bound", "wor_rrs", "wor_bound")]  # fmt: skip
+            cells = [f"{means[workload, key][m - 1]:.3f}" for key in KEYS]
             lines.append(f"| {workload} | {m} | " + " | ".join(cells) + " |")
     lines += ["", "Tokens a round, `1 + sum_j a^j` with the node acceptance `a` at every depth "
               "(x: over chain sd's, m = 1, same positions; `both`: the mean of the chat and "
               "code figures, the benchmark's equal mix):", "",
               "| workload | K | chain sd | N=8 rrs | N=8 iid bound | N=8 w/o-repl. rrs | "
               "N=8 w/o-repl. bound |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    keys = ("rrs", "iid_bound", "wor_rrs", "wor_bound")
     for k in (4, 8):
         figures: dict[str, list[float]] = {}
         for workload in ("chat", "code"):
             if (workload, "rrs") in means:
                 chain = _tokens_a_round(means[workload, "rrs"][0], k)
-                ceilings = [_tokens_a_round(means[workload, key][M - 1], k) for key in keys]
+                ceilings = [_tokens_a_round(means[workload, key][M - 1], k) for key in KEYS]
                 figures[workload] = [chain, *ceilings]
         if len(figures) == 2:
             figures["both"] = [(a + b) / 2 for a, b in zip(*figures.values(), strict=True)]
