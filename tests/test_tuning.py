@@ -31,6 +31,7 @@ from smcspec.tuning import (
 )
 from smcspec.tuning import tuner as tuner_module
 from smcspec.tuning.cache import cache_file, cost_key, cpu_model, read_costs
+from smcspec.tuning.calibration import read_calibration
 from smcspec.tuning.predict import (
     CHOICE_MARGIN,
     DEFAULT_SMC,
@@ -428,6 +429,35 @@ def test_other_sampling_measures_only_alpha_again(engine, own_cache, monkeypatch
     tune(engine, GenerationConfig(temperature=1.0))
     tune(engine, GenerationConfig(temperature=1.0))
     assert calls == [1.0]
+
+
+def test_calibration_prompts_are_measured_and_cached_beside_the_builtin(
+    engine, own_cache, monkeypatch, tmp_path
+):
+    builtin = tune(engine)
+    f = tmp_path / "math.txt"
+    f.write_text("What is 17 times 23?\nA shop sells 3 pens for 2 dollars. Cost of 12?\n")
+    cal = read_calibration(f, 6)
+    calls = []
+    real = tuner_module.measure_acceptance
+
+    def count(*args, **kwargs):
+        calls.append((args[3], args[4]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner_module, "measure_forwards", lambda *a: pytest.fail("re-measured"))
+    monkeypatch.setattr(tuner_module, "measure_acceptance", count)
+    notes: list[str] = []
+    mine = tune(engine, calibration=cal, log=notes.append)
+    assert calls == [(12, cal.prompts)]  # 6 tokens from each of the 2 prompts, costs cached
+    assert any("2 prompts of" in n for n in notes)
+    assert mine.acceptance_key == builtin.acceptance_key + cal.key != builtin.acceptance_key
+    assert mine.acceptance["prompts"] == 2 and mine.acceptance["new_tokens"] == 12
+    assert "2 prompts of" in format_table(mine)
+    record = read_costs(mine.cache_path, mine.key).acceptance
+    assert record[builtin.acceptance_key] == builtin.acceptance  # the built-in one kept
+    assert tune(engine, calibration=cal).acceptance == mine.acceptance and len(calls) == 1
+    assert tune(engine).acceptance == builtin.acceptance and len(calls) == 1
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         tuning = tune_for(engine, args, base, method)
         print(format_table(tuning), end="")
         if args.export_pair_stats:
-            _export_pair_stats(args.export_pair_stats, engine, tuning, base)
+            _export_pair_stats(args.export_pair_stats, engine, tuning)
         return 0
     prompts = load_sharegpt_prompts(
         args.prompts,
@@ -70,15 +70,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_pair_stats(path: str, engine, tuning, base: GenerationConfig) -> None:
+def _export_pair_stats(path: str, engine, tuning) -> None:
     """Write the pair's acceptance statistics the predictions used (``--export-pair-stats``)."""
     from smcspec.errors import ConfigError
-    from smcspec.tuning.cache import sampling_key
     from smcspec.tuning.pair_stats import write_pair_stats
 
     if tuning.acceptance is None:
         raise ConfigError("--export-pair-stats needs a draft model: no acceptance was measured")
-    acc_key = sampling_key(base)
+    acc_key = tuning.acceptance_key
     out = write_pair_stats(
         path, engine.target.path, engine.draft.path, tuning.key["machine"],
         {acc_key: tuning.acceptance},

@@ -51,7 +51,8 @@ def note(line: str) -> None:
 
 def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig, method: MethodArgs):
     """Measured costs (cached) -> predictions -> the chosen setting, for ``args`` (the pair's
-    acceptance from ``method.pair_stats`` where given)."""
+    acceptance from ``method.pair_stats`` where given, measured on ``method.calibration``'s
+    prompts where given)."""
     from smcspec.tuning import tune
 
     return tune(
@@ -64,6 +65,7 @@ def tune_for(engine, args: argparse.Namespace, cfg: GenerationConfig, method: Me
         remeasure=getattr(args, "remeasure", False),
         min_ess=getattr(args, "min_ess", DEFAULT_MIN_ESS),
         pair_stats=method.pair_stats,
+        calibration=method.calibration,
     )
 
 

@@ -26,6 +26,7 @@ from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
 
 if TYPE_CHECKING:
+    from smcspec.tuning.calibration import Calibration
     from smcspec.tuning.pair_stats import PairStats
 
 DEFAULT_DRAFT_TOKENS = GenerationConfig.draft_tokens
@@ -235,6 +236,21 @@ def tuning_options() -> argparse.ArgumentParser:
         "--predict --export-pair-stats FILE, where the real weights run), used instead of "
         "measuring them here: only forward costs are measured on this machine",
     )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="prompts the tuner measures the pair's acceptance on, for a workload unlike its "
+        "four built-in prompts (code, arithmetic, prose, JSON): one per line, or a JSON "
+        "array of strings; cached under its own key",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="new tokens of the sd run on each --calibration prompt (default 64)",
+    )
     return p
 
 
@@ -248,26 +264,38 @@ class MethodArgs:
             ``ar``, ``sd``, ``smc`` or ``auto``).
         pair_stats: the ``--pair-stats`` file, read
             (:class:`~smcspec.tuning.pair_stats.PairStats`), or None: the tuner measures.
+        calibration: the ``--calibration`` prompts, read
+            (:class:`~smcspec.tuning.calibration.Calibration`), or None: the built-in ones.
     """
 
     choice: Choice
     pair_stats: PairStats | None = None
+    calibration: Calibration | None = None
 
 
 def method_args(args: argparse.Namespace) -> MethodArgs:
-    """Resolve the parsed command's ``--method`` and read its ``--pair-stats`` (a command
-    without the tuner's options has none): called once, by the command's ``run``.
+    """Resolve the parsed command's ``--method`` and read its ``--pair-stats`` and
+    ``--calibration`` files (a command without the tuner's options has none): called once,
+    by the command's ``run``, so that a bad file fails before the models load.
 
     Raises:
-        ConfigError: an unknown method, or a pair-stats file that cannot be read or is not
-            one.
+        ConfigError: an unknown method, a pair-stats file that cannot be read or is not
+            one, calibration prompts that cannot be read (or ``--calibration-tokens``
+            without them, or below 2).
     """
-    pair_stats = None
-    if getattr(args, "pair_stats", None) is not None:  # a bad file fails before models load
+    pair_stats = calibration = None
+    if getattr(args, "pair_stats", None) is not None:
         from smcspec.tuning.pair_stats import read_pair_stats
 
         pair_stats = read_pair_stats(args.pair_stats)
-    return MethodArgs(choice(args.method), pair_stats)
+    tokens = getattr(args, "calibration_tokens", None)
+    if getattr(args, "calibration", None) is not None:
+        from smcspec.tuning.calibration import read_calibration
+
+        calibration = read_calibration(args.calibration, tokens)
+    elif tokens is not None:
+        raise ConfigError("--calibration-tokens goes with --calibration FILE")
+    return MethodArgs(choice(args.method), pair_stats, calibration)
 
 
 def config_from_args(args: argparse.Namespace, method: MethodArgs, **extra) -> GenerationConfig:

@@ -14,9 +14,12 @@ where the ESS falls) setting with the roofline (:mod:`smcspec.tuning.predict`), 
 
 ``--method auto`` on the command line uses ``tuning.auto``; ``smc`` without ``-N``/``-K``
 uses ``tuning.smc``; ``smcspec bench --predict`` prints the table
-(:func:`smcspec.tuning.table.format_table`).
+(:func:`smcspec.tuning.table.format_table`). The pair's acceptance is measured on four
+built-in prompts; ``tune(engine, calibration=read_calibration("prompts.txt"))`` (the CLI's
+``--calibration FILE``) measures it on the user's own (:mod:`smcspec.tuning.calibration`).
 """
 
+from smcspec.tuning.calibration import Calibration, read_calibration
 from smcspec.tuning.grid import TuningGrid, default_grid
 from smcspec.tuning.predict import (
     ForwardCosts,
@@ -32,6 +35,7 @@ from smcspec.tuning.table import format_table
 from smcspec.tuning.tuner import Tuning, tune
 
 __all__ = [
+    "Calibration",
     "ForwardCosts",
     "Prediction",
     "Setting",
@@ -43,6 +47,7 @@ __all__ = [
     "format_table",
     "predict",
     "predict_all",
+    "read_calibration",
     "sd_tokens_per_round",
     "tune",
 ]

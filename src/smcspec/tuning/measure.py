@@ -272,14 +272,19 @@ def measure_forwards(
 
 
 def measure_acceptance(
-    engine: TunablePair, sampling: GenerationConfig, draft_tokens: int, new_tokens: int
+    engine: TunablePair,
+    sampling: GenerationConfig,
+    draft_tokens: int,
+    new_tokens: int,
+    prompts: Sequence[str] = ACCEPTANCE_PROMPTS,
 ) -> Acceptance:
     """alpha, the per-token log-weight quantiles (:func:`quantiles_of_log_weights` on the
     runs' outputs), both models' most likely probabilities there (:func:`top_probabilities`)
     and multi-draft sd's tree acceptance there
     (:func:`smcspec.tuning.multi_draft.tree_acceptance`) of ``engine``'s pair, pooled over
-    one sd run per prompt of :data:`ACCEPTANCE_PROMPTS` (chat template when the tokenizer
-    has one), ``new_tokens`` tokens in all split evenly between them (EOS ignored),
+    one sd run per prompt of ``prompts`` (default :data:`ACCEPTANCE_PROMPTS`; chat template
+    when the tokenizer has one), ``new_tokens`` tokens in all split evenly between them (EOS
+    ignored; a prompt too long for the context with them is cut to its last tokens),
     ``draft_tokens`` drafts a round, the temperatures and truncation of ``sampling``, seed 0.
 
     Raises:
@@ -289,7 +294,7 @@ def measure_acceptance(
         raise ConfigError("measuring sd's acceptance needs a draft model")
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     ctx = min(engine.target.context_length, engine.draft.context_length)
-    each = max(2, new_tokens // len(ACCEPTANCE_PROMPTS))
+    each = max(2, new_tokens // len(prompts))
     counts = {"accepted": 0, "drafted": 0, "rounds": 0}
     logs: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = 0
@@ -304,8 +309,9 @@ def measure_acceptance(
         return_particles=False,
         stop_token_ids=(),
     )
-    for prompt in ACCEPTANCE_PROMPTS:
+    for prompt in prompts:
         ids = engine.encode(prompt, chat=chat)
+        ids = ids[-max(1, ctx - each - draft_tokens - 2) :]
         budget = min(each, ctx - len(ids) - draft_tokens - 2)
         if budget < 2:
             raise ConfigError(f"the model context ({ctx} tokens) is too short to measure sd")
@@ -339,5 +345,5 @@ def measure_acceptance(
         target_top_probs=target_top,
         tree_rejection=rejection,
         tree_continuing=continuing,
-        prompts=len(ACCEPTANCE_PROMPTS),
+        prompts=len(prompts),
     )

@@ -106,6 +106,11 @@ def _range_note(tuning: Tuning) -> str:
     )
 
 
+def _calibration(tuning: Tuning) -> str:
+    cal = tuning.calibration
+    return "" if cal is None or cal.source is None else f" on {cal.describe()}"
+
+
 def _acceptance_note(tuning: Tuning) -> str:
     """Where the predictions' acceptance alpha and log-weight quantiles come from."""
     acc = tuning.acceptance
@@ -114,8 +119,8 @@ def _acceptance_note(tuning: Tuning) -> str:
     note = (
         f"sd acceptance alpha {acc['alpha']:.3f} (Leviathan et al.'s per-token alpha, from "
         f"{acc['accepted']} of {acc['drafted']} drafts accepted in {acc['rounds']} rounds of "
-        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens; "
-        f"{_source(tuning.acceptance_source)})"
+        f"an sd run, K={acc['draft_tokens']}, {acc['new_tokens']} tokens"
+        f"{_calibration(tuning)}; {_source(tuning.acceptance_source)})"
     )
     if acc.get("log_weight_quantiles") is not None:
         q = acc["log_weight_quantiles"]

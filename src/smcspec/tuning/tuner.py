@@ -18,6 +18,7 @@ from smcspec.tuning.cache import (
     sampling_key,
     write_costs,
 )
+from smcspec.tuning.calibration import Calibration
 from smcspec.tuning.grid import TuningGrid, default_grid, shapes
 from smcspec.tuning.measure import ACCEPTANCE_PROMPTS, measure_acceptance, measure_forwards
 from smcspec.tuning.pair_stats import PairStats, complete, find_cached_acceptance
@@ -57,6 +58,10 @@ class Tuning:
         key: the cache key (machine, backend, models).
         cache_path: the JSON file the costs are cached in.
         measured_seconds: seconds spent measuring in this call (0 when all was cached).
+        calibration: the prompts and budget the acceptance is measured on.
+        acceptance_key: the key of the acceptance measurement in the cache and in pair-stats
+            files (:func:`~smcspec.tuning.cache.sampling_key`, plus
+            :attr:`~smcspec.tuning.calibration.Calibration.key` for the user's prompts).
     """
 
     predictions: tuple[Prediction, ...]
@@ -70,6 +75,8 @@ class Tuning:
     cache_path: Path
     measured_seconds: float
     acceptance_source: str | None = None
+    calibration: Calibration | None = None
+    acceptance_key: str = ""
 
     def pick(self, method: str) -> Prediction:
         """``auto`` or ``smc``'s choice (:data:`smcspec.decoding.registry.CHOICES`). Raises
@@ -106,6 +113,7 @@ def tune(
     remeasure: bool = False,
     min_ess: float = DEFAULT_MIN_ESS,
     pair_stats: PairStats | None = None,
+    calibration: Calibration | None = None,
 ) -> Tuning:
     """Predict tokens/s of every ar, sd(K), multi-draft sd(N, K) and smc(N, K) (block or cut
     rounds) setting of ``engine`` on this machine
@@ -138,6 +146,10 @@ def tune(
         pair_stats: the pair's acceptance statistics measured elsewhere
             (:func:`~smcspec.tuning.pair_stats.read_pair_stats`), used instead of measuring
             them here (a GPU lent without the real weights); never written to the cache.
+        calibration: the prompts and budget the acceptance is measured on
+            (:func:`~smcspec.tuning.calibration.read_calibration`; default: the built-in
+            prompts, ``grid.acceptance_tokens`` in all). Its measurement is kept under its own
+            key (:attr:`~smcspec.tuning.calibration.Calibration.key`), beside the built-in one.
     Raises:
         ConfigError: bad ``min_particles``, no setting meets the restrictions, or
             ``pair_stats`` holds nothing at ``config``'s sampling settings.
@@ -154,18 +166,22 @@ def tune(
     key = cost_key(engine, grid.context)
     path = cache_file(key)
     record = CostRecord() if remeasure else read_costs(path, key)
-    acc_key = sampling_key(cfg)
+    acc_key = sampling_key(cfg) + (calibration.key if calibration is not None else "")
+    if calibration is None:  # the built-in prompts, the grid's budget
+        each = max(2, grid.acceptance_tokens // len(ACCEPTANCE_PROMPTS))
+        calibration = Calibration(ACCEPTANCE_PROMPTS, each)
     others = None if remeasure else path.parent.parent  # remeasure: measure everything here
     acceptance, source = (
-        _known_acceptance(record, key, acc_key, pair_stats, others) if with_draft else (None, None)
+        _known_acceptance(record, key, acc_key, pair_stats, others, len(calibration.prompts))
+        if with_draft
+        else (None, None)
     )
     copied = acceptance is not None and pair_stats is None and source != "cached"
     if copied:  # the same files' measurement on another machine: the pair's, kept here too
         record.acceptance[acc_key] = acceptance
     measure_acc = with_draft and acceptance is None
-    measured = _measure_missing(
-        engine, cfg, grid, settings, record, measure_acc, acc_key, path, log
-    )
+    to_measure = calibration if measure_acc else None
+    measured = _measure_missing(engine, cfg, grid, settings, record, to_measure, acc_key, path, log)
     if measured or copied:
         write_costs(path, key, record)
     if measure_acc:
@@ -187,6 +203,8 @@ def tune(
         key=key,
         cache_path=path,
         measured_seconds=measured,
+        calibration=calibration,
+        acceptance_key=acc_key,
         acceptance_source=source,
     )
 
@@ -197,12 +215,12 @@ def _known_acceptance(
     acc_key: str,
     pair_stats: PairStats | None,
     root: Path | None,
+    prompts: int,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The pair's acceptance measurement at ``acc_key`` and where it comes from, without
     measuring: ``pair_stats``, this machine's cache (``"cached"``), or the cache of the same
     files elsewhere under ``root`` (None: not searched); ``(None, None)`` when none holds a
-    complete one."""
-    prompts = len(ACCEPTANCE_PROMPTS)
+    complete one (measured on at least ``prompts`` prompts)."""
     if pair_stats is not None:
         where = f"{pair_stats.source} ({pair_stats.pair}, measured on {pair_stats.measured_on})"
         return pair_stats.for_sampling(acc_key), where
@@ -220,13 +238,14 @@ def _measure_missing(
     grid: TuningGrid,
     settings: list[Setting],
     record: CostRecord,
-    missing_acceptance: bool,
+    missing_acceptance: Calibration | None,
     acc_key: str,
     path: Path,
     log: Callable[[str], None] | None,
 ) -> float:
     """Measure into ``record`` what ``settings`` need and it lacks (the acceptance statistics
-    at ``acc_key`` when ``missing_acceptance``); seconds spent (0: none)."""
+    at ``acc_key`` on the prompts of ``missing_acceptance``, unless None); seconds spent (0:
+    none)."""
     want_target, want_draft = shapes(settings)
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
@@ -244,7 +263,12 @@ def _measure_missing(
     if missing_draft:
         timed = measure_forwards(engine.draft, missing_draft, grid.reps, grid.context)
         record.add_timings("draft", timed)
-    if missing_acceptance:
-        acc = measure_acceptance(engine, cfg, grid.acceptance_draft_tokens, grid.acceptance_tokens)
+    if missing_acceptance is not None:
+        cal = missing_acceptance
+        if log is not None and cal.source is not None:
+            log(f"measuring the pair's acceptance on {cal.describe()}")
+        acc = measure_acceptance(
+            engine, cfg, grid.acceptance_draft_tokens, cal.new_tokens, cal.prompts
+        )
         record.acceptance[acc_key] = asdict(acc)
     return max(time.perf_counter() - t0, 1e-9)

@@ -1,0 +1,119 @@
+"""The text the tuner measures the pair's acceptance on: built-in prompts, or the user's.
+
+The pair's acceptance (sd's alpha, SMC-SD's per-token log-weights, the agreement profiles,
+multi-draft sd's tree acceptance; :func:`smcspec.tuning.measure.measure_acceptance`) depends
+on the text as much as on the models: on the default pair, the tuner's own simulation of
+SMC-SD N=8 K=8 with cut rounds predicts 4.41 tokens a round from the built-in prompts and
+7.25 from GSM8K answers, where GSM8K measured 7.17
+(``docs/benchmarks/gsm8k-frontier/cut-round-prediction.txt``). A workload unlike the
+built-in mix (code, arithmetic, prose, JSON) is predicted from its own prompts with
+``--calibration FILE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from smcspec.errors import ConfigError
+from smcspec.tuning.measure import ACCEPTANCE_PROMPTS
+
+DEFAULT_TOKENS_PER_PROMPT = 64
+"""New tokens of each calibration prompt's sd run (the built-in 4 prompts: 256 in all)."""
+
+MAX_PROMPTS = 1000
+"""More prompts than this are refused (the measurement runs one sd request per prompt)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Prompts and a token budget for the acceptance measurement.
+
+    Attributes:
+        prompts: the prompts, each run through the chat template when the tokenizer has one.
+        tokens_per_prompt: new tokens generated from each (EOS ignored).
+        source: the file they came from (None: the built-in prompts).
+    """
+
+    prompts: tuple[str, ...] = ACCEPTANCE_PROMPTS
+    tokens_per_prompt: int = DEFAULT_TOKENS_PER_PROMPT
+    source: Path | None = None
+
+    @property
+    def builtin(self) -> bool:
+        """Whether this is the built-in measurement (the cache keys written before)."""
+        return self.prompts == ACCEPTANCE_PROMPTS and (
+            self.tokens_per_prompt == DEFAULT_TOKENS_PER_PROMPT
+        )
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens of the measurement in all."""
+        return self.tokens_per_prompt * len(self.prompts)
+
+    @property
+    def key(self) -> str:
+        """What the cache's acceptance key gains: ``""`` for the built-in measurement (keys
+        stay those of earlier caches and pair-stats files), else
+        ``",calibration=<12 hex digits>"``, a SHA-256 of the prompts and the budget."""
+        if self.builtin:
+            return ""
+        blob = json.dumps([list(self.prompts), self.tokens_per_prompt]).encode()
+        return f",calibration={hashlib.sha256(blob).hexdigest()[:12]}"
+
+    def describe(self) -> str:
+        """For the predicted table's note."""
+        where = "built-in prompts" if self.source is None else f"prompts of {self.source}"
+        return f"{len(self.prompts)} {where}, {self.tokens_per_prompt} tokens each"
+
+
+def read_calibration(path: str | Path, tokens_per_prompt: int | None = None) -> Calibration:
+    """The prompts of ``path``: a JSON array of strings, or one prompt per line (blank lines
+    skipped; a line holding a JSON string is decoded, for prompts with newlines).
+
+    Raises:
+        ConfigError: the file cannot be read, holds no prompt or more than
+            :data:`MAX_PROMPTS`, an array entry is not a non-empty string, or
+            ``tokens_per_prompt`` is below 2.
+    """
+    tokens = DEFAULT_TOKENS_PER_PROMPT if tokens_per_prompt is None else tokens_per_prompt
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise ConfigError(f"--calibration-tokens must be an integer >= 2, got {tokens!r}")
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the calibration prompts {path}: {e}") from e
+    prompts = _parse(text, path)
+    if not prompts:
+        raise ConfigError(f"{path} holds no calibration prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ConfigError(f"{path} holds {len(prompts)} prompts; at most {MAX_PROMPTS}")
+    return Calibration(tuple(prompts), tokens, path)
+
+
+def _parse(text: str, path: Path) -> list[str]:
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} starts with '[' but is not a JSON array: {e}") from e
+        if not all(isinstance(p, str) and p.strip() for p in items):
+            raise ConfigError(f"{path}: every entry of the array must be a non-empty string")
+        return items
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith('"'):
+            try:
+                decoded = json.loads(line)
+            except json.JSONDecodeError:
+                decoded = None
+            if isinstance(decoded, str) and decoded.strip():
+                line = decoded
+        out.append(line)
+    return out
