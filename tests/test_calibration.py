@@ -11,6 +11,7 @@ from smcspec.cli import main
 from smcspec.tuning.calibration import (
     DEFAULT_TOKENS_PER_PROMPT,
     MAX_PROMPTS,
+    MAX_TOKENS_PER_PROMPT,
     Calibration,
     read_calibration,
 )
@@ -57,7 +58,7 @@ def test_unreadable_file_and_bad_budget(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         read_calibration(tmp_path / "bin")
     (tmp_path / "ok").write_text("a\n")
-    for bad in (1, 0, -3, True, 2.5):
+    for bad in (1, 0, -3, True, 2.5, MAX_TOKENS_PER_PROMPT + 1):
         with pytest.raises(ConfigError, match="--calibration-tokens"):
             read_calibration(tmp_path / "ok", bad)
 

@@ -17,7 +17,13 @@ from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.cli import main
 from smcspec.tuning import Setting, TuningGrid, choose, predict, predict_all, sd_tokens_per_round
-from smcspec.tuning.measure import ACCEPTANCE_PROMPTS, pair_log_probs
+from smcspec.tuning.measure import (
+    ACCEPTANCE_PROMPTS,
+    PairProfile,
+    pair_log_probs,
+    quantiles_of_log_weights,
+    top_probabilities,
+)
 from smcspec.tuning.multi_draft import multi_sd_tokens_per_round, tree_acceptance
 from smcspec.tuning.predict import alpha_from_counts, predicted_cut_round, predicted_ess
 
@@ -52,6 +58,33 @@ def test_more_chains_accept_more_and_never_more_than_k_plus_one():
     a8 = 1 - (1 - 0.6) * rejection[7] / rejection[0]  # accepting at depth 1 with 8 chains
     one_depth = 1 + a8 * sd_tokens_per_round(0.6, 3)  # then one chain: alpha a depth
     assert tokens[-1] > one_depth + 0.1
+
+
+def test_the_profile_pooled_prompt_by_prompt_equals_the_whole_where_it_is_exact():
+    """The calibration is measured one prompt's ``[L, V]`` pair at a time
+    (:class:`PairProfile`, so 20 long prompts do not hold gigabytes of float64 log-probs).
+    The exact parts (eq. (1)'s rejection, the agreement profiles) pooled from two parts
+    equal those of the concatenated positions; one part reproduces the one-shot functions
+    draw for draw; the sampled parts of two parts stay close to the whole's. Fails on a
+    pooling that weights the parts instead of their positions (parts of 10 and 30)."""
+    lp, lq = _tables(positions=40)
+    whole_rejection, whole_continuing = tree_acceptance(lp, lq)
+    one = PairProfile()
+    one.add(lp, lq)
+    q1, dtop, ttop, (rej1, cont1) = one.result()
+    assert q1 == quantiles_of_log_weights(lp, lq) and (rej1, cont1) == (
+        whole_rejection,
+        whole_continuing,
+    )
+    assert dtop == top_probabilities(lq) and ttop == top_probabilities(lp)
+    two = PairProfile()
+    two.add(lp[:10], lq[:10])
+    two.add(lp[10:], lq[10:])
+    q2, dtop2, ttop2, (rej2, cont2) = two.result()
+    assert rej2 == pytest.approx(whole_rejection, abs=2e-6)  # rounding to 6 digits only
+    assert dtop2 == dtop and ttop2 == ttop
+    assert q2[50] == pytest.approx(q1[50], abs=0.1)  # the median log-weight, 2,560 draws
+    assert cont2[7] == pytest.approx(whole_continuing[7], abs=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -249,7 +249,7 @@ def tuning_options() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="new tokens of the sd run on each --calibration prompt (default 64)",
+        help="new tokens of the sd run on each --calibration prompt (default 64, at most 512)",
     )
     return p
 

@@ -26,6 +26,11 @@ DEFAULT_TOKENS_PER_PROMPT = 64
 MAX_PROMPTS = 1000
 """More prompts than this are refused (the measurement runs one sd request per prompt)."""
 
+MAX_TOKENS_PER_PROMPT = 512
+"""The most new tokens a prompt: one prompt's log-probabilities under both models are held
+in memory at once, float64 ``[tokens, vocab]`` each (512 tokens of the default pair's
+151,936-token vocabulary: 1.2 GB)."""
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -76,11 +81,15 @@ def read_calibration(path: str | Path, tokens_per_prompt: int | None = None) -> 
     Raises:
         ConfigError: the file cannot be read, holds no prompt or more than
             :data:`MAX_PROMPTS`, an array entry is not a non-empty string, or
-            ``tokens_per_prompt`` is below 2.
+            ``tokens_per_prompt`` is not in ``[2, MAX_TOKENS_PER_PROMPT]``.
     """
     tokens = DEFAULT_TOKENS_PER_PROMPT if tokens_per_prompt is None else tokens_per_prompt
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
-        raise ConfigError(f"--calibration-tokens must be an integer >= 2, got {tokens!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise ConfigError(f"--calibration-tokens must be an integer, got {tokens!r}")
+    if not 2 <= tokens <= MAX_TOKENS_PER_PROMPT:
+        raise ConfigError(
+            f"--calibration-tokens must be in [2, {MAX_TOKENS_PER_PROMPT}], got {tokens}"
+        )
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -20,7 +20,7 @@ import torch
 
 from smcspec.config import GenerationConfig
 from smcspec.errors import ConfigError
-from smcspec.tuning.multi_draft import tree_acceptance
+from smcspec.tuning.multi_draft import MAX_CHAINS, TreeSums
 from smcspec.tuning.predict import Shape, alpha_from_counts
 
 if TYPE_CHECKING:
@@ -101,10 +101,22 @@ def quantiles_of_log_weights(
     """Quantiles (0 %, 1 %, ..., 100 %) of ``log p_T(x) - log q_T(x)``, ``x ~ q_T``, pooled
     over the positions of :func:`pair_log_probs` (``draws`` seeded draws per position)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=g)  # [L, draws]
+    return quantiles_of(sampled_log_weights(lp, lq, draws, g))
+
+
+def sampled_log_weights(
+    lp: torch.Tensor, lq: torch.Tensor, draws: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``log p_T(x) - log q_T(x)`` at ``draws`` draws ``x ~ q_T`` per position of ``lp``,
+    ``lq`` (``[L, V]``, :func:`pair_log_probs`): the finite ones, float64, flattened."""
+    x = torch.multinomial(lq.exp().float(), draws, replacement=True, generator=generator)
     w = (lp.gather(1, x) - lq.gather(1, x)).flatten()
-    w = w[torch.isfinite(w)]
-    qs = torch.quantile(w, torch.linspace(0, 1, QUANTILES, dtype=torch.float64))
+    return w[torch.isfinite(w)]
+
+
+def quantiles_of(weights: torch.Tensor) -> list[float]:
+    """The :data:`QUANTILES` quantiles (0 %, 1 %, ..., 100 %) of ``weights`` (float)."""
+    qs = torch.quantile(weights.double(), torch.linspace(0, 1, QUANTILES, dtype=torch.float64))
     return [round(float(v), 6) for v in qs]
 
 
@@ -271,6 +283,38 @@ def measure_forwards(
     return out
 
 
+class PairProfile:
+    """What the predictions read from the pair's log-probabilities, pooled over parts (one
+    calibration prompt's :func:`pair_log_probs` at a time, so that memory holds one
+    ``[L, V]`` pair, not all of them): the log-weight quantiles
+    (:func:`sampled_log_weights`, 64 draws a position, seed 0), both models' agreement
+    profiles (:func:`top_probabilities`) and multi-draft sd's tree acceptance
+    (:class:`~smcspec.tuning.multi_draft.TreeSums`, seed 0)."""
+
+    def __init__(self, draws: int = 64, seed: int = 0) -> None:
+        self.draws = draws
+        self.g = torch.Generator().manual_seed(seed)
+        self.weights: list[torch.Tensor] = []
+        self.draft_top: list[list[float]] = []
+        self.target_top: list[list[float]] = []
+        self.tree = TreeSums(MAX_CHAINS, draws, torch.Generator().manual_seed(seed))
+
+    def add(self, lp: torch.Tensor, lq: torch.Tensor) -> None:
+        """One part's target and draft log-probabilities, float ``[L, V]`` each."""
+        self.weights.append(sampled_log_weights(lp, lq, self.draws, self.g))
+        self.draft_top += top_probabilities(lq)
+        self.target_top += top_probabilities(lp)
+        self.tree.add(lp, lq)
+
+    def result(
+        self,
+    ) -> tuple[list[float], list[list[float]], list[list[float]], tuple[list[float], list]]:
+        """``(quantiles, draft top probabilities, target top probabilities, (rejection,
+        continuing))`` over every part added."""
+        quantiles = quantiles_of(torch.cat(self.weights))
+        return quantiles, self.draft_top, self.target_top, self.tree.result()
+
+
 def measure_acceptance(
     engine: TunablePair,
     sampling: GenerationConfig,
@@ -296,7 +340,7 @@ def measure_acceptance(
     ctx = min(engine.target.context_length, engine.draft.context_length)
     each = max(2, new_tokens // len(prompts))
     counts = {"accepted": 0, "drafted": 0, "rounds": 0}
-    logs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    profile = None if sampling.greedy else PairProfile()
     total = 0
     run = replace(
         sampling,
@@ -321,18 +365,14 @@ def measure_acceptance(
         counts["drafted"] += sd.drafted
         counts["rounds"] += sd.rounds
         total += budget
-        if not run.greedy:
-            logs.append(pair_log_probs(
+        if profile is not None:  # one prompt's [L, V] pair in memory at a time
+            profile.add(*pair_log_probs(
                 engine.target.model, engine.draft.model, ids, result.token_ids,
                 run.temperature, run.draft_temperature, engine.vocab,
             ))  # fmt: skip
     quantiles = draft_top = target_top = rejection = continuing = None
-    if logs:
-        lp = torch.cat([p for p, _ in logs])
-        lq = torch.cat([q for _, q in logs])
-        quantiles = quantiles_of_log_weights(lp, lq)
-        draft_top, target_top = top_probabilities(lq), top_probabilities(lp)
-        rejection, continuing = tree_acceptance(lp, lq)
+    if profile is not None:
+        quantiles, draft_top, target_top, (rejection, continuing) = profile.result()
     return Acceptance(
         alpha=alpha_from_counts(counts["accepted"], counts["drafted"], counts["rounds"]),
         draft_tokens=draft_tokens,

@@ -65,45 +65,75 @@ def tree_acceptance(
     eq. (1) (exact per position). ``continuing``: ``max_chains`` rows, row ``m-1`` the
     probabilities of ``c = 1..m`` chains continuing given that a node of ``m`` candidates
     accepted, pooled over positions and ``draws`` seeded draws of the m candidates each (a
-    row with no acceptance at all: one chain continues).
+    row with no acceptance at all: one chain continues). Positions measured in parts (one
+    prompt at a time, to keep one ``[L, V]`` pair in memory): :class:`TreeSums`.
 
     Raises:
         ConfigError: ``lp`` and ``lq`` differ in shape, are empty, or ``max_chains < 1``.
     """
-    if lp.shape != lq.shape or lp.ndim != 2 or lp.shape[0] < 1 or max_chains < 1:
-        raise ConfigError("tree_acceptance needs log-probabilities [L, V] of equal shape")
-    g = torch.Generator().manual_seed(seed)
-    m_max = max_chains
-    rejection = torch.zeros(m_max, dtype=torch.float64)
-    joint = torch.zeros(m_max, m_max, dtype=torch.float64)  # [m-1, c-1]: accept, c continue
-    for p, q in zip(lp.double().exp(), lq.double().exp(), strict=True):
-        r, rs, beta = p, [], []
-        for _ in range(m_max):
-            rs.append(r)
-            beta.append(float(torch.minimum(r, q).sum()))
-            r = _residual(r, q)
-        rejection += torch.cumprod(1 - torch.tensor(beta, dtype=torch.float64).clamp(0, 1), 0)
-        x = torch.multinomial(q.float(), draws * m_max, replacement=True, generator=g)
-        x = x.view(draws, m_max)
-        u = torch.rand(draws, m_max, generator=g, dtype=torch.float64)
-        r_at = torch.stack([rs[i][x[:, i]] for i in range(m_max)], 1)  # r_{i-1}(x_i)
-        test = u * q[x] < r_at  # [draws, M]: candidate i would be accepted if tried
-        for m in range(1, m_max + 1):
-            hit = test[:, :m]
-            took = hit.any(1)
-            first = hit.int().argmax(1)
-            token = x[torch.arange(draws), first]
-            count = (x[:, :m] == token[:, None]).sum(1)[took]  # chains through the accepted child
-            joint[m - 1] += torch.bincount(count - 1, minlength=m_max)[:m_max].double() / draws
-    rejection /= lp.shape[0]
-    continuing = []
-    for m in range(1, m_max + 1):
-        row = joint[m - 1, :m]
-        total = float(row.sum())
-        continuing.append(
-            [round(float(v) / total, 6) for v in row] if total > 0 else [1.0] + [0.0] * (m - 1)
-        )
-    return [round(float(v), 6) for v in rejection], continuing
+    sums = TreeSums(max_chains, draws, torch.Generator().manual_seed(seed))
+    sums.add(lp, lq)
+    return sums.result()
+
+
+class TreeSums:
+    """:func:`tree_acceptance` pooled over parts: :meth:`add` each part's ``[L, V]``
+    log-probabilities (the seeded generator ``generator`` carried across them), then
+    :meth:`result`."""
+
+    def __init__(self, max_chains: int, draws: int, generator: torch.Generator) -> None:
+        if max_chains < 1:
+            raise ConfigError("tree_acceptance needs max_chains >= 1")
+        self.m_max, self.draws, self.g = max_chains, draws, generator
+        self.rejection = torch.zeros(max_chains, dtype=torch.float64)
+        self.joint = torch.zeros(max_chains, max_chains, dtype=torch.float64)  # [m-1, c-1]
+        self.positions = 0
+
+    def add(self, lp: torch.Tensor, lq: torch.Tensor) -> None:
+        """Add the positions of one part (float ``[L, V]``, equal shapes, L >= 1)."""
+        if lp.shape != lq.shape or lp.ndim != 2 or lp.shape[0] < 1:
+            raise ConfigError("tree_acceptance needs log-probabilities [L, V] of equal shape")
+        m_max, draws, g = self.m_max, self.draws, self.g
+        for p, q in zip(lp.double().exp(), lq.double().exp(), strict=True):
+            r, rs, beta = p, [], []
+            for _ in range(m_max):
+                rs.append(r)
+                beta.append(float(torch.minimum(r, q).sum()))
+                r = _residual(r, q)
+            beta_t = torch.tensor(beta, dtype=torch.float64).clamp(0, 1)
+            self.rejection += torch.cumprod(1 - beta_t, 0)
+            x = torch.multinomial(q.float(), draws * m_max, replacement=True, generator=g)
+            x = x.view(draws, m_max)
+            u = torch.rand(draws, m_max, generator=g, dtype=torch.float64)
+            r_at = torch.stack([rs[i][x[:, i]] for i in range(m_max)], 1)  # r_{i-1}(x_i)
+            test = u * q[x] < r_at  # [draws, M]: candidate i would be accepted if tried
+            for m in range(1, m_max + 1):
+                hit = test[:, :m]
+                took = hit.any(1)
+                first = hit.int().argmax(1)
+                token = x[torch.arange(draws), first]
+                count = (x[:, :m] == token[:, None]).sum(1)[took]  # chains through the child
+                counts = torch.bincount(count - 1, minlength=m_max)[:m_max].double()
+                self.joint[m - 1] += counts / draws
+        self.positions += lp.shape[0]
+
+    def result(self) -> tuple[list[float], list[list[float]]]:
+        """``(rejection, continuing)`` over every position added.
+
+        Raises:
+            ConfigError: no position was added.
+        """
+        if self.positions < 1:
+            raise ConfigError("tree_acceptance needs log-probabilities [L, V] of equal shape")
+        rejection = self.rejection / self.positions
+        continuing = []
+        for m in range(1, self.m_max + 1):
+            row = self.joint[m - 1, :m]
+            total = float(row.sum())
+            continuing.append(
+                [round(float(v) / total, 6) for v in row] if total > 0 else [1.0] + [0.0] * (m - 1)
+            )
+        return [round(float(v), 6) for v in rejection], continuing
 
 
 def multi_sd_tokens_per_round(

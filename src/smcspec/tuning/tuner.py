@@ -249,12 +249,17 @@ def _measure_missing(
     want_target, want_draft = shapes(settings)
     missing_target = want_target - record.target.keys()
     missing_draft = want_draft - record.draft.keys()
-    if not (missing_target or missing_draft or missing_acceptance):
+    costs = bool(missing_target or missing_draft)
+    if not costs and missing_acceptance is None:
         return 0.0
     if log is not None:
+        what = ["this machine's forward costs of the model pair"] if costs else []
+        if missing_acceptance is not None:
+            what.append(f"the pair's acceptance on {missing_acceptance.describe()}")
+        hint = " (about a minute on a CPU)" if costs else ""
         log(
-            "measuring this machine's forward costs of the model pair once (about a minute on "
-            f"a CPU); cached in {path} (delete it to measure again)"
+            f"measuring {' and '.join(what)} once{hint}; cached in {path} (delete it to "
+            "measure again)"
         )
     t0 = time.perf_counter()
     if missing_target:
@@ -265,8 +270,6 @@ def _measure_missing(
         record.add_timings("draft", timed)
     if missing_acceptance is not None:
         cal = missing_acceptance
-        if log is not None and cal.source is not None:
-            log(f"measuring the pair's acceptance on {cal.describe()}")
         acc = measure_acceptance(
             engine, cfg, grid.acceptance_draft_tokens, cal.new_tokens, cal.prompts
         )
