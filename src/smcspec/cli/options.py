@@ -281,7 +281,7 @@ def method_args(args: argparse.Namespace) -> MethodArgs:
     Raises:
         ConfigError: an unknown method, a pair-stats file that cannot be read or is not
             one, calibration prompts that cannot be read (or ``--calibration-tokens``
-            without them, or below 2).
+            without them, or outside ``[2, 512]``).
     """
     pair_stats = calibration = None
     if getattr(args, "pair_stats", None) is not None:

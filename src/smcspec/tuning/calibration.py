@@ -2,10 +2,10 @@
 
 The pair's acceptance (sd's alpha, SMC-SD's per-token log-weights, the agreement profiles,
 multi-draft sd's tree acceptance; :func:`smcspec.tuning.measure.measure_acceptance`) depends
-on the text as much as on the models: on the default pair, the tuner's own simulation of
-SMC-SD N=8 K=8 with cut rounds predicts 4.41 tokens a round from the built-in prompts and
-7.25 from GSM8K answers, where GSM8K measured 7.17
-(``docs/benchmarks/gsm8k-frontier/cut-round-prediction.txt``). A workload unlike the
+on the text as much as on the models: on the default pair, calibrated on 20 GSM8K questions,
+the tuner predicts SMC-SD N=8 K=8 with cut rounds at 6.87 tokens a round where the first 100
+GSM8K answers measured 7.05; from the built-in prompts it predicts 4.59
+(``docs/benchmarks/tuner-calibration/``). A workload unlike the
 built-in mix (code, arithmetic, prose, JSON) is predicted from its own prompts with
 ``--calibration FILE``.
 """
