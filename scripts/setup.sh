@@ -12,7 +12,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
     python -m pip install --quiet "torch==2.13.0"
 fi
-python -m pip install --quiet -e ".[models,test,bench]"
+python -m pip install --quiet -e ".[models,test,bench,distill]"
 # bubblewrap: the sandbox of executed code (smcspec/sandbox.py); without it code runs with
 # resource limits only, with a warning
 if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -20,14 +20,14 @@ import smcspec.backends
 # module, "__init__.py" the package smcspec itself. docs/architecture.md draws them, one line
 # a layer, highest first.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors.py",),
+    ("errors.py", "input_files.py"),
     ("backends/",),
     ("models/",),
     ("sampling/", "potentials.py", "aggregate.py", "sandbox.py", "code_extraction.py"),
     ("config.py", "tool_calls/", "rewards/"),
     ("decoding/", "chat.py"),
     ("engine.py", "scheduler.py", "metrics.py"),
-    ("cli/", "server/", "eval/", "tuning/"),
+    ("cli/", "server/", "eval/", "tuning/", "distill/"),
     ("__init__.py", "__main__.py"),
 ]
 

@@ -1,5 +1,5 @@
-"""Command line: ``smcspec generate "PROMPT"``, ``serve``, ``eval TASK``, ``bench`` and
-``rpc-server``.
+"""Command line: ``smcspec generate "PROMPT"``, ``serve``, ``eval TASK``, ``bench``,
+``distill`` and ``rpc-server``.
 
 Errors a user can cause print one line ``error: ...`` and exit with a non-zero code
 (2: bad option or prompt, 3: model file problem, 4: numerical failure), never a traceback;
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from smcspec.cli import bench, evaluate, generate, rpc_server, serve
+from smcspec.cli import bench, distill, evaluate, generate, rpc_server, serve
 from smcspec.cli.parser import build_parser, parse_args
 from smcspec.errors import BackendFailure, ConfigError, SmcspecError
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                 return evaluate.run(args)
             if args.command == "bench":
                 return bench.run(args)
+            if args.command == "distill":
+                return distill.run(args)
     except SmcspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

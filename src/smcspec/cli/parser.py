@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from smcspec.cli.distill import add_parser as add_distill_parser
 from smcspec.cli.options import (
     BENCH_M_HELP,
     EVAL_M_HELP,
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve(sub, common)
     _eval(sub)
     _bench(sub)
+    add_distill_parser(sub)
     return parser
 
 
@@ -251,7 +253,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a command line, with the per-command defaults resolved (``-m``)."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
-    if args.command == "rpc-server":  # no models, no decoding options
+    if args.command in ("rpc-server", "distill"):  # no decoding options
         return args
     args.max_new_tokens_given = args.max_new_tokens is not None  # else a default cap
     args.max_new_tokens = resolve_max_new_tokens(args)

@@ -128,6 +128,10 @@ def load_model(
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFileError(f"model path does not exist: {p}")
+    from smcspec.models.fitted_draft import is_fitted_draft
+
+    if p.is_dir() and is_fitted_draft(p):
+        return _load_fitted(p, dtype, device, backend, llamacpp, tokenizer)
     name = p.stem if p.is_file() else p.name
     if resolve_backend(backend, p, device) == "llamacpp":
         return _load_llamacpp(p, sha256, llamacpp, tokenizer)
@@ -139,6 +143,32 @@ def load_model(
         p = converted_dir(p, cache_root(), sha256=sha256)
     loaded = load_hf_dir(p, dtype, device)
     loaded.name = name
+    return loaded
+
+
+def _load_fitted(
+    folder: Path, dtype, device, backend: str, llamacpp, tokenizer: bool
+) -> LoadedModel:
+    """A fitted draft (:mod:`smcspec.models.fitted_draft`): its base GGUF with the LoRA
+    adapter applied by llama.cpp, or the merged Hugging Face folder on the torch backend."""
+    from dataclasses import replace
+
+    from smcspec.backends.llamacpp import LlamaCppSettings
+    from smcspec.models.fitted_draft import adapter_path, base_path, merged_hf_dir, read_manifest
+
+    manifest = read_manifest(folder)
+    base = base_path(manifest, cache_root())
+    sha = manifest["base"]["sha256"]
+    if resolve_backend(backend, base, device) == "llamacpp":
+        settings = replace(llamacpp or LlamaCppSettings(),
+                           lora=str(adapter_path(folder, manifest)))  # fmt: skip
+        loaded = _load_llamacpp(base, sha if base.is_file() else None, settings, tokenizer)
+    else:
+        from smcspec.backends.torch.weights import load_hf_dir
+
+        loaded = load_hf_dir(merged_hf_dir(folder, manifest, cache_root()), dtype, device)
+    loaded.name = manifest.get("name", folder.name)
+    loaded.path = folder
     return loaded
 
 

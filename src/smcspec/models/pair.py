@@ -194,3 +194,52 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"{example[0]!r} -> {example[1]}): speculative decoding needs one shared vocabulary "
             f"(target {target.path}, draft {draft.path})"
         )
+
+
+def vocabulary_of(path: Path) -> list[str]:
+    """The token texts of a model file by id, read without loading the model: a GGUF's
+    ``tokenizer.ggml.tokens``, or a Hugging Face folder's tokenizer.
+
+    Raises:
+        ModelFileError: the file has no readable vocabulary.
+    """
+    path = Path(path)
+    try:
+        if path.is_file():
+            from gguf import GGUFReader
+
+            field = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+            if field is None:
+                raise ModelFileError(f"{path} holds no tokenizer.ggml.tokens")
+            return [str(t) for t in field.contents()]
+        from transformers import AutoTokenizer
+
+        vocab = AutoTokenizer.from_pretrained(str(path)).get_vocab()
+    except ModelFileError:
+        raise
+    except Exception as exc:  # gguf and transformers raise many types on bad files
+        raise ModelFileError(f"cannot read the vocabulary of {path}: {exc}") from exc
+    out = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        out[i] = text
+    return out
+
+
+def check_files_share_vocabulary(target: Path, draft: Path) -> None:
+    """Refuse a target and draft file whose vocabularies map ids to different tokens (the
+    ids below both sizes compared, as :func:`check_same_vocabulary` does for loaded models),
+    before either model loads.
+
+    Raises:
+        ModelFileError: naming the number of differing entries and the first.
+    """
+    a, b = vocabulary_of(target), vocabulary_of(draft)
+    n = min(len(a), len(b))
+    diff = [i for i in range(n) if a[i] != b[i]]
+    if diff:
+        i = diff[0]
+        raise ModelFileError(
+            f"draft and target vocabularies differ ({len(diff)} differing entries, e.g. id {i}: "
+            f"{a[i]!r} in {target}, {b[i]!r} in {draft}): a draft is fitted to one shared "
+            "vocabulary"
+        )

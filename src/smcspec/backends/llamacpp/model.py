@@ -59,6 +59,9 @@ class LlamaCppModel:
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise ModelFileError(f"llama.cpp cannot create a context for {self.path}")
+        self._adapter = None
+        if settings.lora is not None:
+            self._apply_lora(lib, settings.lora)
         self._memory = lib.llama_get_memory(self._ctx)
         self.threads_now = self.threads  # what llama.cpp runs with (fair_share may lower it)
         self.set_fair_share(settings.fair_share)
@@ -76,7 +79,26 @@ class LlamaCppModel:
             on_take=self._take_ids,
             on_release=self._give_back_ids,
         )
-        self._free = weakref.finalize(self, _free_context, lib, self._model, self._ctx, self._batch)
+        self._free = weakref.finalize(
+            self, _free_context, lib, self._model, self._ctx, self._batch
+        )
+
+    def _apply_lora(self, lib, path: str) -> None:
+        """Load the LoRA adapter GGUF ``path`` and apply it to this context at scale 1.
+
+        Raises:
+            ModelFileError: llama.cpp cannot load it (another architecture, shapes that do
+                not fit this model) or apply it.
+        """
+        self._adapter = lib.llama_adapter_lora_init(self._model, str(path).encode())
+        applied = -1
+        if self._adapter:
+            adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self._adapter)
+            scales = (ctypes.c_float * 1)(1.0)
+            applied = lib.llama_set_adapters_lora(self._ctx, adapters, 1, scales)
+        if applied != 0:
+            _free_context(lib, self._model, self._ctx, None)
+            raise ModelFileError(f"llama.cpp cannot apply the LoRA adapter {path} to {self.path}")
 
     # ------------------------------------------------------------------ sequences
 
@@ -290,6 +312,8 @@ class LlamaCppModel:
 
 
 def _free_context(lib, model, ctx, batch) -> None:
-    lib.llama_batch_free(batch)
+    """Free a context and its model (a LoRA adapter goes with the model)."""
+    if batch is not None:
+        lib.llama_batch_free(batch)
     lib.llama_free(ctx)
     lib.llama_model_free(model)

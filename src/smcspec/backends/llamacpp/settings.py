@@ -61,6 +61,8 @@ class LlamaCppSettings:
             128,256-token vocabulary), and the decoders' sampling, weighting and resampling
             run there instead of on the host CPU, where they took about half of an SMC-SD
             round on an H200 (docs/gpu.md). The model's ``device`` is this device.
+        lora: a llama.cpp LoRA adapter GGUF applied to the model at scale 1 (a fitted draft,
+            :mod:`smcspec.models.fitted_draft`); None: the model as it is.
     """
 
     threads: int | None = None
@@ -73,6 +75,7 @@ class LlamaCppSettings:
     fair_share: bool = True
     cuda_graphs: bool = False
     logits_device: str = "cpu"
+    lora: str | None = None
 
     def environment(self) -> dict[str, str]:
         """Environment variables llama.cpp must see before its first forward (set with
