@@ -40,7 +40,8 @@ def test_a_json_array_of_strings(tmp_path):
         ("\n  \n", "no calibration prompt"),
         ("[1, 2]", "non-empty string"),
         ('["a", ""]', "non-empty string"),
-        ("[oops", "not a JSON array"),
+        ("[oops", "is not valid JSON"),
+        ("[" * 100 + "]" * 100, "levels deep"),
         ("x\n" * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS}"),
     ],
 )
@@ -52,10 +53,10 @@ def test_bad_files_are_clear_errors(tmp_path, content, message):
 
 
 def test_unreadable_file_and_bad_budget(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="no such file"):
         read_calibration(tmp_path / "missing.txt")
     (tmp_path / "bin").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="binary"):
         read_calibration(tmp_path / "bin")
     (tmp_path / "ok").write_text("a\n")
     for bad in (1, 0, -3, True, 2.5, MAX_TOKENS_PER_PROMPT + 1):

@@ -331,7 +331,8 @@ def test_eval_gsm8k_reads_the_packaged_test_split_unless_data_is_given(tmp_path,
     code = main(["eval", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--rescore"])
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: GSM8K file not found") and "Traceback" not in err
+    assert err.startswith("error: the GSM8K data") and "no such file" in err
+    assert "Traceback" not in err
 
 
 def test_generate_reports_whether_the_cap_or_the_model_ended_the_answer(pair, capsys):

@@ -44,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
         items = load_humaneval(args.limit, args.subset_seed)
     if args.first is not None:
         items = items[: args.first]
+    speeds = None
+    if args.speed_from:  # read before the models load: a bad file fails first
+        from smcspec.eval.throughput import load_bench_speeds
+
+        speeds = load_bench_speeds(args.speed_from)
     out = Path(args.out)
     results = ResultFile(out / "results.jsonl")
     backend = None  # the one that ran, once the models load
@@ -63,11 +68,6 @@ def run(args: argparse.Namespace) -> int:
             score_nll=args.nll,
             machine=machine_line(args, backend),
         )
-    speeds = None
-    if args.speed_from:
-        from smcspec.eval.throughput import load_bench_speeds
-
-        speeds = load_bench_speeds(args.speed_from)
     note = _report_note(args, base, records, len(items), backend)
     rows = report.summarize(records)
     summary = report.write_report(rows, out, f"{args.task} accuracy", note, speeds, records=records)
@@ -114,7 +114,8 @@ def gsm8k_data(args: argparse.Namespace) -> Path:
     """The GSM8K JSONL file to read: ``--data``, else the test split shipped in the package.
 
     Raises:
-        ConfigError: if that file does not exist.
+        ConfigError: the packaged split is missing (the file itself is checked when it is
+            read, :func:`smcspec.eval.gsm8k.load_gsm8k`).
     """
     from smcspec.eval.gsm8k import packaged_test_path
 
@@ -122,8 +123,6 @@ def gsm8k_data(args: argparse.Namespace) -> Path:
         data = Path(args.data) if args.data else packaged_test_path()
     except FileNotFoundError as exc:
         raise ConfigError(f"{exc} (pass --data)") from exc
-    if not data.is_file():
-        raise ConfigError(f"GSM8K file not found: {data} (pass --data)")
     return data
 
 

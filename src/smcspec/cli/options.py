@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smcspec.config import (
@@ -21,6 +20,7 @@ from smcspec.config import (
 )
 from smcspec.decoding.registry import Choice, choice, decoder_for
 from smcspec.errors import ConfigError
+from smcspec.input_files import loads_bounded, read_text_file
 from smcspec.models.loading import BACKENDS
 from smcspec.models.quantize import quantize_types
 from smcspec.potentials import Constraint, Grammar, JsonSchema, Regex
@@ -330,22 +330,26 @@ def _config(args: argparse.Namespace, method: Choice, **extra) -> GenerationConf
     return cfg
 
 
+MAX_SCHEMA_BYTES = 4 << 20  # --json-schema and --grammar files larger than this are refused
+MAX_TESTS_BYTES = 4 << 20  # --tests files likewise
+
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint of ``--json-schema`` / ``--regex`` / ``--grammar`` (None without one).
 
-    Raises :class:`ConfigError` for an unreadable file; the pattern, schema or grammar itself
-    is checked when it is compiled against the tokenizer (also a ConfigError, exit 2).
+    Raises :class:`ConfigError` for a file that cannot be read with bounds (missing, not a
+    regular file, over :data:`MAX_SCHEMA_BYTES`, not UTF-8 text, a schema that is not JSON or
+    nests deeper than :data:`~smcspec.input_files.MAX_JSON_DEPTH`); the pattern, schema or
+    grammar itself is checked when it is compiled against the tokenizer (also a ConfigError,
+    exit 2).
     """
     if args.regex is not None:
         return Regex(args.regex)
-    for path, kind in ((args.json_schema, "JSON schema"), (args.grammar, "grammar")):
-        if path is None:
-            continue
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read {kind} file {path}: {exc}") from exc
-        return JsonSchema(text) if kind == "JSON schema" else Grammar(text)
+    if args.json_schema is not None:
+        text = read_text_file(args.json_schema, "the JSON schema file", MAX_SCHEMA_BYTES)
+        loads_bounded(text, f"the JSON schema file {args.json_schema}")
+        return JsonSchema(text)
+    if args.grammar is not None:
+        return Grammar(read_text_file(args.grammar, "the grammar file", MAX_SCHEMA_BYTES))
     return None
 
 
@@ -372,10 +376,7 @@ def steering_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.reward == "examples":
         examples = CodeExamples.from_prompt(args.prompt, sandbox=args.sandbox)
     elif args.tests is not None:
-        try:
-            text = Path(args.tests).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read tests file {args.tests}: {exc}") from exc
+        text = read_text_file(args.tests, "the tests file", MAX_TESTS_BYTES)
         found = examples_from_tests(text)
         examples = CodeExamples(found, code_of_prompt(args.prompt), sandbox=args.sandbox)
     if examples is not None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smcspec.errors import ConfigError
-from smcspec.input_files import read_text_file
+from smcspec.input_files import MAX_JSON_DEPTH, json_depth, read_text_file
 
 DOMAINS = ("chat", "code", "math")
 SHAREGPT_HELD_OUT = 2000  # the benchmarks draw at most this many ShareGPT prompts, seed 0
@@ -125,6 +125,8 @@ def read_prompt_file(path: str | Path, val_per_domain: int = 8) -> list[PromptIt
 def _parse_line(line: str, path: str | Path, n: int) -> tuple[str, str]:
     if line[0] not in '{"':
         return line, "chat"
+    if json_depth(line) > MAX_JSON_DEPTH:
+        return _bad(path, n, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError:

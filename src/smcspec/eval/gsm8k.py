@@ -21,6 +21,9 @@ from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
 
+from smcspec.errors import ConfigError
+from smcspec.input_files import loads_bounded, read_text_file
+
 __all__ = [
     "Gsm8kItem",
     "build_messages",
@@ -126,22 +129,23 @@ def load_gsm8k(
         seed: seed for the subset; ignored when ``limit`` is None.
 
     Raises:
-        FileNotFoundError: if ``path`` (or, for None, the packaged file) does not exist.
-        ValueError: on a malformed line (bad JSON, missing keys, no ``####`` gold line) or a
-            negative ``limit``.
+        ConfigError: ``path`` cannot be read with bounds (missing, not a regular file,
+            larger than 64 MiB, not UTF-8 text: :func:`smcspec.input_files.read_text_file`),
+            or a malformed line (bad JSON, missing keys, no ``####`` gold line).
+        ValueError: a negative ``limit``.
     """
     if path is None:
         path = packaged_test_path()
     rows: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                rows.append((obj["question"], _gold_from_solution(obj["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: malformed GSM8K record: {exc}") from exc
+    text = read_text_file(path, "the GSM8K data")
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = loads_bounded(line, f"{path}:{lineno}")
+            rows.append((obj["question"], _gold_from_solution(obj["answer"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}:{lineno}: malformed GSM8K record: {exc}") from exc
     return [
         Gsm8kItem(id=f"gsm8k-{i}", question=rows[i][0], answer=rows[i][1])
         for i in seeded_subset(len(rows), limit, seed)

@@ -15,7 +15,6 @@ roofline prediction (:mod:`smcspec.eval.roofline`) beside the measured ratio.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ from smcspec.errors import ConfigError
 from smcspec.eval.harness import MethodSpec, answer_stop_ids
 from smcspec.eval.report import cap_counts, format_capped
 from smcspec.eval.roofline import predicted_speedup, smc_forward_costs
+from smcspec.input_files import loads_bounded, read_text_file
 
 __all__ = [
     "load_bench_speeds",
@@ -119,13 +119,13 @@ def load_bench_speeds(path: str | Path) -> dict[str, float]:
     """Median tokens/s per method of a bench ``runs.jsonl``.
 
     Raises:
-        ConfigError: the file is missing or holds no bench records.
+        ConfigError: the file cannot be read with bounds
+            (:func:`smcspec.input_files.read_text_file`) or holds no bench records.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"bench runs file not found: {p}")
+    text = read_text_file(p, "the bench runs file")
     try:
-        records = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        records = [loads_bounded(line, f"{p}") for line in text.splitlines() if line.strip()]
         rows = summarize_bench(records)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{p} is not a bench runs.jsonl: {exc}") from exc

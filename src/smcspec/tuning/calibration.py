@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smcspec.errors import ConfigError
+from smcspec.input_files import loads_bounded, read_text_file
 from smcspec.tuning.measure import ACCEPTANCE_PROMPTS
 
 DEFAULT_TOKENS_PER_PROMPT = 64
@@ -25,6 +26,9 @@ DEFAULT_TOKENS_PER_PROMPT = 64
 
 MAX_PROMPTS = 1000
 """More prompts than this are refused (the measurement runs one sd request per prompt)."""
+
+MAX_CALIBRATION_BYTES = 16 << 20
+"""A larger calibration file is refused before it is read (1,000 prompts of 16 KiB each)."""
 
 MAX_TOKENS_PER_PROMPT = 512
 """The most new tokens a prompt: one prompt's log-probabilities under both models are held
@@ -78,8 +82,13 @@ def read_calibration(path: str | Path, tokens_per_prompt: int | None = None) -> 
     """The prompts of ``path``: a JSON array of strings, or one prompt per line (blank lines
     skipped; a line holding a JSON string is decoded, for prompts with newlines).
 
+    The file is read with bounds (:func:`smcspec.input_files.read_text_file`: a regular file
+    of at most :data:`MAX_CALIBRATION_BYTES`, UTF-8 text; a JSON array nested at most
+    :data:`~smcspec.input_files.MAX_JSON_DEPTH` deep).
+
     Raises:
-        ConfigError: the file cannot be read, holds no prompt or more than
+        ConfigError: the file cannot be read (missing, not a regular file, too large, not
+            UTF-8 text, JSON nested too deep), holds no prompt or more than
             :data:`MAX_PROMPTS`, an array entry is not a non-empty string, or
             ``tokens_per_prompt`` is not in ``[2, MAX_TOKENS_PER_PROMPT]``.
     """
@@ -91,10 +100,7 @@ def read_calibration(path: str | Path, tokens_per_prompt: int | None = None) -> 
             f"--calibration-tokens must be in [2, {MAX_TOKENS_PER_PROMPT}], got {tokens}"
         )
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the calibration prompts {path}: {e}") from e
+    text = read_text_file(path, "the calibration prompts", MAX_CALIBRATION_BYTES)
     prompts = _parse(text, path)
     if not prompts:
         raise ConfigError(f"{path} holds no calibration prompt")
@@ -105,10 +111,9 @@ def read_calibration(path: str | Path, tokens_per_prompt: int | None = None) -> 
 
 def _parse(text: str, path: Path) -> list[str]:
     if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} starts with '[' but is not a JSON array: {e}") from e
+        items = loads_bounded(text, f"{path} (it starts with '[')")
+        if not isinstance(items, list):
+            raise ConfigError(f"{path} starts with '[' but is not a JSON array")
         if not all(isinstance(p, str) and p.strip() for p in items):
             raise ConfigError(f"{path}: every entry of the array must be a non-empty string")
         return items

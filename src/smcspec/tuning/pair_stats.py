@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from smcspec.errors import ConfigError
+from smcspec.input_files import loads_bounded, read_text_file
 from smcspec.models.loading import cache_root
 from smcspec.tuning.measure import QUANTILES
 
@@ -150,20 +151,24 @@ def _check(acc_key: str, m: Any) -> None:
             raise ValueError(f"{acc_key}: {name} must be lists of probabilities")
 
 
+MAX_PAIR_STATS_BYTES = 16 << 20  # a pair-stats file is tens of KB; larger is refused unread
+
 def read_pair_stats(path: str | Path) -> PairStats:
     """Read and check a pair-stats file.
 
     Raises:
-        ConfigError: the file is missing, unreadable, not a pair-stats file of this format, or
+        ConfigError: the file is missing, not a regular file, larger than
+            :data:`MAX_PAIR_STATS_BYTES`, not JSON (or nested too deep), not a pair-stats
+            file of this format, or
             a measurement in it is malformed (alpha outside [0, 1], decreasing quantiles,
             probabilities outside [0, 1], a field missing).
     """
     path = Path(path)
+    text = read_text_file(path, "the pair statistics", MAX_PAIR_STATS_BYTES)
+    data = loads_bounded(text, f"the pair statistics {path}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the pair statistics {path}: {exc}") from None
-    try:
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("kind") != PAIR_STATS_KIND or data.get("format") != PAIR_STATS_FORMAT:
             raise ValueError(f"not a {PAIR_STATS_KIND} file of format {PAIR_STATS_FORMAT}")
         acceptance = data["acceptance"]
