@@ -169,3 +169,22 @@ def test_seed_must_be_an_integer():
     for bad in (1.5, "1", True):
         with pytest.raises(ConfigError, match="seed must be an integer"):
             GenerationConfig(seed=bad).validate()
+
+
+def test_stop_ids_are_special_tokens_never_ordinary_text():
+    """Qwen2.5's vocabulary holds ``</s>`` as a plain token (id 128247): a model that writes
+    it inside an answer must not end there. Stop ids are the eos token and the chat
+    templates' end tokens only where the tokenizer marks them special."""
+    from tokenizers import AddedToken
+
+    from smcspec.engine import stop_token_ids
+    from tiny_models import make_tokenizer
+
+    tok = make_tokenizer(96)
+    tok.add_tokens(["</s>"])  # ordinary text, as in Qwen2.5's vocabulary
+    tok.add_tokens([AddedToken("<|endoftext|>", special=True)], special_tokens=True)
+    vocab = tok.get_vocab()
+    ids = stop_token_ids(tok, len(vocab))
+    assert vocab["</s>"] not in ids
+    assert ids == {tok.eos_token_id, vocab["<|endoftext|>"]}
+    assert stop_token_ids(tok, vocab["<|endoftext|>"]) == {tok.eos_token_id}  # below vocab

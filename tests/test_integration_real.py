@@ -303,3 +303,12 @@ def test_server_on_the_default_pair(real_server):
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content))
+
+
+def test_the_default_pair_stops_only_at_its_special_end_tokens(real_engine):
+    """Qwen2.5's ``</s>`` (id 128247) is ordinary text: only ``<|endoftext|>`` (151643) and
+    ``<|im_end|>`` (151645), both special, end an answer."""
+    tok = real_engine.tokenizer
+    assert real_engine.stop_ids == {151643, 151645}
+    assert tok.convert_ids_to_tokens(128247) == "</s>" and 128247 not in real_engine.stop_ids
+    assert all(tok.added_tokens_decoder[i].special for i in real_engine.stop_ids)

@@ -35,7 +35,8 @@ from smcspec.models.pair import check_same_vocabulary, load_pair
 from smcspec.potentials import Constraint, MinTokens
 from smcspec.tool_calls import ToolCalls
 
-# end-of-generation tokens of common chat templates, used when present in the vocabulary
+# end-of-generation tokens of common chat templates, used where the tokenizer has them as
+# special tokens (Qwen2.5's vocabulary holds "</s>" as ordinary text, id 128247)
 _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
 
 Prompt = str | list[dict[str, str]]
@@ -214,11 +215,10 @@ class Engine:
         return cls(*load_pair(*args, **kwargs))
 
     def _stop_ids(self) -> set[int]:
-        tok = self.tokenizer
-        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        vocab = tok.get_vocab()
-        ids |= {vocab[t] for t in _EOG_TOKENS if t in vocab}
-        return {i for i in ids if i < self.vocab}
+        """The tokenizer's end-of-text token and those of :data:`_EOG_TOKENS` that it holds
+        as special tokens (never a token that is ordinary text, which a model may write
+        inside an answer), below the pair's vocabulary size."""
+        return stop_token_ids(self.tokenizer, self.vocab)
 
     def encode(
         self,
@@ -459,6 +459,17 @@ class Engine:
                 f"prompt of {prompt_len} tokens + max_new_tokens {cfg.max_new_tokens} "
                 f"(+{k + 1} for the last round) = {need} exceeds the model context of {ctx} tokens"
             )
+
+
+def stop_token_ids(tokenizer, vocab: int) -> set[int]:
+    """The ids that end a generation: the tokenizer's eos token, and the end-of-turn and
+    end-of-text tokens of common chat templates (:data:`_EOG_TOKENS`) where the tokenizer
+    marks them special (``added_tokens_decoder[id].special``), each below ``vocab``."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab_ids = tokenizer.get_vocab()
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids |= {vocab_ids[t] for t in _EOG_TOKENS if vocab_ids.get(t) in special}
+    return {i for i in ids if i < vocab}
 
 
 def _vote(vote: Vote, particles: list[dict[str, Any]]) -> dict[str, Any] | None:
