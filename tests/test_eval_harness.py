@@ -145,6 +145,8 @@ def test_run_task_records_the_budget_and_whether_it_was_hit(engine, tmp_path):
     for r in records:
         assert r["max_new_tokens"] == 6 and isinstance(r["hit_cap"], bool)
         assert r["machine"] == "M"
+        # the draft is named where the method drafts with it (a fitted draft's name then)
+        assert r.get("draft") == (engine.draft.name if r["method"] != "ar" else None)
         if r["new_tokens"] < 6:
             assert not r["hit_cap"]  # ended on its own before the budget
     again = harness.rescore("gsm8k", records, ITEMS)

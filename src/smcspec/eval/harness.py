@@ -222,7 +222,9 @@ def run_task(
     Records: ``id`` (``"<method>/<item id>"``), ``item``, ``method``, ``prompt_id``,
     ``output``, ``extracted``, ``correct``, ``new_tokens``, ``max_new_tokens`` (the budget),
     ``hit_cap`` (cut by the budget, see :func:`smcspec.decoding.output.hit_token_cap`), ``seconds``,
-    ``tokens_per_second``, ``stats`` and, with ``score_nll``, ``target_nll`` (mean nats per
+    ``tokens_per_second``, ``stats``, ``draft`` (the draft model's name, where the method
+    drafts with one: a fitted draft's is its manifest's, e.g. ``...-chi2``) and, with
+    ``score_nll``, ``target_nll`` (mean nats per
     token of the output under the target at temperature 1) and, if given, ``machine`` (what
     generated it, e.g. :func:`smcspec.cli.engine_args.machine_line`: a resumed run may span
     machines, see :func:`machines_note`). Returns all records of the file.
@@ -273,12 +275,20 @@ def run_task(
                 "seconds": round(ans.seconds, 3),
                 "tokens_per_second": round(ans.new_tokens / ans.seconds, 3) if ans.seconds else 0.0,
                 "stats": r.stats,
+                **_draft_field(engine, cfg),
                 **({"machine": machine} if machine else {}),
             }
         )
         bar.update(1)
     bar.close()
     return results.records()
+
+
+def _draft_field(engine: Engine, cfg: GenerationConfig) -> dict[str, str]:
+    """``{"draft": name}`` where ``cfg``'s decoder drafts with the draft model, else ``{}``."""
+    if engine.draft is None or not decoder_for(cfg).draft_model:
+        return {}
+    return {"draft": engine.draft.name}
 
 
 @dataclass
