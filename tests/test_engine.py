@@ -175,10 +175,10 @@ def test_stop_ids_are_special_tokens_never_ordinary_text():
     """Qwen2.5's vocabulary holds ``</s>`` as a plain token (id 128247): a model that writes
     it inside an answer must not end there. Stop ids are the eos token and the chat
     templates' end tokens only where the tokenizer marks them special."""
+    from tiny_models import make_tokenizer
     from tokenizers import AddedToken
 
     from smcspec.engine import stop_token_ids
-    from tiny_models import make_tokenizer
 
     tok = make_tokenizer(96)
     tok.add_tokens(["</s>"])  # ordinary text, as in Qwen2.5's vocabulary

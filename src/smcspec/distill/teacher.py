@@ -141,8 +141,9 @@ def next_prompts(
 
 
 def check_meta(out: Path, settings: TeacherSettings, prompts_digest: str) -> None:
-    """Write ``out/teacher.json`` on the first run; on a resumed run, refuse settings or
-    prompts that differ from the records already there.
+    """Write ``out/teacher.json`` (the settings and the mix's digest); on a resumed run,
+    refuse settings that differ from those the records were made with (the budget may
+    change; the prompts are checked record by record, :func:`check_records`).
 
     Raises:
         ConfigError: naming the first setting that differs.
@@ -152,13 +153,34 @@ def check_meta(out: Path, settings: TeacherSettings, prompts_digest: str) -> Non
     if path.exists():
         old = json.loads(path.read_text())
         for key, value in meta.items():
-            if key != "train_tokens" and old.get(key) != value:
+            if key not in ("train_tokens", "prompts_sha256") and old.get(key) != value:
                 raise ConfigError(
                     f"{out} holds teacher answers made with {key}={old.get(key)!r}, not "
                     f"{value!r}: use another --out, or the same settings to resume"
                 )
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def check_records(engine, items: list[PromptItem], records: list[TeacherRecord], out: Path) -> None:
+    """Every record already in ``out`` answers a prompt of ``items`` with the same id, domain
+    and split, and the same tokens: a mix that changed where no answer was made yet resumes.
+
+    Raises:
+        ConfigError: naming the first record whose prompt is gone or changed.
+    """
+    by_id = {it.id: it for it in items}
+    for r in records:
+        item = by_id.get(r.id)
+        if (
+            item is None
+            or (item.domain, item.split) != (r.domain, r.split)
+            or (engine.encode(item.prompt) != r.prompt_ids)
+        ):
+            raise ConfigError(
+                f"{out} holds an answer to prompt {r.id!r}, which these prompts no longer hold "
+                "as it was: use another --out"
+            )
 
 
 def generate_teacher(
@@ -186,6 +208,7 @@ def generate_teacher(
     check_meta(out, settings, prompts_digest)
     file = ResultFile(out / TEACHER_FILE)
     records = read_records(out)
+    check_records(engine, items, records, out)
     index = {it.id: i for i, it in enumerate(items)}
     for item in next_prompts(items, records, settings):
         cfg = GenerationConfig(
