@@ -142,6 +142,28 @@ def test_finish_reason_length_or_stop(engine, method):
     assert r.new_tokens == 1 and r.finish_reason == "stop"  # a stop token on the last slot
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_min_tokens_allows_the_first_stop_at_position_min_tokens(engine, method):
+    """``min_tokens`` 3 with every token but one (``t``) a stop token, so that a stop token
+    holds nearly all the mass wherever it is allowed: the prepared request's mask forbids
+    every stop token at positions 0-2 (``t`` the one token left) and allows them all from
+    position 3; a greedy answer is ``t, t, t`` and then a stop token, 4 tokens (the stop
+    token not counted in the 3). Broken variant caught: ``min_tokens`` counting the stop
+    token (``MinTokens(..., n - 1)``): the mask allows stops at position 2 and the answer
+    is 3 tokens; the other tests put the boundary where the stop token has mass 5e-15."""
+    t = 10
+    stops = tuple(i for i in range(engine.vocab) if i != t)
+    c = cfg(method, temperature=0.0, min_tokens=3, stop_token_ids=stops)
+    state = engine.prepare("ab cd", c, chat=False).config.constraint.start()
+    for pos in range(6):
+        allowed = state.allowed()
+        assert bool(allowed[t]) and allowed[list(stops)].tolist() == [pos >= 3] * len(stops), pos
+        state.consume([t])
+    r = engine.generate("ab cd", c, chat=False)
+    assert r.token_ids[:3] == [t] * 3 and r.token_ids[3] in stops, r.token_ids
+    assert len(r.token_ids) == 4 and r.finish_reason == "stop", r.token_ids
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**70), 2**64 + 7])
 def test_any_integer_seed_is_used_modulo_2_64(engine, seed):
     a = engine.generate("ab cd", cfg("smc", seed=seed), chat=False)

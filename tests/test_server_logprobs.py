@@ -130,6 +130,29 @@ def test_prompt_arrays_get_one_choice_set_each(server):
     assert t.usage.prompt_tokens == 5 and len(t.choices) == 2
 
 
+def test_prompt_arrays_with_n_echo_each_choice_its_own_prompt(server):
+    """``echo`` with an array of three prompts and ``n`` 2: choice ``p * 2 + i`` begins with
+    prompt ``p``'s text, whole and streamed (the stream's first chunk of each choice is its
+    prompt). Broken variant caught: the echo indexing the prompts the other way round (prompt
+    ``index % 3``, or ``index % n``): choices 1-4 echo another prompt (one prompt or ``n`` 1,
+    the other tests' cases, cannot tell)."""
+    prompts = ["ab cd", "ef gh ij", "kl mn"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 2, "echo": True,
+            "seed": 3}  # fmt: skip
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=120).json()
+    assert sorted(c["index"] for c in r["choices"]) == list(range(6))
+    for c in r["choices"]:
+        assert c["text"].startswith(prompts[c["index"] // 2]), (c["index"], c["text"])
+    first: dict[int, str] = {}
+    with httpx.stream("POST", server.url("/v1/completions"), json={**body, "stream": True},
+                      timeout=120) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    first.setdefault(c["index"], c["text"])
+    assert first == {i: prompts[i // 2] for i in range(6)}
+
+
 def test_ignore_eos_and_min_tokens_extras(server):
     """aiperf's fixed-length mode (``ignore_eos`` and ``min_tokens`` top-level extras): as
     many tokens as asked; ``min_tokens`` alone keeps answers that long."""

@@ -5,7 +5,8 @@ on hand-made weights); after every cut round each particle's target and draft KV
 its matcher hold exactly its tokens (fresh computations), which a round that forgets to roll
 the caches back fails; the fused round draws what the step path draws (bank and keep rules,
 groups, alpha, truncation); the epsilon stop ends a request only when the running mass is
-below epsilon, and then the bank holds at least ``1 - epsilon``. The output distributions
+below epsilon (over groups, their masses' arithmetic mean), and then the bank holds at least
+``1 - epsilon``. The output distributions
 (TV falling with N, the epsilon bound) are in ``test_smc_cut_statistical.py`` (slow tier).
 """
 
@@ -219,6 +220,25 @@ def test_an_epsilon_stop_that_ignores_the_mass_is_caught(pair, monkeypatch):
                   stop_epsilon=0.2)  # fmt: skip
     masses = [_run(pair, "steps", cfg, seed=s).stats.banked_mass for s in range(12)]
     assert min(m for m in masses if m is not None) < 1 - 0.2
+
+
+def test_the_epsilon_stop_reads_the_mean_of_the_groups_running_masses():
+    """Three groups (two particles each), each with a banked particle, running masses 0.4,
+    0.05 and 0.0008: the groups count equally, so the stop compares their arithmetic mean,
+    0.1503, with epsilon, and ends the request exactly when epsilon exceeds it (checked a
+    relative 1e-9 either side, and at 0.1). Broken variant caught: the masses averaged
+    geometrically (the exp of the mean log mass, 0.0252), which stops at epsilon 0.1 with
+    0.15 of the mass still running; every other test runs one group, where the two agree."""
+    masses = torch.tensor([0.4, 0.05, 0.0008], dtype=torch.float64)
+    mean = float(masses.mean())
+    for eps, stops in ((mean * (1 + 1e-9), True), (mean * (1 - 1e-9), False), (0.1, False)):
+        cfg = GenerationConfig(method="smc", particles=6, groups=3, stop_epsilon=eps)
+        ps = replace(
+            _particles([0.0] * 6), log_z=torch.zeros(3), log_running=masses.log(),
+            banked=[([1, 7], -2.0, g) for g in range(3)],
+        )  # fmt: skip
+        assert round_end.mass_stop(_Job(cfg), ps) is stops, f"epsilon {eps:.9f}, mean {mean:.9f}"
+        assert ps.stopped_early is stops and bool(ps.finished.all()) is stops
 
 
 def test_bad_settings_are_clear_errors():
