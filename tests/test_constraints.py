@@ -198,3 +198,52 @@ def test_cli_bad_constraint_is_one_line_error(cli_pair, tmp_path, capsys, args):
     assert main([*argv, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def _many_objects(count: int) -> dict:
+    """A schema of ``count`` alternative one-key objects (``anyOf``): llguidance's compile
+    time grows with it (3,000: 0.5 s against the tiny vocabulary, 2-core CPU)."""
+    return {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                       "required": [f"k{i}"], "additionalProperties": False}
+                      for i in range(count)]}  # fmt: skip
+
+
+def test_cli_schema_past_the_compile_budget_is_one_line_error(
+    cli_pair, tmp_path, capsys, monkeypatch
+):
+    """A schema that does not compile within the budget (here 0.05 s; the schema takes about
+    0.5 s) ends the CLI with one ``error:`` line naming the limit, exit 2, not a wait.
+    Before issue 87 there was no limit: it compiled and generated (exit 0)."""
+    from smcspec.potentials import GrammarBudget
+
+    monkeypatch.setattr("smcspec.engine.GrammarBudget", lambda: GrammarBudget(compile_s=0.05))
+    schema = tmp_path / "heavy.json"
+    schema.write_text(json.dumps(_many_objects(3000)))
+    argv = ["generate", "ab", "--target", cli_pair[0], "--method", "ar", "--no-chat", "-m", "4"]
+    assert main([*argv, "--json-schema", str(schema)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "compile_s" in err, err
+
+
+class _SlowMatcher:
+    """An llguidance matcher stand-in whose masks take ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def is_error(self) -> bool:
+        return False
+
+    def compute_bitmask(self) -> bytes:
+        time.sleep(self.seconds)
+        return b"\xff" * 12
+
+
+def test_a_mask_past_its_budget_raises_naming_the_limit():
+    """One mask slower than ``mask_s`` (0.2 s against 0.02 s) is a GrammarBudgetError (a
+    ConfigError: HTTP 400, CLI exit 2) naming ``mask_s``; one within it gives the mask."""
+    from smcspec.potentials import GrammarBudgetError, LLGuidanceState
+
+    with pytest.raises(GrammarBudgetError, match="mask_s"):
+        LLGuidanceState(_SlowMatcher(0.2), V, mask_s=0.02).allowed()
+    assert LLGuidanceState(_SlowMatcher(0.0), V, mask_s=1.0).allowed().all()

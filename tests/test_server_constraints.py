@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -291,3 +292,106 @@ def test_schemas_nested_too_deep_are_400_at_every_depth(tool_server):
                 assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert set(statuses.values()) == {400}, {k: v for k, v in statuses.items() if v != 400}
     assert httpx.get(tool_server.url("/health")).status_code == 200
+
+
+# ------------------------------------------------------------------ grammar time budget (issue 87)
+ENUM_500 = {
+    "type": "object",
+    "properties": {"choice": {"enum": [f"c{i:03d}" for i in range(500)]}},
+    "required": ["choice"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("method", ["ar", "smc"])
+def test_a_500_value_enum_tool_is_answered(tool_server, method):
+    """Issue 87's tool (one parameter, an enum of 500 values), required, on ar and SMC-SD:
+    a 200 in bounded time (its grammar compiles in 0.03 s against the default pair's
+    vocabulary; the tool's schema in the prompt makes it 2,650 tokens here, 3,153 on the
+    default pair); a whole call names one of the values."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": ENUM_500}}]
+    t0 = time.perf_counter()
+    r = httpx.post(tool_server.url("/v1/chat/completions"), timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "ab"}], "seed": 0,
+        "max_tokens": 40, "tools": tools, "tool_choice": "required",
+        "smc": {"method": method, "particles": 2},
+    })  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert time.perf_counter() - t0 < 60  # measured 5-13 s on a loaded 2-core CPU
+    out = r.json()["choices"][0]
+    for call in out["message"].get("tool_calls") if out["finish_reason"] == "tool_calls" else []:
+        assert json.loads(call["function"]["arguments"])["choice"] in ENUM_500["properties"][
+            "choice"]["enum"]  # fmt: skip
+
+
+def _heavy_grammar(blocks: int = 20, alternatives: int = 1000) -> str:
+    """A Lark grammar of ``blocks`` JSON schemas, each one of ``alternatives`` one-key objects
+    (``anyOf``; one schema that large is "schema too large" for llguidance, so several):
+    about 2 MB that llguidance compiles in 2.7 s against the tiny tool vocabulary (2-core
+    CPU, loaded), far past a 0.25 s budget. As a request's ``smc.grammar`` it is not in the
+    prompt (a tool set that size is: it would first exceed the context)."""
+    arg = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                      "required": [f"k{i}"], "additionalProperties": False}
+                     for i in range(alternatives)]}  # fmt: skip
+    lines = ["start: " + " | ".join(f"j{b}" for b in range(blocks))]
+    lines += [f"j{b}: %json {json.dumps(arg)}" for b in range(blocks)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_grammar_past_the_compile_budget_is_400_while_others_are_served(tmp_path_factory):
+    """A grammar that llguidance takes ``compile_s`` seconds to compile (measured here with
+    llguidance directly) against a server whose budget is 0.25 s: the request gets a 400
+    naming the limit (code ``grammar_budget_exceeded``) in well under ``compile_s``, and a
+    small request sent meanwhile is answered in well under ``compile_s`` too (compiling runs
+    off the event loop). Before issue 87 the grammar compiled on the event loop: the heavy
+    request got a 200 after the whole compile, and the small one waited behind it."""
+    import threading
+
+    import llguidance
+    from transformers import AutoTokenizer
+
+    from smcspec.potentials import _ll_tokenizer
+
+    dirs = make_tiny_tool_chat_pair(tmp_path_factory.mktemp("budget"), max_position_embeddings=4096)
+    lark = _heavy_grammar()
+    ll = _ll_tokenizer(AutoTokenizer.from_pretrained(str(dirs[0])), 64, [61])
+    t0 = time.perf_counter()
+    llguidance.LLMatcher(ll, llguidance.grammar_from("lark", lark)).compute_bitmask()
+    compile_s = time.perf_counter() - t0
+    assert compile_s > 1.0, compile_s  # else the timings below cannot tell the two apart
+
+    engine = Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
+    app = create_app(engine, GenerationConfig(max_new_tokens=4), model_name=MODEL,
+                     grammar_compile_s=0.25)  # fmt: skip
+    srv = Server(app)
+    try:
+        heavy: dict = {}
+
+        def send_heavy() -> None:
+            t = time.perf_counter()
+            heavy["r"] = httpx.post(srv.url("/v1/chat/completions"), timeout=120, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "ab"}],
+                "max_tokens": 2, "smc": {"grammar": lark},
+            })  # fmt: skip
+            heavy["s"] = time.perf_counter() - t
+
+        thread = threading.Thread(target=send_heavy)
+        thread.start()
+        time.sleep(0.1)
+        t = time.perf_counter()
+        small = httpx.post(srv.url("/v1/chat/completions"), timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2,
+        })  # fmt: skip
+        small_s = time.perf_counter() - t
+        thread.join(120)
+        assert small.status_code == 200, small.text
+        r = heavy["r"]
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "grammar_budget_exceeded" and "0.25 s" in err["message"], err
+        assert "compile_s" in err["message"], err
+        # measured: heavy 0.5 s, small 0.3 s, compile_s 2.7 s (loaded 2-core CPU)
+        assert heavy["s"] < compile_s / 2 and small_s < compile_s / 2, (heavy, small_s, compile_s)
+        assert httpx.get(srv.url("/health")).status_code == 200
+    finally:
+        srv.stop()

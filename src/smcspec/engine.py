@@ -32,7 +32,7 @@ from smcspec.decoding.registry import Decoder, decoder_for
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.models.loading import LoadedModel
 from smcspec.models.pair import check_same_vocabulary, load_pair
-from smcspec.potentials import Constraint, MinTokens
+from smcspec.potentials import Constraint, GrammarBudget, MinTokens
 from smcspec.tool_calls import ToolCalls
 
 # end-of-generation tokens of common chat templates, used where the tokenizer has them as
@@ -206,6 +206,7 @@ class Engine:
             if hasattr(target.model, "share_pool"):  # torch: one default KV pool a device
                 target.model.share_pool(draft.model)
         self.stop_ids = frozenset(self._stop_ids())
+        self.grammar_budget = GrammarBudget()  # constraints' time limits, unless prepare's
 
     @classmethod
     def load(cls, *args: Any, **kwargs: Any) -> Engine:
@@ -333,15 +334,20 @@ class Engine:
         chat: bool = True,
         parse_special: bool = True,
         fit_context: bool = False,
+        grammar_budget: GrammarBudget | None = None,
     ) -> Job:
         """Validate ``config``, tokenize ``prompt`` (see :meth:`encode`; a
         :class:`~smcspec.tool_calls.ToolCalls` constraint's tools are rendered by the chat
         template) and check the context; fixes the seed. ``fit_context``: lower
         ``max_new_tokens`` to what the context leaves after the prompt instead of refusing
-        (a default cap, not the user's).
+        (a default cap, not the user's). ``grammar_budget``: the constraint's time limits
+        (default :attr:`grammar_budget`).
 
         Raises:
-            ConfigError, ContextLengthError (see :meth:`generate`).
+            ConfigError, ContextLengthError (see :meth:`generate`);
+            :class:`~smcspec.potentials.GrammarBudgetError` (a ConfigError) when the
+            constraint does not compile within its budget;
+            :class:`~smcspec.potentials.CompilersBusyError` when no compile slot frees.
         """
         cfg = (config or GenerationConfig()).validate()
         decoder = decoder_for(cfg)
@@ -364,11 +370,14 @@ class Engine:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(6), "little")
         seed %= SEED_RANGE  # any integer maps to one of torch.Generator's seeds
         stop_ids = frozenset() if cfg.ignore_eos else self.stop_ids | set(cfg.stop_token_ids)
-        cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids))
+        budget = grammar_budget or self.grammar_budget
+        cfg = replace(cfg, seed=seed, **self._potentials(cfg, stop_ids, budget))
         draft = self.draft.model if self.draft is not None and decoder.draft_model else None
         return Job(ids, cfg, stop_ids, self.target.model, draft, self.vocab)
 
-    def _potentials(self, cfg: GenerationConfig, stop_ids: frozenset[int]) -> dict[str, Any]:
+    def _potentials(
+        self, cfg: GenerationConfig, stop_ids: frozenset[int], budget: GrammarBudget
+    ) -> dict[str, Any]:
         """Compile ``cfg.constraint`` against the tokenizer (once per request; stop tokens are
         allowed only where the output is complete), or ``cfg.min_tokens`` as a
         :class:`~smcspec.potentials.MinTokens` constraint, and give ``cfg.reward`` the
@@ -379,7 +388,7 @@ class Engine:
             out["constraint"] = MinTokens(sorted(stop_ids), self.vocab, cfg.min_tokens)
         if isinstance(cfg.constraint, Constraint):
             out["constraint"] = cfg.constraint.compile(
-                self.tokenizer, self.vocab, sorted(stop_ids or self.stop_ids)
+                self.tokenizer, self.vocab, sorted(stop_ids or self.stop_ids), budget
             )
         if cfg.reward is not None and cfg.reward.detokenize is None:
             tok = self.tokenizer

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from smcspec.errors import ConfigError, NumericalError
+from smcspec.errors import ConfigError, NumericalError, SmcspecError
 
 
 class DeadEndError(NumericalError):
@@ -82,7 +83,13 @@ class Constraint(ABC):
     def grammar(self) -> str:
         """llguidance's grammar text for this spec (no tokenizer needed)."""
 
-    def compile(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> TokenConstraint:
+    def compile(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        budget: GrammarBudget | None = None,
+    ) -> TokenConstraint:
         """Compile against a Hugging Face tokenizer for ``vocab_size`` token ids.
 
         Args:
@@ -91,10 +98,14 @@ class Constraint(ABC):
                 the tokenizer's); ids the tokenizer lacks are never allowed.
             stop_ids: tokens that end a sequence (EOS, end of turn); allowed only where the
                 prefix is in A. Empty: the tokenizer's EOS.
+            budget: the time limits of compiling and of each mask (default
+                :class:`GrammarBudget`'s).
         Raises:
             ConfigError: invalid pattern / schema / grammar (llguidance's message).
+            GrammarBudgetError: compiling took longer than ``budget.compile_s``.
+            CompilersBusyError: no compile slot came free within ``budget.compile_s``.
         """
-        return LLGuidanceConstraint(self.grammar(), tokenizer, vocab_size, stop_ids)
+        return LLGuidanceConstraint(self.grammar(), tokenizer, vocab_size, stop_ids, budget)
 
 
 def grammar_from(kind: str, text: str) -> str:
@@ -210,7 +221,61 @@ class Grammar(Constraint):
         return grammar_from("lark", self.lark)
 
 
+COMPILE_BUDGET_S = 5.0
+"""Default wall seconds a request's constraint may take to compile (llguidance's grammar,
+lexer and first mask; the tokenizer's one-time conversion not included). Measured on an
+idle-ish 2-core CPU: the 500-value enum tool of issue 87, 0.03 s against the default pair's
+tokenizer; 20 tools of 500-way ``anyOf`` arguments, 2.8 s against the tiny test vocabulary."""
+
+MASK_BUDGET_S = 1.0
+"""Default wall seconds one token mask may take (each particle's, each position's); measured
+masks of the default pair's 151,936-token vocabulary take under 0.01 s."""
+
+MAX_COMPILES = 2
+"""Compilations that may run at once. A compile past its budget cannot be stopped (llguidance
+runs it in Rust): it goes on in the background until llguidance's own limits
+(``LLParserLimits``: lexer fuel, grammar size) end it, and holds its slot until then, so that
+refused schemas cannot pile up work."""
+
+
+class GrammarBudgetError(ConfigError):
+    """A constraint took longer to compile, or one mask longer to compute, than its
+    :class:`GrammarBudget` allows (the message names the limit): the request's schema or
+    grammar is too complex to serve (HTTP 400, CLI exit 2)."""
+
+
+class CompilersBusyError(SmcspecError):
+    """Every compile slot (:data:`MAX_COMPILES`) stayed taken for the whole compile budget:
+    the server is busy (HTTP 429), the schema may be fine."""
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    """Time limits of one request's constraint (wall seconds).
+
+    Attributes:
+        compile_s: compiling it (grammar, lexer and first mask); a request waiting for a
+            compile slot spends this budget too.
+        mask_s: computing one token mask while decoding.
+    Raises:
+        ConfigError: a limit that is not a finite number > 0.
+    """
+
+    compile_s: float = COMPILE_BUDGET_S
+    mask_s: float = MASK_BUDGET_S
+
+    def __post_init__(self) -> None:
+        for name in ("compile_s", "mask_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(
+                    f"grammar budget {name} must be a finite number > 0, got {value!r}"
+                )
+
+
 _LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+_LL_TOKENIZERS_LOCK = threading.Lock()  # requests are prepared on several threads
+_COMPILE_SLOTS = threading.BoundedSemaphore(MAX_COMPILES)
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Any:
@@ -218,56 +283,117 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> A
     import llguidance.hf
 
     key = (id(tokenizer), vocab_size, tuple(sorted(stop_ids)))  # the entry keeps it alive
-    if key not in _LL_TOKENIZERS:
-        eos: int | list[int] | None = sorted(stop_ids) if stop_ids else None
+    with _LL_TOKENIZERS_LOCK:
+        if key not in _LL_TOKENIZERS:
+            eos: int | list[int] | None = sorted(stop_ids) if stop_ids else None
+            try:
+                ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+                _LL_TOKENIZERS[key] = (tokenizer, ll)
+            except Exception as e:
+                raise ConfigError(f"llguidance cannot use this tokenizer: {e}") from e
+        return _LL_TOKENIZERS[key][1]
+
+
+def _compile_matcher(grammar: str, ll_tokenizer: Any) -> Any:
+    """llguidance's matcher of ``grammar``, its first mask computed (llguidance builds its
+    lexer lazily: the first mask is part of compiling). Raises :class:`ConfigError`."""
+    import llguidance
+
+    try:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+    except Exception as e:  # anything llguidance raises here is about the grammar
+        raise ConfigError("invalid constraint: " + " ".join(str(e).split())) from e
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise ConfigError("invalid constraint: " + " ".join(matcher.get_error().split()))
+    return matcher
+
+
+def compile_within(grammar: str, ll_tokenizer: Any, seconds: float) -> Any:
+    """:func:`_compile_matcher` on a thread of its own, waited for at most ``seconds`` (the
+    wait for a compile slot included). llguidance drops the GIL while it compiles, so the
+    caller's process keeps running meanwhile.
+
+    Raises:
+        ConfigError: an invalid grammar.
+        GrammarBudgetError: not compiled within ``seconds`` (the compile goes on in the
+            background, holding its slot: :data:`MAX_COMPILES`).
+        CompilersBusyError: no slot came free within ``seconds``.
+    """
+    deadline = time.monotonic() + seconds
+    if not _COMPILE_SLOTS.acquire(timeout=seconds):
+        raise CompilersBusyError(
+            f"the server is busy compiling other constraints ({MAX_COMPILES} at once); retry later"
+        )
+    box: dict[str, Any] = {}
+
+    def work() -> None:
         try:
-            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-            _LL_TOKENIZERS[key] = (tokenizer, ll)
-        except Exception as e:
-            raise ConfigError(f"llguidance cannot use this tokenizer: {e}") from e
-    return _LL_TOKENIZERS[key][1]
+            box["matcher"] = _compile_matcher(grammar, ll_tokenizer)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+        finally:
+            _COMPILE_SLOTS.release()
+
+    thread = threading.Thread(target=work, name="smcspec-grammar-compile", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if thread.is_alive():
+        raise GrammarBudgetError(
+            f"the constraint (schema, tools or grammar) did not compile within the "
+            f"{seconds:g} s limit (grammar compile_s); simplify it (fewer tools, smaller "
+            "enums and anyOf lists, shorter patterns)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["matcher"]
 
 
 class LLGuidanceConstraint(TokenConstraint):
-    """A grammar compiled by llguidance for one tokenizer (masks over ``vocab_size`` ids).
+    """A grammar compiled by llguidance for one tokenizer (masks over ``vocab_size`` ids),
+    within ``budget`` (:class:`GrammarBudget`; default limits when None).
 
-    Raises :class:`ConfigError` with llguidance's message when the grammar is invalid.
+    Raises :class:`ConfigError` with llguidance's message when the grammar is invalid, and
+    :class:`GrammarBudgetError` / :class:`CompilersBusyError` as :func:`compile_within`.
     """
 
     def __init__(
-        self, grammar: str, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]
+        self,
+        grammar: str,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        budget: GrammarBudget | None = None,
     ) -> None:
-        import llguidance
-
         self.vocab_size = vocab_size
+        self.budget = budget or GrammarBudget()
         self._tok = _ll_tokenizer(tokenizer, vocab_size, stop_ids)
-        try:
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                grammar, self._tok
-            )
-            matcher = None if is_error else llguidance.LLMatcher(self._tok, grammar)
-        except Exception as e:  # anything llguidance raises here is about the grammar
-            raise ConfigError("invalid constraint: " + " ".join(str(e).split())) from e
-        if matcher is None:
-            raise ConfigError("invalid constraint: " + " ".join(" ".join(messages).split()))
-        if matcher.is_error():
-            raise ConfigError("invalid constraint: " + " ".join(matcher.get_error().split()))
-        self._start = matcher
+        self._start = compile_within(grammar, self._tok, self.budget.compile_s)
 
     def start(self) -> ConstraintState:
-        return LLGuidanceState(self._start.deep_copy(), self.vocab_size)
+        return LLGuidanceState(self._start.deep_copy(), self.vocab_size, self.budget.mask_s)
 
 
 class LLGuidanceState(ConstraintState):
-    """A per-particle llguidance ``LLMatcher``."""
+    """A per-particle llguidance ``LLMatcher``; a mask that takes longer than ``mask_s``
+    seconds raises :class:`GrammarBudgetError`."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: Any, vocab_size: int, mask_s: float = MASK_BUDGET_S) -> None:
+        self.matcher, self.vocab_size, self.mask_s = matcher, vocab_size, mask_s
 
     def allowed(self) -> torch.Tensor:
         if self.matcher.is_error():
             return torch.zeros(self.vocab_size, dtype=torch.bool)
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        t0 = time.perf_counter()
+        raw = self.matcher.compute_bitmask()
+        seconds = time.perf_counter() - t0
+        if seconds > self.mask_s:
+            raise GrammarBudgetError(
+                f"one token mask of the constraint took {seconds:.2f} s, over the "
+                f"{self.mask_s:g} s limit (grammar mask_s); simplify the schema or grammar"
+            )
+        bits = np.frombuffer(raw, dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         return torch.from_numpy(mask)
 
@@ -281,7 +407,7 @@ class LLGuidanceState(ConstraintState):
             raise ConfigError(f"constraint cannot roll back {n} tokens")
 
     def copy(self) -> ConstraintState:
-        return LLGuidanceState(self.matcher.deep_copy(), self.vocab_size)
+        return LLGuidanceState(self.matcher.deep_copy(), self.vocab_size, self.mask_s)
 
     def is_accepting(self) -> bool:
         return bool(self.matcher.is_accepting())

@@ -14,6 +14,7 @@ from smcspec.config import GenerationConfig
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
 from smcspec.metrics import ServerMetrics
+from smcspec.potentials import COMPILE_BUDGET_S, MASK_BUDGET_S, GrammarBudget
 from smcspec.scheduler import BatchScheduler
 from smcspec.server.api_errors import ApiError, install_error_handlers
 from smcspec.server.backend_faults import fail_requests_on_abort
@@ -45,6 +46,12 @@ class ServerSettings:
         prefill_step_s: seconds of prefill a scheduler step aims at (chunks shrink on a
             model too slow for ``prefill_chunk`` tokens in that time); with the 0.1 s
             disconnect poll this bounds how soon a request whose client left is dropped.
+        grammar_compile_s: seconds a request's constraint (response_format, tools,
+            smc.regex/grammar) may take to compile; past it the request gets a 400 naming
+            the limit (:class:`~smcspec.potentials.GrammarBudget`). Compiling runs off the
+            event loop, so other requests are served meanwhile.
+        grammar_mask_s: seconds one token mask of a constraint may take while decoding;
+            past it the request fails with a 400 naming the limit.
     """
 
     model_name: str = "smcspec"
@@ -57,6 +64,8 @@ class ServerSettings:
     leak_grace_s: float = 10.0
     prefill_chunk: int = 512
     prefill_step_s: float = 1.0
+    grammar_compile_s: float = COMPILE_BUDGET_S
+    grammar_mask_s: float = MASK_BUDGET_S
 
     def validate(self) -> ServerSettings:
         """Raises :class:`ConfigError` for out-of-range values; returns ``self``."""
@@ -75,7 +84,12 @@ class ServerSettings:
                 "prefill_chunk must be >= 1 and prefill_step_s in (0, 60], got "
                 f"{self.prefill_chunk} and {self.prefill_step_s}"
             )
+        self.grammar_budget()
         return self
+
+    def grammar_budget(self) -> GrammarBudget:
+        """The constraints' time limits. Raises :class:`ConfigError` for a limit <= 0."""
+        return GrammarBudget(self.grammar_compile_s, self.grammar_mask_s)
 
 
 def create_app(
@@ -106,7 +120,9 @@ def create_app(
         prefill_step_s=settings.prefill_step_s,
     )
     metrics.bind_scheduler(scheduler)
-    state = ServerState(engine, scheduler, metrics, defaults, settings.model_name)
+    state = ServerState(
+        engine, scheduler, metrics, defaults, settings.model_name, settings.grammar_budget()
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -26,7 +26,7 @@ from smcspec.decoding.registry import decoder_for, method_decoder, with_updates
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
-from smcspec.potentials import DeadEndError
+from smcspec.potentials import CompilersBusyError, DeadEndError, GrammarBudget, GrammarBudgetError
 from smcspec.scheduler import BatchScheduler, QueueFullError, SchedulerStoppedError
 from smcspec.scheduler import Request as EngineRequest
 from smcspec.server.api_errors import ApiError, error_body
@@ -53,6 +53,7 @@ class ServerState:
     metrics: ServerMetrics
     defaults: GenerationConfig
     model_name: str
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
     token_texts: TokenTexts = field(init=False)  # each token's text and bytes (logprobs)
 
     def __post_init__(self) -> None:
@@ -199,6 +200,8 @@ def generation_error(exc: BaseException) -> ApiError:
     """The API error of a choice whose decoding raised ``exc``: a dead end (no token the
     constraint allows has probability under the target and its filters: the request asks
     for what this model cannot write) is the request's (400); anything else is a 500."""
+    if isinstance(exc, GrammarBudgetError):  # a mask over its time limit: the request's
+        return ApiError(400, str(exc), code="grammar_budget_exceeded")
     if isinstance(exc, DeadEndError):
         return ApiError(
             400,
@@ -209,6 +212,39 @@ def generation_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"generation failed: {exc}", "server_error")
 
 
+def prepare_jobs(
+    state: ServerState, body: CommonBody, cfg: GenerationConfig, prompts: list[Any], chat: bool
+) -> list[Job]:
+    """Each prompt's job (:meth:`Engine.prepare`: tokenizing, the chat template, compiling the
+    constraint within ``state.grammar_budget``). Blocks for as long as that takes: the server
+    runs it on a worker thread (:func:`create_completion`).
+
+    Raises:
+        ApiError: 400 naming the prompt (an invalid prompt or constraint, a constraint past
+            its compile budget: code ``grammar_budget_exceeded``), 429 when every compile
+            slot stays busy.
+    """
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            parse_special = getattr(body, "parse_special_tokens", True)
+            no_cap = token_cap(body) is None
+            jobs.append(state.engine.prepare(
+                prompt, cfg, chat, parse_special, fit_context=no_cap,
+                grammar_budget=state.grammar_budget,
+            ))  # fmt: skip
+        except CompilersBusyError as exc:
+            raise ApiError(429, str(exc), "rate_limit_error") from exc
+        except (ConfigError, ContextLengthError) as exc:
+            where = f"prompt[{i}]: " if len(prompts) > 1 else ""
+            about_prompt = len(prompts) > 1 or isinstance(exc, PromptError)
+            code = "grammar_budget_exceeded" if isinstance(exc, GrammarBudgetError) else None
+            raise ApiError(
+                400, f"{where}{exc}", param="prompt" if about_prompt else None, code=code
+            ) from exc
+    return jobs
+
+
 class Completion:
     """One API request in flight: its choices, their events and its response.
 
@@ -217,13 +253,21 @@ class Completion:
     ``p * n + i`` with seed ``seed + i`` (each prompt draws what it draws alone)."""
 
     def __init__(
-        self, state: ServerState, body: CommonBody, prompts: list[Any], chat: bool
+        self,
+        state: ServerState,
+        body: CommonBody,
+        prompts: list[Any],
+        chat: bool,
+        cfg: GenerationConfig,
+        prompt_jobs: list[Job],
     ) -> None:
+        """``cfg``: :func:`generation_config`'s; ``prompt_jobs``: :func:`prepare_jobs`'s
+        (one per prompt). Must run on the event loop."""
         self.state, self.body, self.chat = state, body, chat
-        self.cfg = generation_config(state, body)
+        self.cfg = cfg
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         engine = state.engine
-        self.prompt_jobs = [self._prepare(p, i, len(prompts)) for i, p in enumerate(prompts)]
+        self.prompt_jobs = prompt_jobs
         self.jobs = [  # choice i of a prompt uses seed + i
             replace(job, config=replace(job.config, seed=(job.config.seed + i) % SEED_RANGE))
             for job in self.prompt_jobs
@@ -248,19 +292,6 @@ class Completion:
                 p = prompts[c.prompt_index]
                 c.echo = p if isinstance(p, str) else engine.tokenizer.decode(p)
             c.engine_req = self._engine_request(c, job)
-
-    def _prepare(self, prompt: Any, i: int, count: int) -> Job:
-        """Prompt ``i``'s job (of ``count``). Raises ApiError 400 naming the prompt."""
-        try:
-            parse_special = getattr(self.body, "parse_special_tokens", True)
-            no_cap = token_cap(self.body) is None
-            return self.state.engine.prepare(
-                prompt, self.cfg, self.chat, parse_special, fit_context=no_cap
-            )
-        except (ConfigError, ContextLengthError) as exc:
-            where = f"prompt[{i}]: " if count > 1 else ""
-            about_prompt = count > 1 or isinstance(exc, PromptError)
-            raise ApiError(400, f"{where}{exc}", param="prompt" if about_prompt else None) from exc
 
     def _engine_request(self, c: Choice, job: Job) -> EngineRequest:
         """Choice ``c``'s scheduler request: its text, log-probabilities (where asked for)
@@ -534,7 +565,11 @@ async def create_completion(
 ) -> dict[str, Any] | Response:
     """Serve one ``/v1/completions`` (its prompts) or ``/v1/chat/completions`` (one prompt:
     its messages) request."""
-    completion = Completion(state, body, prompts, chat)
+    cfg = generation_config(state, body)
+    # tokenizing and compiling the constraint take a while (seconds for a large schema):
+    # on a worker thread, so that the event loop serves other requests meanwhile
+    jobs = await asyncio.to_thread(prepare_jobs, state, body, cfg, prompts, chat)
+    completion = Completion(state, body, prompts, chat, cfg, jobs)
     completion.submit()
     if body.stream:
         return StreamingResponse(completion.stream(), media_type="text/event-stream")

@@ -30,6 +30,7 @@ from smcspec.errors import ConfigError
 from smcspec.potentials import (
     JSON_WHITESPACE,
     Constraint,
+    GrammarBudget,
     TokenConstraint,
     check_schema_depth,
     grammar_from,
@@ -263,12 +264,19 @@ class ToolCalls(Constraint):
             lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema(i))}")
         return grammar_from("lark", "\n".join(lines) + "\n")
 
-    def compile(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> TokenConstraint:
-        """As :meth:`Constraint.compile`; first checks that the vocabulary has the call markers
-        as single tokens. Raises :class:`ConfigError` (with llguidance's message for a schema
-        it cannot compile)."""
+    def compile(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        budget: GrammarBudget | None = None,
+    ) -> TokenConstraint:
+        """As :meth:`Constraint.compile` (within ``budget``); first checks that the
+        vocabulary has the call markers as single tokens. Raises :class:`ConfigError` (with
+        llguidance's message for a schema it cannot compile; a
+        :class:`~smcspec.potentials.GrammarBudgetError` past the budget)."""
         check_call_tokens(tokenizer)
-        return super().compile(tokenizer, vocab_size, stop_ids)
+        return super().compile(tokenizer, vocab_size, stop_ids, budget)
 
     def template_tools(self) -> list[dict]:
         """``tools`` for the chat template (OpenAI-shaped entries)."""
