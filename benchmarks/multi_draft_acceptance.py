@@ -4,7 +4,8 @@ Settings: ``sd`` with N chains in ``--particles`` (N = 1 is chain sd) and K in
 ``--draft-tokens``, every (N, K); prompts: ``--prompts`` ShareGPT first turns (open chat)
 and as many HumanEval canonical solutions to rewrite (code, ``benchmarks/ngram_drafts.py``),
 chat-templated, each decoded ``--max-new-tokens`` tokens (end of stream ignored) at
-T = ``--temperature`` for target and draft, seed = the prompt's index, llamacpp backend.
+T = ``--temperature`` for target and draft, seed = the prompt's index, llamacpp backend;
+``--draft``: another draft (a fitted one, ``smcspec distill``), named in each record.
 Measured per request: rounds, drafted depth and accepted tokens (the decoder's stats), so
 ``tokens a round = 1 + accepted / rounds``. No clock is read for a claim: the figure is a
 count, the same on any machine for a seed (up to llama.cpp's batched arithmetic).
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
     done = {(r["setting"], r["prompt"]) for r in read_records(path)}
-    engine = Engine.load(backend="llamacpp", threads=args.threads)
+    engine = Engine.load(draft=args.draft, backend="llamacpp", threads=args.threads)
     texts = [("chat", t) for t in load_sharegpt_prompts(args.prompts, engine.tokenizer, seed=0)]
     texts += [("code", t) for t in rewrite_prompts(args.prompts, "rewrite")]
     ks, ns = comma_list(args.draft_tokens, int), comma_list(args.particles, int)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
                 "workload": workload, "tokens": len(result.token_ids), "rounds": s["rounds"],
                 "drafted": s["drafted"], "accepted": s["accepted"],
                 "acceptance_by_depth": s.get("acceptance_by_depth"),
-                "seconds": round(time.perf_counter() - t0, 3),
+                "seconds": round(time.perf_counter() - t0, 3), "draft": engine.draft.name,
             }  # fmt: skip
             append_record(path, rec)
             print(json.dumps(rec), flush=True)
@@ -163,6 +164,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default=None, help="another draft (a fitted one)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report", action="store_true", help="write the report from the records")
     args = ap.parse_args()
