@@ -126,9 +126,11 @@ def machine_name(device: str | torch.device) -> str:
 
 
 def file_identity(path: Path) -> dict[str, Any]:
-    """A model's path, size and mtime (a directory: those of its config and weights)."""
+    """A model's path, size and mtime (a directory: those of its config and weights; a
+    fitted draft's: its manifest and adapter files)."""
     p = Path(path).resolve()
-    files = [p] if p.is_file() else sorted([*p.glob("config.json"), *p.glob("*.safetensors")])
+    kinds = ("config.json", "manifest.json", "*.safetensors", "*.gguf")
+    files = [p] if p.is_file() else sorted(f for k in kinds for f in p.glob(k))
     return {
         "path": str(p),
         "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
