@@ -9,23 +9,25 @@ with the other requests' forwards, as vLLM's and llama.cpp's servers do (``--ena
 prefill``, ``n_batch``).
 
 Chunks: a prompt is cut every ``max_tokens`` tokens, always at the same places, whatever
-the model's speed, the machine's load or the other requests: a prompt's logits are then a
-function of the prompt alone, so a seeded request draws the same first token alone or beside
-others, on this server or a fresh one (issue 87: the chunk size once followed the speed just
-measured, so that the first prompt on a fresh server ran whole, 64 tokens at most, and later
-ones in pieces of 16 on a slow machine; llama.cpp's logits of the real pair's 37-token chat
-prompt differed by up to 0.45 between the two, and at temperature 2 the first token with
-them). The measured speed (prompt tokens a second in the model's last chunk) decides only how
-many chunks a step runs: a step runs chunks of the prompts waiting for one in turn, the least
-recently served first (a prompt may get several), while the next chunk's expected time keeps
-the step's prefill within ``step_s`` (the first chunk always runs, so a step lasts at least
-one chunk: lower ``max_tokens`` for shorter steps on a slow model). A fast model (a GPU) runs
-a long prompt in few steps.
+the model's speed, the machine's load or the other requests, so that its logits do not
+depend on timing and a seeded request draws the same first token alone or beside others, on
+this server or a fresh one (on llama.cpp, for a prompt longer than one chunk, where its
+chunks' KV cells fall in the shared cache still counts: ``docs/usage/server.md``,
+Reproducibility). Issue 87: the chunk size once followed the speed just measured, so that
+the first prompt of a fresh server ran whole (64 tokens at most) and later ones in pieces of
+16 on a slow machine; llama.cpp's logits of the real pair's 37-token chat prompt differed by
+up to 0.45 between the two, and at temperature 2 the first token with them.
+
+The measured speed (prompt tokens a second in the model's last chunk of at least
+:data:`MIN_MEASURED` tokens) decides only how many chunks a step runs: a step runs chunks of
+the prompts waiting for one in turn, the least recently served first (a prompt may get
+several), while the next chunk's expected time keeps the step's prefill within ``step_s``
+(the first chunk always runs, so a step lasts at least one chunk: lower ``max_tokens`` for
+shorter steps on a slow model). A fast model (a GPU) runs a long prompt in few steps.
 
 A prompt within one chunk is prefilled exactly as before (one ``model.prefill``); a chunked
 one's logits equal the whole prompt's up to float rounding (the same arithmetic, grouped
-differently: torch; on llama.cpp a prompt longer than its ``n_batch``, 512 by default, is
-decoded in ``n_batch`` pieces anyway).
+differently).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 
 from smcspec.decoding.program import Prefill, prefill_chunk
 from smcspec.errors import ConfigError
+
+MIN_MEASURED = 16  # prompt tokens: a shorter chunk (a prompt's tail) measures overheads
 
 
 class ChunkedPrefill:
@@ -77,5 +81,6 @@ class ChunkedPrefill:
         out = prefill_chunk(step, self.next_chunk(step))
         seconds = time.perf_counter() - t0
         tokens = step.done - before
-        self._rates[id(step.model)] = tokens / max(seconds, 1e-9)
+        if tokens >= MIN_MEASURED or id(step.model) not in self._rates:
+            self._rates[id(step.model)] = tokens / max(seconds, 1e-9)
         return out, tokens, seconds
