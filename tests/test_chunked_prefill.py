@@ -24,7 +24,7 @@ from tiny_models import make_tiny_chat_pair, make_tiny_gguf, make_tiny_gguf_chat
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
-from smcspec.decoding.chunked_prefill import MIN_CHUNK, PROBE_CHUNK, ChunkedPrefill
+from smcspec.decoding.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.program import Prefill, prefill_chunk
 from smcspec.scheduler import BatchScheduler, Request
 from smcspec.server import create_app
@@ -134,20 +134,27 @@ def test_chunks_out_of_order_are_refused(torch_model, gguf_path):
         llama.release()
 
 
-def test_chunk_sizes_follow_the_models_measured_speed():
-    """A model not measured yet gets PROBE_CHUNK tokens; one fast enough for max_tokens in
-    step_s gets max_tokens; a slower one the largest power of two it runs in step_s, at
-    least MIN_CHUNK."""
-    pace = ChunkedPrefill(max_tokens=512, step_s=1.0)
+def test_chunks_are_cut_at_the_same_places_whatever_the_speed():
+    """A prompt is cut every max_tokens tokens whatever its model's measured speed (issue
+    87: the cuts once followed the speed, the first prompt of a fresh server cut at 64
+    tokens, later ones at 16 on a slow model, and llama.cpp's logits with them); the speed
+    only says how long the next chunk is expected to take."""
+    pace = ChunkedPrefill(max_tokens=16, step_s=1.0)
     model = object()
-    assert pace.chunk_size(model) == PROBE_CHUNK
-    for rate, size in ((1e5, 512), (512, 512), (511, 256), (65, 64), (3, MIN_CHUNK)):
-        pace._rates[id(model)] = rate
-        assert pace.chunk_size(model) == size, rate
-    assert ChunkedPrefill(max_tokens=8).chunk_size(model) == 8
-    step = Prefill(model, PROMPT, None, done=P - 10)
+    step = Prefill(model, PROMPT, None)
+    assert pace.expected_s(step) == float("inf")  # not measured yet
+    for rate in (None, 1e5, 3.0):
+        if rate is not None:
+            pace._rates[id(model)] = rate
+        cuts, step.done = [], 0
+        while step.remaining:
+            step.done += pace.next_chunk(step)
+            cuts.append(step.done)
+        assert cuts == [*range(16, P, 16), P], (rate, cuts)
+    step.done = P - 10
     assert pace.expected_s(step) == 10 / 3  # the 10 tokens left, at 3 tokens a second
-    assert ChunkedPrefill().expected_s(step) == float("inf")  # not measured yet
+    step.done = 20  # a chunk ends at the next multiple of max_tokens
+    assert pace.next_chunk(step) == 12 and ChunkedPrefill(max_tokens=512).next_chunk(step) == P - 20
 
 
 def test_a_fast_model_runs_a_long_prompt_in_one_step(engine):
@@ -207,7 +214,7 @@ def test_a_seeds_output_is_the_same_with_the_prompt_in_chunks(engine, method, mo
         assert out.token_ids == whole.token_ids, (method, job.config.seed)
 
 
-ONE_CHUNK_A_STEP = 1e-9  # prefill_step_s: each step runs one chunk, of MIN_CHUNK tokens at most
+ONE_CHUNK_A_STEP = 1e-9  # prefill_step_s: each step runs one chunk
 
 
 def _chunked_scheduler(chunk: int):

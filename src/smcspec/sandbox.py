@@ -21,10 +21,14 @@ Two isolation levels (``sandbox=``):
   ``bubblewrap``). What it guarantees, run as root (the default user of most containers)
   and as any other user alike (``tests/test_sandbox.py`` checks each point both ways):
 
-  - **No capabilities.** bubblewrap drops them all (``--cap-drop ALL``; as a user other
-    than root it runs in a new user namespace, which grants none outside it), and
-    ``no_new_privs`` keeps an ``exec`` from gaining any: a program running as root cannot
-    remount the filesystem, change its uid or reach a device.
+  - **No capabilities.** The program's effective, permitted, inheritable, ambient and
+    bounding sets are all empty: bubblewrap drops every capability but ``CAP_SETPCAP``
+    (``--cap-drop ALL --cap-add CAP_SETPCAP``; as a user other than root it runs in a new
+    user namespace, which grants none outside it), with which the bootstrap empties the
+    bounding set (``prctl(PR_CAPBSET_DROP)``, which bubblewrap run as root leaves the
+    caller's) before it drops that one too and runs the program; ``no_new_privs`` keeps an
+    ``exec`` from gaining any: a program running as root cannot remount the filesystem,
+    change its uid or reach a device.
   - **A minimal, read-only view of the host.** Only what the interpreter needs is there:
     ``/usr``, ``/bin`` and ``/lib*`` (links kept as links), the ``/etc`` entries the dynamic
     loader and Python read (:data:`_ETC_ENTRIES`), and the interpreter's own folders (its
@@ -214,7 +218,19 @@ _ETC_ENTRIES = (
 # exec). Runs inside the child, so no preexec_fn is needed.
 _BOOTSTRAP = """\
 import os, resource, sys
-args = [int(x) for x in sys.argv[1:-1]]
+if sys.argv[1] == "drop-caps":  # under bwrap, holding CAP_SETPCAP only: see _DROP_CAPS
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    cap = 0
+    while libc.prctl(24, cap, 0, 0, 0) == 0:  # PR_CAPBSET_DROP, up to the last one (EINVAL)
+        cap += 1
+    if ctypes.get_errno() != 22 or cap == 0:
+        sys.exit(f"sandbox: cannot drop capability {cap}: errno {ctypes.get_errno()}")
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # no effective/permitted/inheritable
+        sys.exit(f"sandbox: capset failed: errno {ctypes.get_errno()}")
+args = [int(x) for x in sys.argv[2:-1]]
 for i in range(0, len(args), 3):
     res, soft, hard = args[i:i + 3]
     cur_soft, cur_hard = resource.getrlimit(res)
@@ -225,6 +241,14 @@ for i in range(0, len(args), 3):
 os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[-1]])
 """
 
+
+# bubblewrap's capability options: none but CAP_SETPCAP, which the bootstrap (before it runs
+# the program: _BOOTSTRAP) uses to empty the bounding set, then drops with the rest. bwrap
+# run as root (no user namespace) with "--cap-drop ALL" alone empties the effective,
+# permitted, inheritable and ambient sets but leaves the bounding set the caller's
+# (000001fffeffffff here): harmless while no_new_privs holds, as no exec can then gain a
+# capability, yet Docker drops it, and only a holder of CAP_SETPCAP can.
+_DROP_CAPS = ["--cap-drop", "ALL", "--cap-add", "CAP_SETPCAP"]
 
 # Thread pools of numerical libraries start one thread per CPU at import unless told
 # otherwise. Under bwrap no thread can start, and OpenBLAS (numpy's BLAS) then aborts the
@@ -329,7 +353,8 @@ def _seccomp_bpf() -> bytes:
 @functools.cache
 def bwrap_works() -> bool:
     """Whether ``bwrap`` is on ``PATH`` and can start this module's sandbox here (its
-    namespaces, view of the host and seccomp filter), and libseccomp loads; probed once per
+    namespaces, view of the host and seccomp filter, every capability dropped, the bounding
+    set's too: the bootstrap with no program), and libseccomp loads; probed once per
     process (a container may forbid the namespaces bwrap needs)."""
     exe = shutil.which("bwrap")
     if exe is None:
@@ -338,7 +363,7 @@ def bwrap_works() -> bool:
         _seccomp_bpf()
     except (ImportError, OSError):
         return False
-    probe = [sys.executable, "-I", "-S", "-c", "pass"]
+    probe = [sys.executable, "-I", "-c", _BOOTSTRAP, "drop-caps", os.devnull]  # caps dropped
     try:
         with tempfile.TemporaryDirectory(prefix="smcspec-probe-") as work:
             return _run_bwrap_probe(exe, work, probe)
@@ -403,7 +428,7 @@ def _bwrap_argv(
     argv += ["--unshare-cgroup-try", "--hostname", "sandbox"]
     if os.geteuid() != 0:
         argv.append("--unshare-user")
-    argv += ["--cap-drop", "ALL", "--seccomp", str(seccomp_fd)]
+    argv += [*_DROP_CAPS, "--seccomp", str(seccomp_fd)]
     return [*argv, "--die-with-parent", "--new-session"]
 
 
@@ -512,7 +537,8 @@ def run_python(
         work = Path(tmp)
         prog_path = work / "program.py"
         prog_path.write_text(program, encoding="utf-8")
-        command = [sys.executable, "-I", "-c", _BOOTSTRAP, *_rlimit_args(lim), str(prog_path)]
+        caps = "drop-caps" if used == "bwrap" else "keep-caps"
+        command = [sys.executable, "-I", "-c", _BOOTSTRAP, caps, *_rlimit_args(lim), str(prog_path)]
         # stdout and stderr: files without a name, opened here before the program starts
         # and read back through these descriptors: nothing the program does to the names
         # in its directory (a link to a host file, a FIFO) reaches the caller

@@ -6,14 +6,17 @@ their first step), collects the pending forward of every running request, and ru
 all requests together, then the target forwards together. A request therefore joins the
 running batch at the next step after it arrives, and its particles share every weight read
 with the other requests' particles. Each request keeps its own random generator, so its
-output does not depend on what else is in the batch (beyond floating-point noise).
+output does not depend on what else is in the batch beyond the arithmetic of the batched
+forwards (`docs/usage/server.md#reproducibility`: the first token never, later ones by
+float rounding and, on llama.cpp, by where its KV cells fall in the shared cache).
 
 **Prefill in chunks.** A long prompt is prefilled in chunks, over several steps where it
-takes long (:mod:`smcspec.decoding.chunked_prefill`: chunks of at most ``prefill_chunk``
-tokens, fewer on a model too slow to run that many in ``prefill_step_s``, and about
-``prefill_step_s`` seconds of prefill a step at most), so that a step stays short whatever
-the prompt's length: other requests' forwards run between the chunks, and a request
-cancelled during its prefill is dropped at the next step.
+takes long (:mod:`smcspec.decoding.chunked_prefill`: the prompt cut every ``prefill_chunk``
+tokens, at the same places whatever the timing, so that a prompt's logits do not depend on
+it; a step runs more chunks while its prefill is expected to stay within
+``prefill_step_s``), so that a step stays about one chunk long at most whatever the
+prompt's length: other requests' forwards run between the chunks, and a request cancelled
+during its prefill is dropped at the next step.
 
 **Pools.** A request is admitted only when everything it can ever take from the models'
 shared pools (llama.cpp sequence ids and KV cells, the torch backend's KV bytes; see
@@ -134,7 +137,8 @@ class BatchScheduler:
         on_fatal: called (on the worker thread) with the exception if the worker dies.
         leak_grace_s: how long a lease of this scheduler may stay held while nothing runs
             before it is declared leaked.
-        prefill_chunk: the most prompt tokens one prefill chunk runs (see the module notes).
+        prefill_chunk: prompts are prefilled in chunks of this many tokens (see the module
+            notes).
         prefill_step_s: seconds of prefill a step aims at (see the module notes).
     Raises:
         ConfigError: ``prefill_chunk < 1`` or ``prefill_step_s <= 0``.

@@ -142,15 +142,16 @@ def _serve(sub, common: list[argparse.ArgumentParser]) -> None:
         "--prefill-chunk",
         type=int,
         default=512,
-        help="the most prompt tokens prefilled in one scheduler step: longer prompts run in "
-        "chunks between other requests' forwards (default 512)",
+        help="prompts are prefilled in chunks of this many tokens, cut at the same places "
+        "whatever the timing, one or more a scheduler step between other requests' forwards "
+        "(default 512; lower it for shorter steps on a slow model)",
     )
     s.add_argument(
         "--prefill-step-seconds",
         type=float,
         default=1.0,
-        help="seconds of prefill a scheduler step aims at: chunks shrink on a model too slow "
-        "for --prefill-chunk tokens in that time (default 1)",
+        help="seconds of prefill a scheduler step aims at: a step runs another prompt chunk "
+        "while its prefill is expected to stay within this (default 1; the first always runs)",
     )
 
 

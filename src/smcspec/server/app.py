@@ -41,11 +41,13 @@ class ServerSettings:
         leak_grace_s: a model's pool in use, or unable to admit the first waiting request,
             while nothing runs for this long is a leak: the worker stops, ``/health`` turns
             503 and :func:`serve` exits with 1 for a supervisor to restart it.
-        prefill_chunk: the most prompt tokens prefilled in one scheduler step (longer
-            prompts run in chunks between the other requests' forwards).
-        prefill_step_s: seconds of prefill a scheduler step aims at (chunks shrink on a
-            model too slow for ``prefill_chunk`` tokens in that time); with the 0.1 s
-            disconnect poll this bounds how soon a request whose client left is dropped.
+        prefill_chunk: prompts are cut every ``prefill_chunk`` tokens (always at the same
+            places: a prompt's logits do not depend on timing), each chunk prefilled in a
+            scheduler step between the other requests' forwards.
+        prefill_step_s: seconds of prefill a scheduler step aims at: a step starts another
+            chunk while its prefill is expected to stay within it (the first chunk always
+            runs); with the 0.1 s disconnect poll, one chunk's time bounds how soon a
+            request whose client left is dropped.
         grammar_compile_s: seconds a request's constraint (response_format, tools,
             smc.regex/grammar) may take to compile; past it the request gets a 400 naming
             the limit (:class:`~smcspec.potentials.GrammarBudget`). Compiling runs off the
