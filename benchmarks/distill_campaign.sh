@@ -22,9 +22,9 @@ if [ -n "${WAIT_PID:-}" ]; then
     while kill -0 "$WAIT_PID" 2>/dev/null; do sleep 30; done
 fi
 step "1. teacher answers"
-$SMC distill --stage data --out "$RUNS/teacher" --tokens 120000
+$SMC distill --stage data --out "$RUNS/teacher" --tokens 100000
 step "2. chi2 fit and export"
-$SMC distill --teacher "$RUNS/teacher" --out "$RUNS/chi2" --objective chi2 --dtype bfloat16 --tokens 120000
+$SMC distill --teacher "$RUNS/teacher" --out "$RUNS/chi2" --objective chi2 --dtype bfloat16 --tokens 100000
 mkdir -p docs/benchmarks/distill
 cp "$RUNS/chi2/validation.jsonl" docs/benchmarks/distill/validation-chi2.jsonl
 cp "$RUNS/chi2/draft/manifest.json" docs/benchmarks/distill/manifest-chi2.json
@@ -71,6 +71,6 @@ step "5. tokens a round, chain sd K=4 and multi-draft sd N=8 K=4, fitted draft"
 
 step "6. kl fit (validation curve)"
 $SMC distill --teacher "$RUNS/teacher" --out "$RUNS/kl" --objective kl --dtype bfloat16 \
-    --tokens 120000 --stage train
+    --tokens 100000 --stage train
 cp "$RUNS/kl/validation.jsonl" docs/benchmarks/distill/validation-kl.jsonl
 step "done"

@@ -6,7 +6,10 @@ plus the rest mass (:mod:`smcspec.distill.teacher`), and scores the draft on k +
 script measures the gap on a sample of teacher answers: the target's full distribution at
 every answer position is recomputed (one llama.cpp prefill of prompt + answer, every
 position's logits, at the teacher's temperature) and each divergence between it and the base
-draft (transformers, float32) is computed over the whole vocabulary and over the buckets.
+draft (transformers, float32) is computed over the whole vocabulary and over the buckets of
+that recomputed distribution's own top k (the truncation alone), and over the buckets of the
+stored top k (what training sees: the truncation and the difference between llama.cpp's
+one-token decodes, which made the answers, and its batched prefill, which recomputes them).
 
 Usage:
   nice .venv/bin/python benchmarks/distill_truncation.py --teacher RUN --records 12 \\
@@ -46,13 +49,16 @@ def target_logprobs(model, record, temperature: float) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", required=True, help="a distill run folder with teacher.jsonl")
-    ap.add_argument("--records", type=int, default=12, help="validation answers to measure")
+    ap.add_argument("--records", type=int, default=4, help="validation answers a domain")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     teacher = Path(args.teacher)
     meta = json.loads((teacher / "teacher.json").read_text())
     temperature = meta["temperature"]
-    records = [r for r in read_records(teacher) if r.split == "val"][: args.records]
+    val = [r for r in read_records(teacher) if r.split == "val"]
+    records = []
+    for d in sorted({r.domain for r in val}):
+        records += [r for r in val if r.domain == d][: args.records]
     target = load_model(ensure_packaged_model(DEFAULT_TARGET, cache_root()), backend="llamacpp",
                         sha256=DEFAULT_TARGET.sha256, tokenizer=False).model  # fmt: skip
     path, sha = draft_source(DistillConfig(out=teacher))
@@ -66,11 +72,14 @@ def main() -> int:
         top_ids = torch.tensor(r.top_ids)
         top_lp = torch.tensor(r.top_logprobs)
         agree.append(float((lp_full.gather(-1, top_ids) - top_lp).abs().max()))
-        blp, blq = obj.bucket_logprobs(top_ids, top_lp, lq_full)
+        stored = obj.bucket_logprobs(top_ids, top_lp, lq_full)
+        own_lp, own_ids = lp_full.topk(top_ids.shape[-1], dim=-1)
+        own = obj.bucket_logprobs(own_ids, own_lp, lq_full)
         row = {"id": r.id, "domain": r.domain, "positions": len(r.ids)}
         for name, f in FIGURES.items():
             row[f"{name}_full"] = float(f(lp_full, lq_full).double().mean())
-            row[f"{name}_topk"] = float(f(blp, blq).double().mean())
+            row[f"{name}_topk"] = float(f(*own).double().mean())
+            row[f"{name}_stored"] = float(f(*stored).double().mean())
         row["rest_mass_mean"] = float((1 - top_lp.exp().sum(-1)).clamp_min(0).mean())
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -79,9 +88,12 @@ def main() -> int:
                "temperature": temperature,
                "max_abs_diff_stored_vs_recomputed_logprob": max(agree)}  # fmt: skip
     for name in FIGURES:
-        full = sum(r[f"{name}_full"] * r["positions"] for r in rows) / total
-        topk = sum(r[f"{name}_topk"] * r["positions"] for r in rows) / total
-        summary[name] = {"full": full, "topk": topk, "relative_gap": (full - topk) / full}
+        mean = {
+            kind: sum(r[f"{name}_{kind}"] * r["positions"] for r in rows) / total
+            for kind in ("full", "topk", "stored")
+        }
+        summary[name] = {**mean, "truncation_gap": (mean["full"] - mean["topk"]) / mean["full"],
+                         "stored_gap": (mean["full"] - mean["stored"]) / mean["full"]}  # fmt: skip
     summary["median_rest_mass"] = statistics.median(r["rest_mass_mean"] for r in rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
