@@ -292,3 +292,15 @@ def test_vocabularies_that_differ_are_refused(pair, tmp_path):
     with pytest.raises(ModelFileError, match="vocabularies differ"):
         distill(cfg, log=lambda line: None)
     shutil.rmtree(tmp_path / "v", ignore_errors=True)
+
+
+def test_a_rounding_rest_adds_nothing_to_reverse_kl():
+    """A target whose kept tokens hold all but rounding (1e-7) of its mass, and a draft with
+    1e-3 outside them: the bucketed reverse KL stays below the full one (taking the target's
+    rest as zero made it 1e-3 * log(1e-3 / e^-1e4), about 10)."""
+    lp = torch.log(torch.tensor([[0.6, 0.4 - 1e-7, 1e-7 / 3, 1e-7 / 3, 1e-7 / 3]]))
+    lq = torch.log(torch.tensor([[0.5, 0.499, 0.0005, 0.0003, 0.0002]]))
+    top_lp, top_ids = lp.topk(2, -1)
+    blp, blq = obj.bucket_logprobs(top_ids, top_lp, lq)
+    for f in (obj.reverse_kl, obj.d2, obj.kl, obj.tv):
+        assert float(f(blp, blq)) <= float(f(lp, lq)) + 1e-6, f.__name__

@@ -25,13 +25,17 @@ The divergences (``p`` the target, ``q`` the draft, both after temperature):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 OBJECTIVES = ("chi2", "kl", "anneal", "reverse-kl")
 LOG_FLOOR = -1e4  # log of a mass that is zero (finite, so that 0 * log 0 terms stay 0)
 # The target's rest mass is 1 - sum of its kept probabilities, stored to 6 decimals: below
-# this it is rounding, not mass, and counts as zero (a spurious 1e-7 against a draft rest of
-# exactly zero would give D2 in the thousands).
+# this it is rounding, not mass. There the target's rest is taken as the draft's, capped at
+# this floor: what the rounding allows that adds least to any divergence (zero would make the
+# reverse KL of a draft rest of 1e-4 about 1; a spurious 1e-7 against a draft rest of exactly
+# zero would make D2 thousands).
 REST_FLOOR = 2e-6
 
 
@@ -49,17 +53,17 @@ def bucket_logprobs(
     Returns:
         ``(lp, lq)``, float32 ``[T, k + 1]``: bucket ``k`` is "every other token"; the
         target's rest mass is ``1 - sum exp(top_logprobs)`` (clamped at 0; a zero mass is
-        :data:`LOG_FLOOR`; below :data:`REST_FLOOR` it counts as zero), the draft's the
-        logsumexp of its other tokens.
+        :data:`LOG_FLOOR`; below :data:`REST_FLOOR`, rounding, it is the draft's rest
+        capped at that floor), the draft's the logsumexp of its other tokens. The target's
+        side carries no gradient.
     """
     lq_all = draft_logprobs.float()
     lq_top = lq_all.gather(-1, top_ids)
     lq_rest = lq_all.scatter(-1, top_ids, float("-inf")).logsumexp(-1, keepdim=True)
     lp_top = top_logprobs.float()
     rest = 1.0 - lp_top.exp().sum(-1, keepdim=True)
-    lp_rest = torch.where(
-        rest > REST_FLOOR, rest.clamp_min(REST_FLOOR).log(), torch.full_like(rest, LOG_FLOOR)
-    )
+    rounding = lq_rest.detach().clamp(LOG_FLOOR, math.log(REST_FLOOR))
+    lp_rest = torch.where(rest > REST_FLOOR, rest.clamp_min(REST_FLOOR).log(), rounding)
     lp = torch.cat([lp_top, lp_rest], -1).clamp_min(LOG_FLOOR)
     lq = torch.cat([lq_top, lq_rest], -1).clamp_min(LOG_FLOOR)
     return lp, lq
