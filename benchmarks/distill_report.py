@@ -1,0 +1,171 @@
+"""Tables of issue 84's measurements, from the committed records (no model runs).
+
+* the validation curves (``docs/benchmarks/distill/validation-<objective>.jsonl``): per-token
+  D2, KL, TV and chain sd's acceptance ``1 - TV`` per domain at each measured token count;
+* GSM8K first 100 (``docs/benchmarks/distill-gsm8k/results.jsonl``: the fitted draft's
+  SMC-SD settings and copies of ``ar``'s records) against ``ar`` and against the base draft's
+  committed records (``docs/benchmarks/gsm8k-gpu-settings/results.jsonl``), paired by
+  question: right answers, the exact McNemar p-value, mean round ESS, resampling rate and
+  tokens a round;
+* HumanEval first 50 (``docs/benchmarks/distill-humaneval/{base,chi2}/results.jsonl``);
+* tokens a round of chain and multi-draft sd (``docs/benchmarks/distill/acceptance-*/`` against
+  ``docs/benchmarks/multi-draft-cpu/records.jsonl``, the same prompts and seeds), with the
+  predicted H200 tokens/s of each (``multi_draft_acceptance.h200_round_seconds``).
+
+Usage: .venv/bin/python benchmarks/distill_report.py > docs/benchmarks/distill/tables.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multi_draft_acceptance import h200_round_seconds  # noqa: E402
+
+from smcspec.eval.stats import mcnemar_pvalue  # noqa: E402
+
+DOCS = Path("docs/benchmarks")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def validation_table(objective: str) -> list[str]:
+    rows = _jsonl(DOCS / "distill" / f"validation-{objective}.jsonl")
+    if not rows:
+        return [f"(no validation records for {objective} yet)"]
+    last = {}
+    for r in rows:  # a resumed run may repeat a pass: the last one written counts
+        last[(r["tokens"], r["domain"])] = r
+    lines = [
+        f"| {objective}: tokens | domain | D2 | KL | TV | acceptance 1 - TV |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for (tokens, domain), r in sorted(last.items()):
+        lines.append(
+            f"| {tokens:,} | {domain} | {r['d2']:.4f} | {r['kl']:.4f} | {r['tv']:.4f} "
+            f"| {r['acceptance']:.4f} |"
+        )
+    return lines
+
+
+def _smc_stats(recs: list[dict]) -> tuple[float, float, float]:
+    """Mean round ESS, resamples per round and tokens a round over ``recs``."""
+    ess = [r["stats"]["mean_ess"] for r in recs if "mean_ess" in r["stats"]]
+    rounds = sum(r["stats"].get("rounds", 0) for r in recs)
+    resamples = sum(r["stats"].get("resamples", 0) for r in recs)
+    tokens = sum(r["new_tokens"] for r in recs)
+    mean_ess = sum(ess) / len(ess) if ess else float("nan")
+    return (
+        mean_ess,
+        resamples / rounds if rounds else float("nan"),
+        (tokens / rounds if rounds else float("nan")),
+    )
+
+
+def _paired(a: dict[str, bool], b: dict[str, bool]) -> tuple[int, int, int, float]:
+    items = sorted(set(a) & set(b))
+    x, y = [a[i] for i in items], [b[i] for i in items]
+    return len(items), sum(x), sum(y), mcnemar_pvalue(x, y) if items else float("nan")
+
+
+def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[str]) -> list[str]:
+    def by(recs: list[dict], method: str) -> dict[str, bool]:
+        return {r["item"]: bool(r["correct"]) for r in recs if r["method"] == method}
+
+    ar = by(fitted, "ar")
+    lines = [
+        f"| {task} setting | draft | answered | right | `ar` right (same items) | p vs `ar` "
+        "| base right (same items) | p vs base | mean ESS | resamples a round | tokens a round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in settings:
+        for label, recs in (("fitted", fitted), ("base", base)):
+            mine = by(recs, s)
+            if not mine:
+                continue
+            n, right_ar, right, p_ar = _paired(ar, mine) if ar else (len(mine), 0, 0, float("nan"))
+            draft = next((r.get("draft", "base") for r in recs if r["method"] == s), "?")
+            cells = [f"`{s}`", draft, str(len(mine)), str(sum(mine.values())),
+                     str(right_ar) if ar else "-", f"{p_ar:.3f}" if ar else "-"]  # fmt: skip
+            if label == "fitted":
+                other = by(base, s)
+                n_b, right_b, _, p_b = _paired(other, mine) if other else (0, 0, 0, float("nan"))
+                cells += [str(right_b) if other else "-", f"{p_b:.3f}" if other else "-"]
+            else:
+                cells += ["-", "-"]
+            ess, rate, tpr = _smc_stats([r for r in recs if r["method"] == s])
+            cells += [f"{ess:.2f}", f"{rate:.2f}", f"{tpr:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def acceptance_table() -> list[str]:
+    base = [r for r in _jsonl(DOCS / "multi-draft-cpu" / "records.jsonl")
+            if r["setting"] in ("sd-k4", "sd-n8-k4")]  # fmt: skip
+    runs = {"base": base}
+    for folder in sorted((DOCS / "distill").glob("acceptance-*")):
+        runs[folder.name.removeprefix("acceptance-")] = _jsonl(folder / "records.jsonl")
+    h200 = h200_round_seconds()
+    lines = [
+        "| draft | setting | prompts | tokens a round | chat | code | x base | predicted H200 "
+        "tokens/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    per: dict[tuple[str, str], float] = {}
+    common = None
+    for recs in runs.values():
+        keys = defaultdict(set)
+        for r in recs:
+            keys[r["setting"]].add(r["prompt"])
+        for prompts in keys.values():
+            common = prompts if common is None else common & prompts
+    common = common or set()
+
+    def tpr(rows: list[dict]) -> float:
+        rounds = sum(r["rounds"] for r in rows)
+        return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
+
+    for name, recs in runs.items():
+        for setting in ("sd-k4", "sd-n8-k4"):
+            rows = [r for r in recs if r["setting"] == setting and r["prompt"] in common]
+            if not rows:
+                continue
+            per[(name, setting)] = t = tpr(rows)
+            n, k = rows[0]["particles"], rows[0]["draft_tokens"]
+            pred = t / h200[(max(n, 2), k)] if (max(n, 2), k) in h200 else float("nan")
+            ratio = t / per[("base", setting)] if ("base", setting) in per else float("nan")
+            lines.append(
+                f"| {name} | `{setting}` | {len({r['prompt'] for r in rows})} | {t:.2f} "
+                f"| {tpr([r for r in rows if r['workload'] == 'chat']):.2f} "
+                f"| {tpr([r for r in rows if r['workload'] == 'code']):.2f} | {ratio:.3f} "
+                f"| {pred:.0f} |"
+            )
+    return lines
+
+
+def main() -> int:
+    out = ["## Validation curves", ""]
+    for objective in ("chi2", "kl"):
+        out += validation_table(objective) + [""]
+    gsm = _jsonl(DOCS / "distill-gsm8k" / "results.jsonl")
+    gsm_base = _jsonl(DOCS / "gsm8k-gpu-settings" / "results.jsonl")
+    out += ["## GSM8K, first 100", ""]
+    out += task_table("GSM8K", gsm, gsm_base, ["smc-n4-k12", "smc-n8-k8"]) + [""]
+    he_fit = _jsonl(DOCS / "distill-humaneval" / "chi2" / "results.jsonl")
+    he_base = _jsonl(DOCS / "distill-humaneval" / "base" / "results.jsonl")
+    out += ["## HumanEval, first 50", ""]
+    out += task_table("HumanEval", he_fit, he_base, ["smc-n8-k8"]) + [""]
+    out += ["## Tokens a round, 20 chat and 20 code prompts", ""] + acceptance_table()
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
