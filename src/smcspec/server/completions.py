@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from smcspec.aggregate import Vote
 from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
 from smcspec.decoding.job import Job
-from smcspec.decoding.registry import decoder_for, method_decoder, with_updates
+from smcspec.decoding.registry import decoder_for, with_updates, without_default_ngram
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
@@ -163,25 +163,6 @@ def token_cap(body: CommonBody) -> int | None:
             param="max_tokens",
         )  # fmt: skip
     return next(iter(given.values()), None)
-
-
-def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
-    """The server's default n-gram draft (``--draft ngram``, or what ``--method auto`` chose)
-    where a request cannot use it. A request that names ``smc`` drafts with the draft model
-    (SMC-SD needs a proposal that covers the target). A constrained request (``min_tokens``
-    included: a mask on the stop tokens) runs ``ar``, or the method it names with the draft
-    model (n-gram drafts take no constraint). A request
-    that asks for n-gram drafts itself keeps them, and is refused with the reason where they
-    do not apply."""
-    if "draft" in updates or not cfg.draft_kind.from_text:  # the server's draft: valid
-        return cfg
-    masked = cfg.constraint is not None or cfg.applies_min_tokens  # min_tokens: a mask too
-    if masked and "method" not in updates:
-        return replace(cfg, method="ar", draft="model")
-    named = method_decoder(updates.get("method"))
-    if masked or (named is not None and named.particles):
-        return replace(cfg, draft="model")
-    return cfg
 
 
 def vote_spec(body: CommonBody) -> Vote | None:
