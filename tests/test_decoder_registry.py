@@ -17,8 +17,19 @@ import smcspec
 from smcspec import GenerationConfig
 from smcspec.config import DRAFT_KINDS, METHOD_PARTICLES, METHODS
 from smcspec.decoding.job import job_for
+from smcspec.decoding.labels import BASELINE_LABEL, Label, parse_label, setting_label
 from smcspec.decoding.program import run_program
-from smcspec.decoding.registry import BASELINE, BY_METHOD, CHOICES, DECODERS, decoder_for
+from smcspec.decoding.registry import (
+    BASELINE,
+    BY_METHOD,
+    CHOICES,
+    DECODERS,
+    decoder_for,
+    decoder_named,
+    without_default_ngram,
+)
+from smcspec.errors import ConfigError
+from smcspec.potentials import Regex
 
 SRC = Path(smcspec.__file__).parent
 REGISTRY = "decoding/registry.py"
@@ -681,3 +692,100 @@ def test_each_program_returns_the_stats_class_its_row_names(name):
     job = job_for(target, draft, [1, 2, 0], cfg, frozenset(), 8, torch.Generator().manual_seed(0))
     out = run_program(decoder.program(job))
     assert type(out.stats) is decoder.stats_class
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("draft", list(DRAFT_KINDS))
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_config_and_a_tuner_setting_get_the_same_decoder(method, draft, n):
+    """One rule picks a sampling request's decoder and a tuner setting's
+    (:func:`decoder_for`, :func:`decoder_named`): wherever both answer, the same row."""
+    try:
+        cfg = GenerationConfig(method=method, draft=draft, particles=n, draft_tokens=2)
+        from_config = decoder_for(cfg.validate())
+        named = decoder_named(method, draft, n)
+    except ConfigError:
+        return  # refused (n-gram drafts for smc or ar, or with N >= 2 chains)
+    assert from_config is named
+
+
+def test_each_choice_says_how_its_setting_is_chosen():
+    """A choice's behaviour, not a string standing for its name: when the tuner chooses its
+    setting, among which decoders, whether it needs the draft model, how that is said."""
+    rows = {
+        name: (
+            c.tuned, c.wants_tuning(None, None), c.wants_tuning(4, 2),
+            c.wants_tuning(None, 2, True), c.needs_draft, c.loads_draft,
+            sorted(d.name for d in DECODERS.values() if c.may_choose(d)),
+        )
+        for name, c in CHOICES.items()
+    }  # fmt: skip
+    every = sorted(DECODERS)
+    assert rows == {
+        "auto": (True, True, True, True, False, True, every),
+        "smc": (True, True, False, False, True, False, ["smc"]),
+        "sd": (False, False, False, False, False, False, []),
+        "ar": (False, False, False, False, False, False, []),
+    }
+    assert CHOICES["auto"].chosen_by == "--method auto" and CHOICES["auto"].mark(4) == "auto"
+    assert CHOICES["smc"].chosen_by == "smc without -N/-K"
+    assert CHOICES["smc"].mark(4) == "smc (N >= 4)"
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("ar", Label(DECODERS["ar"])),
+        ("sd-k4", Label(DECODERS["sd"], 1, 4)),
+        ("sd-n8-k4", Label(DECODERS["multi-sd"], 8, 4)),
+        ("sd-ngram-k4", Label(DECODERS["ngram-sd"], 1, 4)),  # the longest row that fits
+        ("smc-n8-k2", Label(DECODERS["smc"], 8, 2)),
+        ("smc-n8-k8-ess", Label(DECODERS["smc"], 8, 8, ess=True)),
+        ("smc-n8-k2-reward-vote", Label(DECODERS["smc"], 8, 2, reward=True, vote=True)),
+        ("smc-n8-k2-keep-a2-reward5-g4-ess-eps0.01-vote",
+         Label(DECODERS["smc"], 8, 2, keep=True, alpha=2.0, reward=True, beta=5.0, groups=4,
+               ess=True, eps=0.01, vote=True)),
+        ("ar-greedy", Label(BASELINE, greedy=True)),
+        ("ar-sc-n4", Label(BASELINE, samples=4, select="sc")),
+        ("ar-bon-n3", Label(BASELINE, samples=3, select="bon")),
+        # not labels: bare methods (a grid), bench's chosen names, others' names, suffixes
+        # on a decoder without particles, suffixes out of order
+        ("sd", None), ("smc", None), ("auto-ar", None), ("smc-n8-k8-unshared", None),
+        ("sd-k4-keep", None), ("smc-n8-k2-vote-keep", None), ("ar-bon-nX", None),
+    ],
+)  # fmt: skip
+def test_setting_labels_parse_and_format_as_one_grammar(text, parsed):
+    """``decoding/labels.py`` is the one grammar: each label parses to its setting and
+    formats back to itself; what is not a label parses to None."""
+    assert parse_label(text) == parsed
+    if parsed is not None:
+        assert parsed.text == text
+        assert parsed.best_of_n == text.startswith("ar-bon-")
+
+
+def test_the_tuner_names_settings_in_the_grammar():
+    """Every row's setting label, cut rounds too, parses back to the row, N and K."""
+    for d in DECODERS.values():
+        n, k = (4 if d.uses_n else 1), (3 if d.draft_tokens else 0)
+        for ess in (False, True) if d.particles else (False,):
+            label = parse_label(setting_label(d, n, k, ess=ess))
+            assert (label.decoder, label.particles, label.draft_tokens, label.ess) == (
+                d, n, k, ess,
+            )  # fmt: skip
+    assert BASELINE_LABEL == BASELINE.label(1, 0) == "ar"
+
+
+def test_a_request_that_cannot_draft_ngrams_leaves_the_servers_default():
+    """The server's rule (:func:`without_default_ngram`): on an n-gram default, a masked
+    request without a method runs ar with the draft model; one naming smc, or masked and
+    naming a method, drafts with the model; one that names its draft keeps it."""
+    server = GenerationConfig(method="sd", draft="ngram", draft_tokens=4)
+    masked = GenerationConfig(method="sd", draft="ngram", constraint=Regex("[ab]+"))
+    as_ar = without_default_ngram(masked, {})
+    assert (as_ar.method, as_ar.draft) == ("ar", "model")
+    assert without_default_ngram(masked, {"method": "sd"}).draft == "model"
+    smc = GenerationConfig(method="smc", draft="ngram")
+    assert without_default_ngram(smc, {"method": "smc"}).draft == "model"
+    assert without_default_ngram(server, {}) is server
+    assert without_default_ngram(server, {"method": "sd"}) is server
+    assert without_default_ngram(masked, {"draft": "ngram"}) is masked
