@@ -652,11 +652,12 @@ def tuned(c: Campaign, engine: Engine, base: dict) -> None:
         return {"setting": name, "tokens_per_s": p.tokens_per_second, "ess": p.ess,
                 "quality_measured": name in QUALITY_MEASURED}  # fmt: skip
 
+    picks = {c.name: pick(p) for c, p in tuning.picks.items()}  # by the choice's name
     c.row(
         kind="tuned",
         seconds=round(time.perf_counter() - t0, 1),
-        auto=pick(tuning.auto),
-        smc=pick(tuning.smc) if tuning.smc is not None else None,
+        auto=picks["auto"],
+        smc=picks.get("smc"),  # None without a draft model
         min_particles=tuning.min_particles,
         min_ess=tuning.min_ess,
         alpha=tuning.acceptance["alpha"],

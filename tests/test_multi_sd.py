@@ -27,7 +27,8 @@ import smcspec.sampling.tree_verify as tree_verify
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.pool import pool_needs
 from smcspec.backends.torch import load_hf_dir
-from smcspec.decoding.registry import DECODERS, decoder_for, parse_label
+from smcspec.decoding.labels import parse_label
+from smcspec.decoding.registry import DECODERS, decoder_for
 from smcspec.decoding.sd.multi_sd import decode_multi_sd
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.sampling.speculative import speculative_verify
@@ -294,8 +295,8 @@ def test_the_decoder_table_runs_n_chains_as_multi_draft():
     multi = GenerationConfig(method="sd", particles=8, draft_tokens=4)
     assert decoder_for(multi) is DECODERS["multi-sd"]
     assert DECODERS["multi-sd"].label(8, 4) == "sd-n8-k4"
-    d, n, k, rest = parse_label("sd-n8-k4")
-    assert (d.name, n, k, rest) == ("multi-sd", 8, 4, "")
+    label = parse_label("sd-n8-k4")
+    assert (label.decoder.name, label.particles, label.draft_tokens) == ("multi-sd", 8, 4)
     # greedy: every chain would be the draft's argmax chain, so it runs as chain sd
     assert decoder_for(GenerationConfig(method="sd", particles=8, temperature=0)) is DECODERS["sd"]
     assert GenerationConfig().particles == 4  # smc keeps its default N

@@ -2,7 +2,7 @@
 
 A tool call (and an output under ``response_format``, ``smc.regex`` or ``smc.grammar``) is
 either complete or cut by ``max_tokens``: a stop string inside it does not end the reply.
-:class:`~smcspec.server.streaming.Choice` is driven with the exact text a model writes, in
+:class:`~smcspec.server.streaming.ResponseChoice` is driven with the exact text a model writes, in
 every split into streamed pieces; the server path runs on the tiny torch pair.
 """
 
@@ -18,15 +18,15 @@ from tiny_models import make_tiny_chat_pair
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
 from smcspec.server import create_app
-from smcspec.server.streaming import Choice
+from smcspec.server.streaming import ResponseChoice
 
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def _run(text: str, stops: list[str], tools: bool = True, stops_apply: bool = True,
-         step: int = 1) -> tuple[Choice, list[dict]]:  # fmt: skip
+         step: int = 1) -> tuple[ResponseChoice, list[dict]]:  # fmt: skip
     """Feed ``text`` in pieces of ``step`` characters, then end it."""
-    c = Choice(0, stops, tools=tools, stops_apply=stops_apply)
+    c = ResponseChoice(0, stops, tools=tools, stops_apply=stops_apply)
     deltas: list[dict] = []
     for i in range(0, len(text), step):
         deltas += c.feed(text[i : i + step])

@@ -381,7 +381,7 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     first = tune(engine, min_particles=4, log=notes.append)
     assert len(notes) == 1 and "measuring" in notes[0] and str(first.cache_path) in notes[0]
     assert first.cache_path.parent == own_cache / "costs" and first.measured_seconds > 0
-    assert first.smc.setting.method == "smc" and first.smc.setting.particles >= 4
+    assert first.pick("smc").setting.method == "smc" and first.pick("smc").setting.particles >= 4
     # auto: the fastest setting under both floors (an smc tie within 5% may take more
     # particles); smc's own pick may be faster when no smc setting meets the ESS floor
     allowed = [
@@ -389,8 +389,8 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
         for p in first.predictions
         if p.setting.method != "smc" or (p.setting.particles >= 4 and meets_floor(p, first.min_ess))
     ]
-    assert first.auto in allowed
-    assert first.auto.tokens_per_second >= 0.95 * max(p.tokens_per_second for p in allowed)
+    assert first.pick("auto") in allowed
+    assert first.pick("auto").tokens_per_second >= 0.95 * max(p.tokens_per_second for p in allowed)
     assert 0.0 <= first.costs.alpha <= 1.0
     names = {p.setting.name for p in first.predictions}
     assert {"ar", "sd-k2", "sd-k4", "smc-n4-k2", "smc-n8-k4"} <= names  # the test grid
@@ -402,8 +402,9 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     monkeypatch.setattr(tuner_module, "measure_acceptance", refuse)
     again = tune(engine, min_particles=4, log=notes.append)
     assert len(notes) == 1 and again.measured_seconds == 0
-    assert again.predictions == first.predictions and again.auto == first.auto
-    assert tune(engine, min_particles=8).smc.setting.particles >= 8  # same costs, other floor
+    assert again.predictions == first.predictions and again.picks == first.picks
+    other_floor = tune(engine, min_particles=8)  # same costs
+    assert other_floor.pick("smc").setting.particles >= 8
 
 
 def test_remeasure_replaces_the_cached_costs(engine, own_cache):
@@ -507,7 +508,7 @@ def test_cpu_model_without_cpuinfo_falls_back_to_platform(tmp_path):
 def test_a_draftless_engine_predicts_ar_and_ngram_sd_only(engine, own_cache):
     tuning = tune(Engine(engine.target))
     names = [p.setting.name for p in tuning.predictions]
-    assert names == ["ar", "sd-ngram-k4"] and tuning.smc is None
+    assert names == ["ar", "sd-ngram-k4"] and [c.name for c in tuning.picks] == ["auto"]
     assert tuning.config(GenerationConfig(), "auto").method in ("ar", "sd")
     with pytest.raises(ConfigError, match="draft"):
         tuning.pick("smc")

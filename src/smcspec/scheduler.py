@@ -99,7 +99,7 @@ class Request:
     max_gap_s: float | None = None
     last_token_at: float | None = None
     submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None
+    admitted: float | None = None  # when the worker admitted it (perf_counter)
     program: Program | None = None
     pending: Prefill | Forward | Round | None = None
     tokens: int = 0
@@ -321,7 +321,7 @@ class BatchScheduler:
             )
 
     def _admit(self, req: Request) -> None:
-        req.started = time.perf_counter()
+        req.admitted = time.perf_counter()
         stream = req.job.on_tokens
 
         def on_tokens(ids: list[int], req: Request = req) -> None:
@@ -352,7 +352,7 @@ class BatchScheduler:
             req.pending = next(req.program) if first else req.program.send(result)
         except StopIteration as done:
             req.pending = None
-            seconds = time.perf_counter() - (req.started or req.submitted)
+            seconds = time.perf_counter() - (req.admitted or req.submitted)
             try:
                 outcome = self.engine.finish(req.job, done.value, seconds)
                 outcome.first_token_s, outcome.max_gap_s = req.first_token_s, req.max_gap_s

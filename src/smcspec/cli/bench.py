@@ -11,6 +11,7 @@ from pathlib import Path
 from smcspec.cli.engine_args import load_engine, needs_model_draft, provenance, tune_for
 from smcspec.cli.options import config_from_args, method_args
 from smcspec.config import GenerationConfig
+from smcspec.decoding.labels import chosen_label
 from smcspec.decoding.registry import Choice, choice_or_none
 
 
@@ -33,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     listed = _bench_choices(args)
     specs = _bench_specs(args, base, listed)  # option errors before the models load
     needs_draft = args.predict or needs_model_draft([s.config for s in specs])
-    always_tuned = any(c is not None and c.tuned == "always" for _, c in listed)  # auto
-    engine = load_engine(args, with_draft=needs_draft or always_tuned)
+    chosen_later = any(c is not None and c.loads_draft for _, c in listed)  # auto
+    engine = load_engine(args, with_draft=needs_draft or chosen_later)
     if args.predict:
         from smcspec.tuning import format_table
 
@@ -88,14 +89,12 @@ def _export_pair_stats(path: str, engine, tuning) -> None:
 def _bench_note(args: argparse.Namespace, engine, prompts: int, base, tuning) -> str:
     """The report's note: provenance, models, prompts, budget, temperatures, the settings
     the tuner chose (``tuning``, or None), and the command that made it."""
-    tuned = (
-        ""
-        if tuning is None
-        else f" Settings chosen from measured costs (--min-particles {args.min_particles}): "
-        f"auto = {tuning.auto.setting.name}"
-        + (f", smc = {tuning.smc.setting.name}" if tuning.smc else "")
-        + "."
-    )
+    tuned = ""
+    if tuning is not None:
+        picks = ", ".join(f"{c.name} = {p.setting.name}" for c, p in tuning.picks.items())
+        tuned = (
+            f" Settings chosen from measured costs (--min-particles {args.min_particles}): {picks}."
+        )
     return (
         f"{provenance(args, engine.target.backend)}. Target {engine.target.path.name}, draft "
         f"{engine.draft.path.name if engine.draft else '-'}. {prompts} ShareGPT V3 first "
@@ -129,9 +128,10 @@ def _bench_specs(
     listed: list[tuple[str, Choice | None]],
     tuning=None,
 ) -> list:
-    """The bench's methods: ``auto`` as ``auto-<chosen setting>``, ``smc`` without
-    -N/-K/--grid as the chosen smc setting (both skipped/defaulted while ``tuning`` is None,
-    to check the options before the models load), the others by
+    """The bench's methods: a choice whose method is chosen (``auto``) as
+    ``auto-<chosen setting>`` (:func:`~smcspec.decoding.labels.chosen_label`), one of N and
+    K alone (``smc``) without -N/-K/--grid as the chosen setting (skipped or defaulted while
+    ``tuning`` is None, to check the options before the models load), the others by
     :func:`smcspec.eval.harness.method_specs`.
 
     Raises:
@@ -142,15 +142,15 @@ def _bench_specs(
     specs = []
     tunes = _bench_tunes(args, listed)
     for name, wanted in listed:
-        tuned = "never" if wanted is None else wanted.tuned
-        if tuned == "always":  # auto: named auto-<the setting chosen>
-            if tuning is not None:
-                pick = tuning.pick(name)
-                specs.append(MethodSpec(f"{name}-{pick.setting.name}", pick.setting.apply(base)))
-        elif tuned == "without_nk" and tunes and args.grid is None and tuning is not None:
-            pick = tuning.pick(name)  # smc: the setting chosen
-            specs.append(MethodSpec(pick.setting.name, pick.setting.apply(base)))
-        else:
+        if wanted is None or not wanted.tuned:  # a setting's label, ar or sd
+            specs += method_specs(name, base, args.grid)
+            continue
+        chosen = wanted.chooses_method or (tunes and args.grid is None)
+        if chosen and tuning is not None:
+            pick = tuning.pick(wanted)
+            label = chosen_label(wanted, pick.setting.name)
+            specs.append(MethodSpec(label, pick.setting.apply(base)))
+        elif not wanted.chooses_method:  # smc with N and K, or before tuning: as given
             specs += method_specs(name, base, args.grid)
     for s in specs:
         s.config.validate()

@@ -76,16 +76,14 @@ def tuned_config(engine, args: argparse.Namespace, cfg: GenerationConfig, method
     if not method.choice.wants_tuning(args.particles, args.draft_tokens):
         return cfg, None
     tuning = tune_for(engine, args, cfg, method)
-    best_smc = tuning.smc
-    picks_any = not method.choice.particles_only  # auto: ar and sd as well
-    if picks_any and best_smc is not None and best_smc.ess is not None:
-        if best_smc.ess < tuning.min_ess:
-            note(
-                f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} after a round "
-                f"on this pair (best: {best_smc.setting.name}, {best_smc.ess:.2f}); auto "
-                "chooses among ar and sd (--min-ess)"
-            )
-    pick = tuning.pick(method.choice.name)
+    short = tuning.short_of_floor()
+    if method.choice.chooses_method and short is not None:  # auto: ar and sd as well
+        note(
+            f"no SMC-SD setting keeps a predicted ESS of {tuning.min_ess:g} after a round "
+            f"on this pair (best: {short.setting.name}, {short.ess:.2f}); auto "
+            "chooses among ar and sd (--min-ess)"
+        )
+    pick = tuning.pick(method.choice)
     return pick.setting.apply(cfg).validate(), pick
 
 
@@ -93,9 +91,8 @@ def tuned_note(pick, method: Choice, min_ess: float = DEFAULT_MIN_ESS) -> str:
     """One line on a setting the tuner chose for ``method`` (``pick``, a
     :class:`~smcspec.tuning.predict.Prediction`): its name, predicted tokens/s and, for smc,
     its predicted ESS after a round, and whether it falls short of ``min_ess``."""
-    how = "--method auto" if method.tuned == "always" else "smc without -N/-K"
     note_ = (
-        f"{pick.setting.name} chosen by {how} from measured costs, predicted "
+        f"{pick.setting.name} chosen by {method.chosen_by} from measured costs, predicted "
         f"{pick.tokens_per_second:.2f} tokens/s"
     )
     if pick.setting.ngram:

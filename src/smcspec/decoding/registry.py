@@ -6,17 +6,23 @@ the pools' reservation), the class of its typed stats (``stats_class``,
 :mod:`smcspec.decoding.decoder_stats`: their JSON keys, stats line and metrics), its round's
 forward shapes and cost (each decoder's ``cost`` module, :mod:`smcspec.decoding.rounds`: what
 the tuner predicts and the roofline prices), the name of a setting in reports and ``eval``
-(``smc-n8-k2``), whether the tuner predicts it, and what a config must hold to run on it.
-:func:`decoder_for` picks the decoder of a config: greedy ``smc`` runs as greedy ``sd``
-(SMC-SD's weights are undefined for a point-mass target), ``sd`` with N >= 2 chains runs
-multi-draft sd (greedy: chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder.
-:data:`CHOICES` are the values a user may ask for (the methods and ``auto``), with how each is
-tuned; :data:`BASELINE` is the decoder speed-ups are measured against.
+(``smc-n8-k2``, parsed and formatted by :mod:`smcspec.decoding.labels`), whether the tuner
+predicts it, and what a config must hold to run on it. One rule (:func:`_lookup`) picks the
+decoder of a method, draft, N and sampling, for a config (:func:`decoder_for`) or a tuner's
+setting (:func:`decoder_named`): greedy ``smc`` runs as greedy ``sd`` (SMC-SD's weights are
+undefined for a point-mass target), ``sd`` with N >= 2 chains runs multi-draft sd (greedy:
+chain sd), and ``sd`` with n-gram drafts runs the n-gram decoder. :data:`CHOICES` are the
+values a user may ask for (the methods and ``auto``), each a :class:`Choice` that says how its
+setting is chosen and how that is described; :data:`BASELINE` is the decoder speed-ups are
+measured against; :func:`without_default_ngram` is the server's rule for a request that cannot
+draft from the text.
 
 This module is the one place code decides on the name of a method, a draft
 (:class:`~smcspec.config.Draft`) or a decoder: elsewhere it asks the table (:func:`decoder_for`,
-:func:`decoder_named`, :func:`choice`, a row's traits), never compares a name, looks one up in
-the table's dicts or switches on a stats class (``tests/test_decoder_registry.py``).
+:func:`decoder_named`, :func:`choice`, a row's or a choice's traits), never compares a name or
+a trait's value, looks one up in the table's dicts, keys its own dicts or fields by one, sets
+a method by name in a branch or switches on a stats class; setting labels are
+:mod:`~smcspec.decoding.labels`' alone (``tests/test_decoder_registry.py``).
 ``config.py``, below it, keeps as data what a config resolves when it is made (each method's
 default N, the drafts' rows).
 """
@@ -186,16 +192,7 @@ def decoder_for(cfg: GenerationConfig) -> Decoder:
             "n-gram drafts are one chain a round: multi-draft sd (N >= 2) needs the draft "
             "model (--draft model), or use N = 1"
         )
-    if cfg.method == "ar":
-        decoder = DECODERS["ar"]
-    elif cfg.draft == "ngram":
-        decoder = DECODERS["ngram-sd"]
-    elif cfg.greedy or (cfg.method == "sd" and cfg.particles == 1):
-        decoder = DECODERS["sd"]  # greedy multi-draft: every chain is the draft's argmax
-    elif cfg.method == "sd":
-        decoder = DECODERS["multi-sd"]
-    else:
-        decoder = DECODERS["smc"]
+    decoder = _lookup(cfg.method, cfg.draft == NGRAM_DRAFT.name, cfg.particles, cfg.greedy)
     _check_particles(cfg, decoder)
     return decoder
 
@@ -233,13 +230,25 @@ def decoder_named(method: str, draft: str = MODEL_DRAFT.name, particles: int = 1
     """
     if method not in BY_METHOD:
         raise ConfigError(f"unknown method {method!r}; choose from {', '.join(BY_METHOD)}")
-    if draft == NGRAM_DRAFT.name:
-        if method != "sd":
-            raise ConfigError(f"n-gram drafts are for sd, not {method}")
+    from_text = draft == NGRAM_DRAFT.name
+    if from_text and method != "sd":
+        raise ConfigError(f"n-gram drafts are for sd, not {method}")
+    return _lookup(method, from_text, particles, greedy=False)
+
+
+def _lookup(method: str, from_text: bool, particles: int, greedy: bool) -> Decoder:
+    """The one rule from a request's method, draft (``from_text``: n-gram), N and sampling
+    (``greedy``: temperature 0) to the decoder that runs it, for :func:`decoder_for` and
+    :func:`decoder_named` (after their checks: n-gram drafts only for sd)."""
+    if method == "ar":
+        return DECODERS["ar"]  # ar drafts nothing: its draft is unused
+    if from_text:
         return DECODERS["ngram-sd"]
-    if method == "sd" and particles >= 2:
+    if greedy or (method == "sd" and particles < 2):
+        return DECODERS["sd"]  # greedy multi-draft: every chain is the draft's argmax
+    if method == "sd":
         return DECODERS["multi-sd"]
-    return BY_METHOD[method]
+    return DECODERS["smc"]
 
 
 def method_decoder(name: str | None) -> Decoder | None:
@@ -248,52 +257,103 @@ def method_decoder(name: str | None) -> Decoder | None:
     return BY_METHOD.get(name) if isinstance(name, str) else None
 
 
-def parse_label(text: str) -> tuple[Decoder, int, int, str] | None:
-    """The setting a name such as ``smc-n8-k2-keep`` starts with: ``(decoder, n, k, rest)``
-    (``rest`` the unparsed suffix, ``-keep`` here), or None when no decoder's name fits. The
-    longest match wins (``sd-ngram-k4`` is not ``sd``)."""
-    found = []
-    for d in DECODERS.values():
-        m = d.pattern.match(text)
-        if m is not None and (m.end() == len(text) or text[m.end()] == "-"):
-            groups = m.groupdict()
-            n, k = int(groups.get("n") or 1), int(groups.get("k") or 0)
-            found.append((m.end(), d, n, k))
-    if not found:
-        return None
-    end, d, n, k = max(found, key=lambda f: f[0])
-    return d, n, k, text[end:]
+def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
+    """``cfg`` (the server's defaults with a request's ``updates``) without the server's
+    default n-gram draft (``--draft ngram``, or what ``--method auto`` chose) where the request
+    cannot use it. A request that names ``smc`` drafts with the draft model (SMC-SD needs a
+    proposal that covers the target). A masked request (a constraint, or ``min_tokens``: a
+    mask on the stop tokens) runs ``ar``, or the method it names with the draft model
+    (n-gram drafts take no mask). A request that asks for n-gram drafts itself keeps them,
+    and is refused with the reason where they do not apply."""
+    if "draft" in updates or not cfg.draft_kind.from_text:  # the server's draft: valid
+        return cfg
+    masked = cfg.constraint is not None or cfg.applies_min_tokens  # min_tokens: a mask too
+    if masked and "method" not in updates:
+        return replace(cfg, method="ar", draft=MODEL_DRAFT.name)
+    named = method_decoder(updates.get("method"))
+    if masked or (named is not None and named.particles):
+        return replace(cfg, draft=MODEL_DRAFT.name)
+    return cfg
+
+
+def _any_decoder(decoder: Decoder) -> bool:
+    """``auto`` chooses among every decoder's settings."""
+    return True
+
+
+def _weighs_particles(decoder: Decoder) -> bool:
+    """``smc`` without N or K chooses among the settings that weigh particles."""
+    return decoder.particles
 
 
 @dataclass(frozen=True)
 class Choice:
-    """A value a user may give as the method: ``ar``, ``sd``, ``smc`` or ``auto``.
+    """A value a user may give as the method: ``ar``, ``sd``, ``smc`` or ``auto``, with how
+    its setting is chosen from measured costs (:mod:`smcspec.tuning`) and how that is said.
 
     Attributes:
         name: as given.
         method: the config's method while the choice is being made (``auto`` validates
             as ``smc``, whose settings it may choose).
-        tuned: ``"always"`` (``auto``: the setting is chosen from measured costs),
-            ``"without_nk"`` (``smc`` without N or K: they are chosen), or ``"never"``.
-        particles_only: the tuner may choose only settings with particles (``smc``); else
-            any (``auto``).
+        chooses: the decoders whose settings the tuner may choose for it (``auto``: every
+            one; ``smc``: those that weigh particles), or None: its setting is given, never
+            chosen (``ar``, ``sd``).
+        chooses_method: the method is chosen too, not N and K alone (``auto``): the setting
+            is always chosen, and is unknown until the tuner has run.
     """
 
     name: str
     method: str
-    tuned: str
-    particles_only: bool = False
+    chooses: Callable[[Decoder], bool] | None = None
+    chooses_method: bool = False
+
+    @property
+    def tuned(self) -> bool:
+        """Its setting may be chosen from measured costs (``auto``, ``smc``)."""
+        return self.chooses is not None
+
+    def may_choose(self, decoder: Decoder) -> bool:
+        """Whether the tuner may choose a setting of ``decoder`` for it."""
+        return self.chooses is not None and self.chooses(decoder)
 
     def wants_tuning(
         self, particles: int | None, draft_tokens: int | None, grid: bool = False
     ) -> bool:
         """Whether the setting is chosen from measured costs, given the N and K asked for
         (``grid``: a grid of N and K is given, ``eval``'s and ``bench``'s ``--grid``: they
-        are not chosen)."""
-        if self.tuned == "always":
+        are not chosen): always where the method is chosen, where N or K is missing (and no
+        grid) where only they are, never where nothing is."""
+        if self.chooses is None:
+            return False
+        if self.chooses_method:
             return True
         unset = particles is None or draft_tokens is None
-        return self.tuned == "without_nk" and unset and not grid
+        return unset and not grid
+
+    @property
+    def needs_draft(self) -> bool:
+        """Every decoder it may choose runs the draft model: without one it is not chosen
+        (``smc``)."""
+        rows = [d for d in DECODERS.values() if self.may_choose(d)]
+        return bool(rows) and all(d.draft_model for d in rows)
+
+    @property
+    def loads_draft(self) -> bool:
+        """The draft model loads before its setting is known: the method is chosen, and a
+        decoder it may choose runs the draft model (``auto``)."""
+        return self.chooses_method and any(
+            d.draft_model for d in DECODERS.values() if self.may_choose(d)
+        )
+
+    @property
+    def chosen_by(self) -> str:
+        """How a note says its setting was chosen: ``--method auto``, ``smc without -N/-K``."""
+        return f"--method {self.name}" if self.chooses_method else f"{self.name} without -N/-K"
+
+    def mark(self, min_particles: int) -> str:
+        """Its mark on the setting chosen for it in the tuner's table: ``auto``, or where N
+        and K alone are chosen the floor on N too (``smc (N >= 4)``)."""
+        return self.name if self.chooses_method else f"{self.name} (N >= {min_particles})"
 
     @property
     def decoder(self) -> Decoder:
@@ -302,12 +362,21 @@ class Choice:
 
 
 CHOICES = {
-    "auto": Choice("auto", "smc", "always"),
-    "smc": Choice("smc", "smc", "without_nk", particles_only=True),
-    "sd": Choice("sd", "sd", "never"),
-    "ar": Choice("ar", "ar", "never"),
+    "auto": Choice("auto", "smc", _any_decoder, chooses_method=True),
+    "smc": Choice("smc", "smc", _weighs_particles),
+    "sd": Choice("sd", "sd"),
+    "ar": Choice("ar", "ar"),
 }
 """What ``--method`` (and the tuner) accept: the methods, and ``auto``."""
+
+DEFAULT_TUNED = CHOICES["auto"]
+"""The choice a caller of the tuner gets where it names none (``auto``: the fastest of all)."""
+
+
+def tuned_choices() -> list[Choice]:
+    """The choices whose setting may be chosen from measured costs, in the table's order
+    (``auto``, ``smc``): the picks the tuner makes."""
+    return [c for c in CHOICES.values() if c.tuned]
 
 
 def choice(name: str) -> Choice:

@@ -109,8 +109,8 @@ def sample_outputs(
 
     Returns:
         ``(counts, log_zs)``: how often each generated sequence (a tuple of token ids) came
-        out, and each run's log-normaliser estimate (``SmcStats.log_normalizer``: smc with a
-        constraint or reward; NaN otherwise), in run order.
+        out, and each run's log-normaliser estimate (``SmcStats.log_normalizer``: a decoder
+        that weighs particles, with a constraint or reward; NaN otherwise), in run order.
     """
     decoder = decoder_for(cfg)
     vocab = target.cfg.vocab_size
@@ -121,7 +121,7 @@ def sample_outputs(
         job = job_for(target, draft, prompt, cfg, frozenset(), vocab, g)
         out = run_program(decoder.program(job))
         counts[tuple(out.tokens)] += 1
-        log_z = getattr(out.stats, "log_normalizer", None)
+        log_z = out.stats.log_normalizer if decoder.particles else None  # SmcStats' estimate
         log_zs.append(math.nan if log_z is None else float(log_z))
     return counts, log_zs
 

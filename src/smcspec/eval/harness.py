@@ -21,14 +21,9 @@ from tqdm import tqdm
 
 from smcspec.aggregate import Vote
 from smcspec.config import GenerationConfig
+from smcspec.decoding.labels import LABEL_HELP, Label, parse_label
 from smcspec.decoding.output import hit_token_cap
-from smcspec.decoding.registry import (
-    BASELINE,
-    Decoder,
-    decoder_for,
-    method_decoder,
-    parse_label,
-)
+from smcspec.decoding.registry import BASELINE, Decoder, decoder_for, method_decoder
 from smcspec.engine import Engine, GenerationResult
 from smcspec.errors import ConfigError
 from smcspec.eval import baselines, gsm8k, humaneval
@@ -99,20 +94,14 @@ def method_specs(methods: str, base: GenerationConfig, grid: str | None = None) 
     return specs
 
 
-_BASELINES = re.compile(r"ar-(?:(?P<greedy>greedy)|(?P<select>sc|bon)-n(?P<n>\d+))")
-_PARTICLE_SUFFIX = re.compile(
-    r"(?P<keep>-keep)?(?:-a(?P<alpha>[\d.]+))?(?P<reward>-reward(?P<beta>[\d.]+)?)?"
-    r"(?:-g(?P<groups>\d+))?(?P<ess>-ess)?(?:-eps(?P<eps>[\d.]+))?(?P<vote>-vote)?"
-)
-
-
 def _specs_named(
     name: str, base: GenerationConfig, ns: list[int], ks: list[int]
 ) -> list[MethodSpec]:
-    """The specs one name stands for: a bare method (``ar``, ``sd``, ``smc``: its grid), a
-    baseline on ``ar`` (``ar-greedy``, ``ar-sc-nN``, ``ar-bon-nN``), or a setting as the
-    decoder table names it (``sd-k4``, ``sd-ngram-k4``, ``smc-n8-k2``), which for particles
-    may carry the suffixes of :func:`_particle_spec`. Raises :class:`ConfigError`."""
+    """The specs one name stands for: a bare method (``ar``, ``sd``, ``smc``: its grid), or a
+    setting's label (:mod:`smcspec.decoding.labels`): a baseline on ``ar`` (``ar-greedy``,
+    ``ar-sc-nN``, ``ar-bon-nN``), or a setting as the decoder table names it (``sd-k4``,
+    ``sd-ngram-k4``, ``smc-n8-k2``), which for particles may carry the suffixes of
+    :func:`_particle_spec`. Raises :class:`ConfigError`."""
     d = method_decoder(name)
     if d is not None:  # a bare method: each (N, K) of the grid it has
         return [
@@ -120,27 +109,20 @@ def _specs_named(
             for n in (ns if d.particles else [1])
             for k in (ks if d.draft_tokens else [0])
         ]
-    if m := _BASELINES.fullmatch(name):
+    label = parse_label(name)
+    if label is None:
+        raise ConfigError(f"unknown method {name!r}; choose from {LABEL_HELP}")
+    if label.baseline:
         ar = replace(base, method=BASELINE.method)
-        if m.group("greedy"):
+        if label.greedy:
             return [MethodSpec(name, replace(ar, temperature=0.0))]
-        n = int(m.group("n"))
-        if not 1 <= n <= 64:
+        if not 1 <= label.samples <= 64:
             raise ConfigError(f"{name}: n must be in [1, 64]")
-        return [MethodSpec(name, ar, n, m.group("select"))]
-    parsed = parse_label(name)
-    if parsed is not None:
-        d, n, k, rest = parsed
-        suffix = _PARTICLE_SUFFIX.fullmatch(rest)
-        if d.particles and suffix is not None:
-            return [_particle_spec(name, suffix, _configure(d, base, n, k))]
-        if not rest:
-            return [MethodSpec(name, _configure(d, base, n, k))]
-    raise ConfigError(
-        f"unknown method {name!r}; choose from ar, ar-greedy, ar-sc-nN, ar-bon-nN, "
-        "sd, smc, sd-kK, sd-nN-kK, sd-ngram-kK, "
-        "smc-nN-kK[-keep][-aALPHA][-reward[BETA]][-gG][-ess][-epsEPS][-vote]"
-    )
+        return [MethodSpec(name, ar, label.samples, label.select)]
+    cfg = _configure(label.decoder, base, label.particles, label.draft_tokens)
+    if label.decoder.particles:
+        return [_particle_spec(name, label, cfg)]
+    return [MethodSpec(name, cfg)]
 
 
 def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> GenerationConfig:
@@ -153,25 +135,26 @@ def _configure(d: Decoder, base: GenerationConfig, n: int, k: int) -> Generation
     return d.configure(base)
 
 
-def _particle_spec(name: str, m: re.Match, cfg: GenerationConfig) -> MethodSpec:
-    """A particle setting's suffixes: ``-keep`` (the paper's rule for finished particles),
-    ``-aALPHA`` (power target), ``-reward[BETA]`` (the task's reward, beta
-    :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups resampled apart),
-    ``-ess`` (rounds cut where the ESS falls, ``round_end="ess"``), ``-epsEPS`` (the epsilon
-    stop, ``stop_epsilon``) and ``-vote`` (the weighted vote answers)."""
-    cfg = replace(cfg, finished_particles="keep" if m.group("keep") else "bank")
-    if m.group("alpha"):
-        cfg = replace(cfg, alpha=float(m.group("alpha")))
-    if m.group("groups"):
-        cfg = replace(cfg, groups=int(m.group("groups")))
-    if m.group("ess"):
+def _particle_spec(name: str, label: Label, cfg: GenerationConfig) -> MethodSpec:
+    """A particle setting's suffixes (:class:`~smcspec.decoding.labels.Label`): ``-keep`` (the
+    paper's rule for finished particles), ``-aALPHA`` (power target), ``-reward[BETA]`` (the
+    task's reward, beta :data:`REWARD_BETA` without a number), ``-gG`` (G particle groups
+    resampled apart), ``-ess`` (rounds cut where the ESS falls, ``round_end="ess"``),
+    ``-epsEPS`` (the epsilon stop, ``stop_epsilon``) and ``-vote`` (the weighted vote
+    answers)."""
+    cfg = replace(cfg, finished_particles="keep" if label.keep else "bank")
+    if label.alpha is not None:
+        cfg = replace(cfg, alpha=label.alpha)
+    if label.groups is not None:
+        cfg = replace(cfg, groups=label.groups)
+    if label.ess:
         cfg = replace(cfg, round_end="ess")
-    if m.group("eps"):
-        cfg = replace(cfg, stop_epsilon=float(m.group("eps")))
+    if label.eps is not None:
+        cfg = replace(cfg, stop_epsilon=label.eps)
     beta = None
-    if m.group("reward"):
-        beta = float(m.group("beta")) if m.group("beta") else REWARD_BETA
-    return MethodSpec(name, cfg, reward_beta=beta, vote=bool(m.group("vote")))
+    if label.reward:
+        beta = label.beta if label.beta is not None else REWARD_BETA
+    return MethodSpec(name, cfg, reward_beta=beta, vote=label.vote)
 
 
 def _score_gsm8k(item: gsm8k.Gsm8kItem, text: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from smcspec.decoding.labels import BASELINE_LABEL, parse_label
 from smcspec.eval.stats import (
     margin_verdict,
     mcnemar_pvalue,
@@ -99,7 +100,9 @@ def _by_method(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[st
     return by_method
 
 
-def summarize(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
+def summarize(
+    records: list[dict[str, Any]], baseline: str = BASELINE_LABEL
+) -> list[dict[str, Any]]:
     """Accuracy with a 95% Wilson interval per method, the answers cut by the token budget
     (:func:`cap_counts`), the target NLL's quantiles, and, on the items shared with
     ``baseline``: the paired accuracy difference (bootstrap 95% interval, exact McNemar p,
@@ -237,16 +240,18 @@ def _paired_nll(base: dict[str, dict], recs: dict[str, dict]) -> dict[str, Any]:
 
 
 def against_best_of_n(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """SMC-SD steered by a reward (methods with ``-reward`` in their name) paired with every
-    best-of-n setting of the same run (``ar-bon-nN``, reranked by the same reward), on the
-    items both answered: the accuracy of each, the paired difference (steered minus
+    """SMC-SD steered by a reward (settings whose label has ``-reward``,
+    :mod:`smcspec.decoding.labels`) paired with every best-of-n setting of the same run
+    (``ar-bon-nN``, reranked by the same reward), on the items both answered: the accuracy
+    of each, the paired difference (steered minus
     best-of-n; bootstrap 95% interval, exact McNemar p, discordant counts) and the mean wall
     seconds per answer of each, whose ratio says whether the pair ran at matched time. A
     voting setting is scored on its vote, as in :func:`summarize`. Empty when the run has
     no such pair."""
     by_method = _by_method(records)
-    steered = [m for m in by_method if "-reward" in m]
-    best_of = [m for m in by_method if m.startswith("ar-bon-n")]
+    labels = {m: parse_label(m) for m in by_method}  # None: a name that is no label
+    steered = [m for m, label in labels.items() if label is not None and label.reward]
+    best_of = [m for m, label in labels.items() if label is not None and label.best_of_n]
     rows = []
     for s in steered:
         for b in best_of:
@@ -298,7 +303,7 @@ def write_report(
     title: str,
     note: str = "",
     speeds: dict[str, float] | None = None,
-    baseline: str = "ar",
+    baseline: str = BASELINE_LABEL,
     records: list[dict[str, Any]] | None = None,
 ) -> Path:
     """``summary.md`` (tables), ``pareto.png`` (tokens/s vs accuracy, 95% error bars) and

@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from smcspec.decoding.labels import BASELINE_LABEL
 from smcspec.decoding.output import hit_token_cap
 from smcspec.decoding.registry import decoder_for
 from smcspec.engine import Engine
@@ -134,7 +135,9 @@ def load_bench_speeds(path: str | Path) -> dict[str, float]:
     return {r["method"]: r["median_tokens_per_second"] for r in rows}
 
 
-def summarize_bench(records: list[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
+def summarize_bench(
+    records: list[dict[str, Any]], baseline: str = BASELINE_LABEL
+) -> list[dict[str, Any]]:
     """Per method: request count, median/min/max tokens/s, median TTFT, the ratio of the
     median tokens/s to the ``baseline`` method's (``None`` without a baseline), and the
     requests cut by the token budget (:func:`smcspec.eval.report.cap_counts`; ``capped`` is

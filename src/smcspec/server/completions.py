@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from smcspec.aggregate import Vote
 from smcspec.config import MAX_TOP_LOGPROBS, GenerationConfig
 from smcspec.decoding.job import Job
-from smcspec.decoding.registry import decoder_for, method_decoder, with_updates
+from smcspec.decoding.registry import decoder_for, with_updates, without_default_ngram
 from smcspec.engine import SEED_RANGE, Engine, GenerationResult, TextStreamer
 from smcspec.errors import ConfigError, ContextLengthError, PromptError
 from smcspec.metrics import ServerMetrics
@@ -37,7 +37,7 @@ from smcspec.server.logprobs import (
     prompt_entries,
 )
 from smcspec.server.schemas import CommonBody, CompletionBody, constraint_spec, unsupported_fields
-from smcspec.server.streaming import Choice, choice_object, chunk_choice, sse
+from smcspec.server.streaming import ResponseChoice, choice_object, chunk_choice, sse
 from smcspec.tool_calls import ToolCalls
 
 MAX_N = 8
@@ -165,25 +165,6 @@ def token_cap(body: CommonBody) -> int | None:
     return next(iter(given.values()), None)
 
 
-def without_default_ngram(cfg: GenerationConfig, updates: dict[str, Any]) -> GenerationConfig:
-    """The server's default n-gram draft (``--draft ngram``, or what ``--method auto`` chose)
-    where a request cannot use it. A request that names ``smc`` drafts with the draft model
-    (SMC-SD needs a proposal that covers the target). A constrained request (``min_tokens``
-    included: a mask on the stop tokens) runs ``ar``, or the method it names with the draft
-    model (n-gram drafts take no constraint). A request
-    that asks for n-gram drafts itself keeps them, and is refused with the reason where they
-    do not apply."""
-    if "draft" in updates or not cfg.draft_kind.from_text:  # the server's draft: valid
-        return cfg
-    masked = cfg.constraint is not None or cfg.applies_min_tokens  # min_tokens: a mask too
-    if masked and "method" not in updates:
-        return replace(cfg, method="ar", draft="model")
-    named = method_decoder(updates.get("method"))
-    if masked or (named is not None and named.particles):
-        return replace(cfg, draft="model")
-    return cfg
-
-
 def vote_spec(body: CommonBody) -> Vote | None:
     """The request's weighted vote (``smc.aggregate == "vote"``, answers by
     ``smc.answer_regex``). Raises :class:`ConfigError` for a regex without the vote or an
@@ -281,7 +262,7 @@ class Completion:
         tools = chat and isinstance(constraint, ToolCalls) and constraint.calls_allowed
         # stop strings cut free text only: never inside a call or a constrained output
         stops_apply = constraint is None or isinstance(constraint, ToolCalls)
-        self.choices = [Choice(i, stops, tools, stops_apply) for i in range(len(self.jobs))]
+        self.choices = [ResponseChoice(i, stops, tools, stops_apply) for i in range(len(self.jobs))]
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
@@ -293,8 +274,8 @@ class Completion:
                 c.echo = p if isinstance(p, str) else engine.tokenizer.decode(p)
             c.engine_req = self._engine_request(c, job)
 
-    def _engine_request(self, c: Choice, job: Job) -> EngineRequest:
-        """Choice ``c``'s scheduler request: its text, log-probabilities (where asked for)
+    def _engine_request(self, c: ResponseChoice, job: Job) -> EngineRequest:
+        """The choice ``c``'s scheduler request: its text, log-probabilities (where asked for)
         and outcome come back as events (on the worker's thread)."""
         streamer = TextStreamer(
             self.state.engine.tokenizer, lambda text: self._send("text", c, text)
@@ -308,7 +289,9 @@ class Completion:
         )
         return EngineRequest(job=streamed, on_done=lambda out: self._send("done", c, out))
 
-    def _send(self, what: str, c: Choice, payload: Any) -> None:  # on the scheduler's thread
+    def _send(
+        self, what: str, c: ResponseChoice, payload: Any
+    ) -> None:  # on the scheduler's thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (what, c, payload))
         except RuntimeError:  # the event loop is closed (shutdown): nobody to tell
@@ -347,12 +330,12 @@ class Completion:
         count under."""
         return decoder_for(self.jobs[0].config).method if self.jobs else self.cfg.method
 
-    def _record(self, c: Choice, outcome: str) -> None:
+    def _record(self, c: ResponseChoice, outcome: str) -> None:
         self.state.metrics.observe_request(
             self.ran_method, outcome, c.engine_req, c.result, len(self.jobs[c.index].ids)
         )
 
-    async def _next(self, request: Request | None) -> tuple[str, Choice, Any]:
+    async def _next(self, request: Request | None) -> tuple[str, ResponseChoice, Any]:
         """The next event; with ``request``, its client is checked every
         ``DISCONNECT_POLL_S`` whether or not events keep arriving (a fast decoder sends
         them more often than that)."""
@@ -376,7 +359,7 @@ class Completion:
     async def events(self, request: Request | None = None) -> AsyncIterator[tuple]:
         """``(kind, choice, deltas)`` until every choice is done (``kind``: ``text``,
         ``done``, or ``prompt`` when an echo's prompt log-probabilities arrive; ``deltas``:
-        :meth:`Choice.feed`'s chat delta bodies); a stop string cancels its choice. Each
+        :meth:`ResponseChoice.feed`'s chat delta bodies); a stop string cancels its choice. Each
         token's log-probabilities (where asked for) go to its choice before its text.
 
         With ``request`` (non-streamed), raises :class:`ClientGone` when its client leaves.
@@ -416,7 +399,7 @@ class Completion:
         done = sum(c.engine_req.tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def extra(self, c: Choice) -> dict[str, Any]:
+    def extra(self, c: ResponseChoice) -> dict[str, Any]:
         """The ``smcspec`` field of a choice: the method, the stream's timing
         (``time_to_first_token_s``, ``max_token_gap_s``), the decoder's stats and, with
         ``smc.aggregate`` ``"vote"``, the vote (None when no particle had an answer)."""
@@ -432,7 +415,7 @@ class Completion:
     def wants_logprobs(self) -> bool:
         return self.cfg.logprobs is not None
 
-    def logprobs_object(self, c: Choice, entries: list, offset: int = 0) -> dict | None:
+    def logprobs_object(self, c: ResponseChoice, entries: list, offset: int = 0) -> dict | None:
         """OpenAI's ``logprobs`` of ``entries`` (a choice's tokens, or a chunk's): chat's
         ``content`` list, or completions' parallel lists with character offsets from
         ``offset``; None when the request did not ask for them."""
@@ -442,14 +425,14 @@ class Completion:
             return chat_logprobs(entries, self.texts)
         return completion_logprobs(entries, self.texts, offset)
 
-    def echo_logprobs(self, c: Choice) -> dict | None:
+    def echo_logprobs(self, c: ResponseChoice) -> dict | None:
         """The echo's ``logprobs``: the prompt's tokens, the first with nulls."""
         if not self.wants_logprobs:
             return None
         first = prompt_entries(self.jobs[c.index].ids, c.prompt_logprobs)
         return completion_logprobs([first], self.texts, 0, first_has_none=True)
 
-    def whole_logprobs(self, c: Choice) -> dict | None:
+    def whole_logprobs(self, c: ResponseChoice) -> dict | None:
         """A whole response's ``logprobs`` of choice ``c``: its echoed prompt's, then its
         generated tokens' (offsets after the echoed text)."""
         if not self.wants_logprobs:
@@ -531,17 +514,17 @@ class Completion:
         finally:  # client gone (or done): free the rows of anything still running
             self.cancel_open()
 
-    def _echo_chunk(self, c: Choice) -> str:
+    def _echo_chunk(self, c: ResponseChoice) -> str:
         c.chars_sent = len(c.echo or "")
         lps = self.echo_logprobs(c)
         return self._chunk([chunk_choice(c, False, c.echo, None, logprobs=lps)])
 
-    def _chunk_logprobs(self, c: Choice, entries: list) -> dict | None:
+    def _chunk_logprobs(self, c: ResponseChoice, entries: list) -> dict | None:
         if not entries:
             return None
         return self.logprobs_object(c, entries, c.chars_sent)
 
-    def _text_chunks(self, c: Choice, deltas: list[dict[str, Any]]) -> list[str]:
+    def _text_chunks(self, c: ResponseChoice, deltas: list[dict[str, Any]]) -> list[str]:
         """The chunks of choice ``c``'s new ``deltas`` (chat: one each; completions: one of
         their joined text), the first with the log-probabilities of the tokens they hold."""
         if not deltas:

@@ -1,6 +1,6 @@
 """Per-choice text handling and the OpenAI response objects, streamed and whole.
 
-:class:`StopMatcher` cuts text at stop strings; :class:`Choice` is one of a request's ``n``
+:class:`StopMatcher` cuts text at stop strings; :class:`ResponseChoice` is one of a request's ``n``
 generated sequences (stop strings apply to its free text, never inside a tool call or a
 constrained output); the ``*_object`` functions build OpenAI's completion and chunk bodies.
 """
@@ -40,7 +40,7 @@ class StopMatcher:
         return out
 
 
-class Choice:
+class ResponseChoice:
     """One generated sequence of a request: engine request, text, stop handling, outcome.
 
     Stop strings apply to free text only, never inside a constrained span: with ``tools``
@@ -176,7 +176,7 @@ def sse(obj: dict[str, Any] | str) -> str:
 
 
 def choice_object(
-    c: Choice, chat: bool, extra: dict[str, Any], logprobs: dict[str, Any] | None = None
+    c: ResponseChoice, chat: bool, extra: dict[str, Any], logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """A choice of a whole (non-streamed) response (``logprobs``: its OpenAI-shaped
     log-probabilities, :mod:`smcspec.server.logprobs`, or None when not asked for)."""
@@ -194,7 +194,7 @@ def choice_object(
 
 
 def chunk_choice(
-    c: Choice,
+    c: ResponseChoice,
     chat: bool,
     text: str | None,
     reason: str | None,

@@ -9,11 +9,13 @@ where the ESS falls) setting with the roofline (:mod:`smcspec.tuning.predict`), 
     from smcspec.tuning import tune
     engine = Engine.load()
     tuning = tune(engine, min_particles=4)
-    print(tuning.auto.setting.name, tuning.auto.tokens_per_second)  # the fastest of all
+    best = tuning.pick("auto")              # the fastest of all
+    print(best.setting.name, best.tokens_per_second)
     cfg = tuning.config(method="smc")       # the fastest smc setting with N >= 4
 
-``--method auto`` on the command line uses ``tuning.auto``; ``smc`` without ``-N``/``-K``
-uses ``tuning.smc``; ``smcspec bench --predict`` prints the table
+``--method auto`` on the command line uses ``tuning.pick("auto")``; ``smc`` without
+``-N``/``-K`` uses ``tuning.pick("smc")`` (``Tuning.picks``: each chosen setting by its
+:class:`~smcspec.decoding.registry.Choice`); ``smcspec bench --predict`` prints the table
 (:func:`smcspec.tuning.table.format_table`). The pair's acceptance is measured on four
 built-in prompts; ``tune(engine, calibration=read_calibration("prompts.txt"))`` (the CLI's
 ``--calibration FILE``) measures it on the user's own (:mod:`smcspec.tuning.calibration`).

@@ -66,8 +66,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from smcspec.config import NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
-from smcspec.decoding.registry import Decoder, choice, decoder_named
+from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
+from smcspec.decoding.labels import setting_label
+from smcspec.decoding.registry import (
+    DEFAULT_TUNED,
+    Choice,
+    Decoder,
+    choice,
+    decoder_named,
+    tuned_choices,
+)
 from smcspec.decoding.rounds import RoundCosts, Shape
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
 from smcspec.decoding.sd.cost import sd_tokens_per_round as sd_tokens_per_round  # re-exported
@@ -95,7 +103,7 @@ class Setting:
     method: str
     particles: int = 1
     draft_tokens: int = 0
-    draft: str = "model"
+    draft: str = MODEL_DRAFT.name
     round_end: str = ROUND_ENDS[0]
 
     @classmethod
@@ -115,9 +123,8 @@ class Setting:
     @property
     def name(self) -> str:
         """``ar``, ``sd-k4``, ``sd-n4-k4``, ``sd-ngram-k4``, ``smc-n4-k4``, ``smc-n8-k8-ess``
-        (the names of ``smcspec.eval.harness``)."""
-        label = self.decoder.label(self.particles, self.draft_tokens)
-        return f"{label}-ess" if self.cut else label
+        (:mod:`smcspec.decoding.labels`, the names of ``smcspec.eval.harness``)."""
+        return setting_label(self.decoder, self.particles, self.draft_tokens, ess=self.cut)
 
     @property
     def cut(self) -> bool:
@@ -641,7 +648,7 @@ the measured 2-row cost."""
 
 def choose(
     predictions: Sequence[Prediction],
-    method: str = "auto",
+    method: Choice | str = DEFAULT_TUNED,
     min_particles: int = 4,
     particles: int | None = None,
     draft_tokens: int | None = None,
@@ -654,15 +661,16 @@ def choose(
 
     Args:
         predictions: the candidates (:func:`predict_all`).
-        method: ``"auto"`` (any method) or ``"smc"`` (smc settings only).
+        method: the :class:`~smcspec.decoding.registry.Choice` (or its name) to choose for:
+            ``auto`` (any setting) or ``smc`` (settings that weigh particles only).
         min_particles: the fidelity floor: smc settings need ``N >= min_particles``.
         particles: only smc settings with this N (the floor is then not applied: an
             explicit N is used as given).
         draft_tokens: only sd and smc settings with this K.
         min_ess: the fidelity floor on the predicted ESS after a round, in effective
             particles (:attr:`Prediction.ess`); smc settings below it are not chosen unless
-            N is given. With ``method="smc"`` and none at or above it, the setting with the
-            highest predicted ESS is chosen (check :func:`meets_floor`).
+            N is given. Where only N and K are chosen (``smc``) and none is at or above it,
+            the setting with the highest predicted ESS is chosen (check :func:`meets_floor`).
         tie: when the fastest is smc, smc settings predicted within this fraction of it
             count as ties (measurement noise) and the one with the most particles wins
             (more particles, better fidelity, at no measurable cost; where N rows cost what
@@ -676,18 +684,19 @@ def choose(
     n-gram sd (:attr:`Setting.ngram`) is never compared with the others as a speed: its
     prediction is the one at its gate's threshold (see the module notes). ``auto`` takes it
     instead of ``ar`` when ``ar`` is the choice and that prediction beats ``ar``'s by more
-    than :data:`NGRAM_MARGIN`; ``method="smc"`` never takes it.
+    than :data:`NGRAM_MARGIN`; ``smc`` never takes it.
 
     Raises:
         ConfigError: an unknown method, or no prediction meets the restrictions.
     """
-    wanted = choice(method)
-    if wanted.tuned == "never":
-        raise ConfigError(f"can only choose for method auto or smc, not {method!r}")
+    wanted = choice(method) if isinstance(method, str) else method
+    if not wanted.tuned:
+        tuned = " or ".join(c.name for c in tuned_choices())
+        raise ConfigError(f"can only choose for method {tuned}, not {wanted.name!r}")
 
     def eligible(p: Prediction, floor: bool = True) -> bool:
         s = p.setting
-        if wanted.particles_only and not s.weighted:
+        if not wanted.may_choose(s.decoder):
             return False
         if s.ngram:
             return draft_tokens is None or s.draft_tokens == draft_tokens
@@ -703,13 +712,13 @@ def choose(
     allowed = [p for p in predictions if eligible(p)]
     candidates = [p for p in allowed if not p.setting.ngram]
     ngram = [p for p in allowed if p.setting.ngram]
-    if not candidates and wanted.particles_only:  # none meets the floor: the most faithful
+    if not candidates and not wanted.chooses_method:  # none meets the floor: the most faithful
         below = [p for p in predictions if eligible(p, floor=False)]
         if below:
             return max(below, key=lambda p: (p.ess or 0.0, p.tokens_per_second))
     if not candidates:
         raise ConfigError(
-            f"no predicted {method} setting with N >= {min_particles}"
+            f"no predicted {wanted.name} setting with N >= {min_particles}"
             + (f", N = {particles}" if particles is not None else "")
             + (f", K = {draft_tokens}" if draft_tokens is not None else "")
         )

@@ -142,11 +142,7 @@ def _setting_row(p: Prediction, tuning: Tuning, ar_tokens_per_second: float) -> 
     """One table row: the setting, its predicted round and tokens/s, and why it is (not)
     chosen."""
     s = p.setting
-    marks = []
-    if p == tuning.auto:
-        marks.append("auto")
-    if p == tuning.smc:
-        marks.append(f"smc (N >= {tuning.min_particles})")
+    marks = [c.mark(tuning.min_particles) for c, pick in tuning.picks.items() if p == pick]
     if s.weighted and s.particles < tuning.min_particles:
         marks.append("below --min-particles")
     elif p.ess is not None and p.ess < tuning.min_ess:

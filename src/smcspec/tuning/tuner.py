@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smcspec.config import DEFAULT_MIN_ESS, GenerationConfig, check_min_ess, check_min_particles
-from smcspec.decoding.registry import choice
+from smcspec.decoding.registry import DEFAULT_TUNED, Choice, choice, tuned_choices
+from smcspec.errors import ConfigError
 from smcspec.tuning.cache import (
     CostRecord,
     cache_file,
@@ -42,12 +43,14 @@ class Tuning:
     Attributes:
         predictions: every predicted setting (ar, sd per K, multi-draft sd per N and K, smc
             per N and K with block rounds and with rounds cut where the ESS falls).
-        auto: the fastest of all (``--method auto``), smc only with N >= ``min_particles``;
-            where that is ar, n-gram sd if it is predicted faster at its gate's threshold
-            (:func:`~smcspec.tuning.predict.choose`; not with a constraint).
-        smc: the fastest smc setting with N >= ``min_particles`` whose predicted ESS
-            meets ``min_ess`` (``smc`` without N/K), or, when none does, the one with the
-            highest predicted ESS; None without a draft model.
+        picks: the setting chosen for each :class:`~smcspec.decoding.registry.Choice` whose
+            setting is chosen (:func:`~smcspec.decoding.registry.tuned_choices`; read them
+            with :meth:`pick`): ``auto``'s, the fastest of all (``--method auto``), smc only
+            with N >= ``min_particles``, and where that is ar, n-gram sd if it is predicted
+            faster at its gate's threshold (:func:`~smcspec.tuning.predict.choose`; not with
+            a constraint); ``smc``'s, the fastest smc setting with N >= ``min_particles``
+            whose predicted ESS meets ``min_ess`` (``smc`` without N/K), or, when none does,
+            the one with the highest predicted ESS; absent without a draft model.
         min_particles: the smallest N allowed.
         min_ess: the fidelity floor used (predicted effective particles after a round).
         costs: the measured costs the predictions come from.
@@ -65,8 +68,7 @@ class Tuning:
     """
 
     predictions: tuple[Prediction, ...]
-    auto: Prediction
-    smc: Prediction | None
+    picks: Mapping[Choice, Prediction]
     min_particles: int
     min_ess: float
     costs: ForwardCosts
@@ -78,24 +80,33 @@ class Tuning:
     calibration: Calibration | None = None
     acceptance_key: str = ""
 
-    def pick(self, method: str) -> Prediction:
-        """``auto`` or ``smc``'s choice (:data:`smcspec.decoding.registry.CHOICES`). Raises
-        ConfigError for smc without a draft, or a method whose setting is never chosen."""
-        wanted = choice(method)
-        if wanted.tuned == "never":
-            from smcspec.errors import ConfigError
+    def pick(self, method: Choice | str) -> Prediction:
+        """The setting chosen for ``method`` (a :class:`~smcspec.decoding.registry.Choice`
+        or its name: ``auto``, ``smc``).
 
-            raise ConfigError(f"{method}'s setting is given, not chosen (auto or smc)")
-        if not wanted.particles_only:
-            return self.auto
-        if self.smc is None:
-            from smcspec.errors import ConfigError
+        Raises:
+            ConfigError: a choice whose setting is given, never chosen (``ar``, ``sd``), or
+                one not chosen without a draft model (``smc``) where none is loaded.
+        """
+        wanted = choice(method) if isinstance(method, str) else method
+        if not wanted.tuned:
+            tuned = " or ".join(c.name for c in tuned_choices())
+            raise ConfigError(f"{wanted.name}'s setting is given, not chosen ({tuned})")
+        if wanted not in self.picks:
+            raise ConfigError(f"{wanted.name} needs a draft model; none is loaded")
+        return self.picks[wanted]
 
-            raise ConfigError("smc needs a draft model; none is loaded")
-        return self.smc
+    def short_of_floor(self) -> Prediction | None:
+        """The pick of a choice of N and K alone (``smc``) whose predicted ESS after a round
+        falls short of ``min_ess`` (no such setting meets the floor: it is the most faithful
+        one), or None."""
+        for c, p in self.picks.items():
+            if not c.chooses_method and p.ess is not None and p.ess < self.min_ess:
+                return p
+        return None
 
     def config(
-        self, base: GenerationConfig | None = None, method: str = "auto"
+        self, base: GenerationConfig | None = None, method: Choice | str = DEFAULT_TUNED
     ) -> GenerationConfig:
         """``base`` (default: GenerationConfig()) with ``method``'s chosen setting."""
         return self.pick(method).setting.apply(base or GenerationConfig())
@@ -192,10 +203,14 @@ def tune(
         min_particles=min_particles, particles=particles, draft_tokens=draft_tokens,
         min_ess=min_ess, default=DEFAULT_SMC if device == "cpu" else None,
     )  # fmt: skip
+    picks = {
+        c: choose(predictions, c, tie=tie, **pick)
+        for c in tuned_choices()
+        if with_draft or not c.needs_draft  # smc: not without a draft model
+    }
     return Tuning(
         predictions=predictions,
-        auto=choose(predictions, "auto", tie=tie, **pick),
-        smc=choose(predictions, "smc", tie=tie, **pick) if with_draft else None,
+        picks=picks,
         min_particles=min_particles,
         min_ess=min_ess,
         costs=costs,
