@@ -9,7 +9,7 @@ with the other requests' particles. Each request keeps its own random generator,
 output does not depend on what else is in the batch (beyond floating-point noise).
 
 **Prefill in chunks.** A long prompt is prefilled in chunks, over several steps where it
-takes long (:mod:`smcspec.decoding.chunked_prefill`: chunks of at most ``prefill_chunk``
+takes long (:mod:`smcspec.chunked_prefill`: chunks of at most ``prefill_chunk``
 tokens, fewer on a model too slow to run that many in ``prefill_step_s``, and about
 ``prefill_step_s`` seconds of prefill a step at most), so that a step stays short whatever
 the prompt's length: other requests' forwards run between the chunks, and a request
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from smcspec.decoding.chunked_prefill import ChunkedPrefill
+from smcspec.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Prefill, Program, Round, execute_rounds
 from smcspec.engine import Engine, GenerationResult

@@ -10,12 +10,13 @@ The steps follow ``docs/smc-sd.md``:
 * :mod:`.round_end`: step 3f: resampling, banking, the epsilon stop, hosts for ended rows.
 * :mod:`.cut`: rounds cut where the ESS falls (``round_end="ess"``).
 * :mod:`.answer`: streaming, and step 5: the answer drawn from the particles.
-* :mod:`.potential_hooks`: the hooks for constraints, rewards and twists.
 * :mod:`.particle_logprobs`: every particle's token log-probabilities (``cfg.logprobs``).
 * :mod:`.stats`: :class:`~smcspec.decoding.smc.stats.SmcStats`, what a request reports.
 * :mod:`.cost`: the round's forward shapes and cost (the tuner's and the roofline's).
 
-The weights and resampling are pure tensor functions of the sampling layer, below this one:
+The hooks for constraints, rewards and twists are shared with multi-draft sd
+(:mod:`smcspec.decoding.potential_hooks`). The weights and resampling are pure tensor functions
+of the sampling layer, below this one:
 :mod:`smcspec.sampling.smc_weights` (incremental log-weights, the power target and its bonus
 weight, banking shares) and :mod:`smcspec.sampling.resampling` (ESS, the resamplers, group
 weights).

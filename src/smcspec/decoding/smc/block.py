@@ -10,7 +10,7 @@ import math
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Program
@@ -42,11 +42,11 @@ def draft_block(job: Job, ps: Particles, dcache: KVCache) -> Program:
         lq = tempered_log_probs(d_logits[:, -1, : job.vocab], cfg.draft_temperature)
         lq = truncate_log_probs(lq, *job.draft_truncation)
         if job.constraint is not None:
-            m = smc_potentials.masks(job.constraint, ps.states, open_, job.vocab, dev)
+            m = potential_hooks.masks(job.constraint, ps.states, open_, job.vocab, dev)
             empty = ~m.any(-1)  # a dead end at block position j+1
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
-            lq = smc_potentials.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+            lq = potential_hooks.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
             if job.wants_logprobs:
                 masks.append(m)
         d = sample_categorical(lq.exp(), job.generator)
@@ -56,7 +56,7 @@ def draft_block(job: Job, ps: Particles, dcache: KVCache) -> Program:
         draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
         if job.constraint is not None:
             open_ = open_ & ~torch.isin(d, job.stop_tensor)
-            bad = smc_potentials.consume(ps.states, open_, d)
+            bad = potential_hooks.consume(ps.states, open_, d)
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
@@ -96,8 +96,8 @@ def score_block(job: Job, ps: Particles, b: Block, tcache: KVCache) -> Program:
         return
     m = None
     if cfg.has_potential:  # after all K drafted tokens
-        m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
-        probs, norm = smc_potentials.masked_power_target(
+        m = potential_hooks.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
+        probs, norm = potential_hooks.masked_power_target(
             t_logits[:, k], cfg.temperature, cfg.alpha, cfg.truncation, m
         )
         empty = ~m.any(-1) | ~torch.isfinite(norm)
@@ -116,7 +116,7 @@ def score_block(job: Job, ps: Particles, b: Block, tcache: KVCache) -> Program:
         b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus, strict=True))
     if job.constraint is not None:
         alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, job.stop_tensor)
-        bad = smc_potentials.consume(ps.states, alive, b.bonus)
+        bad = potential_hooks.consume(ps.states, alive, b.bonus)
         b.dead_pos[bad] = k + 1
 
 
@@ -159,7 +159,7 @@ def advance(job: Job, ps: Particles, b: Block, cut: int | None = None) -> torch.
         ps.finished = ps.finished | killed
         if cfg.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
             grew = ~was_finished & ~killed
-            new_phi = smc_potentials.log_twist(
+            new_phi = potential_hooks.log_twist(
                 cfg.reward, ps.tokens, ps.lengths, ps.finished, job.device, grew
             )
             ps.logw = torch.where(grew, ps.logw + new_phi - ps.phi, ps.logw)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
 from smcspec.decoding.smc.particle_logprobs import position_values
@@ -106,8 +106,8 @@ def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: in
         extra = (b.consumed[anc] - cut).clamp(min=0).tolist()
         for i in running.nonzero()[:, 0].tolist():  # matchers back to the cut
             ps.states[i].rollback(extra[i])
-        mask = smc_potentials.masks(job.constraint, ps.states, running, job.vocab, job.device)
-        probs, norm = smc_potentials.masked_power_target(
+        mask = potential_hooks.masks(job.constraint, ps.states, running, job.vocab, job.device)
+        probs, norm = potential_hooks.masked_power_target(
             rows, cfg.temperature, cfg.alpha, cfg.truncation, mask
         )
         dead = running & (~mask.any(-1) | ~torch.isfinite(norm))
@@ -130,7 +130,7 @@ def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: in
         ps.logw = torch.where(dead, torch.full_like(ps.logw, -math.inf), ps.logw)
         ps.dead += int(dead.sum())
     if job.constraint is not None:
-        bad = smc_potentials.consume(ps.states, running & ~dead & ~stop, bonus)
+        bad = potential_hooks.consume(ps.states, running & ~dead & ~stop, bonus)
         if bad:
             ps.logw[bad] = -math.inf
             ended[bad] = True
@@ -138,7 +138,7 @@ def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: in
     ps.finished = ps.finished | ended
     if cfg.twisted:  # times phi(new prefix) / phi(old prefix)
         grew = running & torch.isfinite(ps.logw)
-        phi = smc_potentials.log_twist(
+        phi = potential_hooks.log_twist(
             cfg.reward, ps.tokens, ps.lengths, ps.finished, job.device, grew
         )
         ps.logw = torch.where(grew, ps.logw + phi - ps.phi, ps.logw)

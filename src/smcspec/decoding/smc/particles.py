@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.decoding.job import Job
 from smcspec.decoding.smc.particle_logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, timed_start
@@ -100,10 +100,10 @@ def initial_particles(
         m0 = None
     else:
         root, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-        m0 = smc_potentials.masks(
+        m0 = potential_hooks.masks(
             job.constraint, [root], torch.ones(1, dtype=torch.bool), job.vocab, dev
         )
-        probs0, lz0 = smc_potentials.masked_power_target(
+        probs0, lz0 = potential_hooks.masked_power_target(
             first[None], cfg.temperature, cfg.alpha, cfg.truncation, m0
         )
         if not math.isfinite(float(lz0[0])):
@@ -114,13 +114,13 @@ def initial_particles(
         ps.finished = torch.isin(x0s, job.stop_tensor) | (cfg.max_new_tokens == 1)
         if root is not None:
             ps.states = [root.copy() for _ in range(n)]
-            bad = smc_potentials.consume(ps.states, ~ps.finished, x0s)
+            bad = potential_hooks.consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
                 ps.logw[bad] = -math.inf
                 ps.finished[bad] = True
                 ps.dead += len(bad)
         if cfg.twisted:
-            ps.phi = smc_potentials.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
+            ps.phi = potential_hooks.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()
