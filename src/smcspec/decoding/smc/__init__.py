@@ -6,6 +6,8 @@ The steps follow ``docs/smc-sd.md``:
   caches it opens and the loop of rounds.
 * :mod:`.particles`: the particles between rounds, a round's proposal, and steps 1-2 (x0).
 * :mod:`.block`: steps 3a-3e: drafting, the target's scoring and the bonus, the weights.
+* :mod:`.extend`: what new tokens do to the particles, for block and cut rounds alike: the
+  bonus draw (3d), the tokens kept (3c, 4), dead ends and twists (3e).
 * :mod:`.fused`: steps 3a, 3b and 3d as one function of device tensors (a CUDA graph).
 * :mod:`.round_end`: step 3f: resampling, banking, the epsilon stop, hosts for ended rows.
 * :mod:`.cut`: rounds cut where the ESS falls (``round_end="ess"``).

@@ -69,6 +69,13 @@ class Block:
     values: Values | None = None
 
 
+def kill(ps: Particles, rows: torch.Tensor) -> None:
+    """Particles ``rows`` (bool ``[N]``) reached a dead end: weight zero, ended, counted."""
+    ps.logw = torch.where(rows, torch.full_like(ps.logw, -math.inf), ps.logw)
+    ps.finished = ps.finished | rows
+    ps.dead += int(rows.sum())
+
+
 def initial_particles(
     job: Job, first: torch.Tensor, cap: int
 ) -> tuple[Particles, ConstraintClock | None]:
@@ -116,9 +123,9 @@ def initial_particles(
             ps.states = [root.copy() for _ in range(n)]
             bad = potential_hooks.consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
-                ps.logw[bad] = -math.inf
-                ps.finished[bad] = True
-                ps.dead += len(bad)
+                refused = torch.zeros_like(ps.finished)
+                refused[bad] = True
+                kill(ps, refused)
         if cfg.twisted:
             ps.phi = potential_hooks.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
             ps.logw = ps.phi.clone()
