@@ -18,8 +18,8 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc.cut as smc_cut
-import smcspec.decoding.smc.program as smc_module
+import smcspec.decoding.smc.cut as cut
+import smcspec.decoding.smc.program as program
 import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
@@ -29,7 +29,7 @@ from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.eval.automaton import NextTokenAutomaton
 
 PROMPT = [1, 2, 0]
-REAL_BONUS, REAL_ROUNDS = smc_cut.deferred_bonus, smc_module._smc_rounds
+REAL_BONUS, REAL_ROUNDS = cut.deferred_bonus, program._smc_rounds
 
 
 class _Job:
@@ -145,8 +145,8 @@ def _cut_checks(pair, monkeypatch, constraint=None, checks=None) -> list[bool]:
     target, draft = pair
     checks = [] if checks is None else checks
 
-    def spy(job, ps, b, anc, cut):
-        ended = REAL_BONUS(job, ps, b, anc, cut)
+    def spy(job, ps, b, anc, at):
+        ended = REAL_BONUS(job, ps, b, anc, at)
         if not bool(ps.finished.any()):
             t_cache, d_cache = spy.caches
             checks.append(_rows_hold(target, t_cache, ps.tokens, PROMPT))
@@ -161,8 +161,8 @@ def _cut_checks(pair, monkeypatch, constraint=None, checks=None) -> list[bool]:
         spy.caches = (tcache, dcache)
         return REAL_ROUNDS(job, tcache, dcache)
 
-    monkeypatch.setattr(smc_cut, "deferred_bonus", spy)
-    monkeypatch.setattr(smc_module, "_smc_rounds", rounds)
+    monkeypatch.setattr(cut, "deferred_bonus", spy)
+    monkeypatch.setattr(program, "_smc_rounds", rounds)
     cfg = replace(ESS, max_new_tokens=16, draft_tokens=4, ess_threshold=1.0, constraint=constraint,
                   return_particles=False)  # fmt: skip
     with torch.inference_mode():
@@ -182,7 +182,7 @@ def test_after_every_cut_round_each_row_and_matcher_holds_its_tokens(pair, monke
 def test_caches_left_uncut_are_caught(pair, monkeypatch):
     """Broken variant: the caches keep the drafted tokens after the cut (the rows then hold
     tokens their particles do not; later the caches also overflow)."""
-    monkeypatch.setattr(smc_cut, "truncate", lambda *args: None)
+    monkeypatch.setattr(cut, "truncate", lambda *args: None)
     checks: list[bool] = []
     with pytest.raises(ContextLengthError):
         _cut_checks(pair, monkeypatch, checks=checks)

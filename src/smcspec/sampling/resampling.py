@@ -133,23 +133,23 @@ def multinomial_resample(log_weights: torch.Tensor, generator=None) -> torch.Ten
 
 def stratified_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform in each stratum ``[i/N, (i+1)/N)``."""
-    w, _ = _weights(log_weights)
-    n = w.numel()
-    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
-    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+    n = log_weights.numel()
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=log_weights.device)
+    return strata_ancestors(log_weights, u)
 
 
 def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform shared by all strata: ``u_i = (i + U) / N`` (the reference engine's scheme)."""
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=log_weights.device)
-    return systematic_ancestors(log_weights, u)
+    return strata_ancestors(log_weights, u)
 
 
-def systematic_ancestors(log_weights: torch.Tensor, u: float | torch.Tensor) -> torch.Tensor:
-    """:func:`systematic_resample`'s ancestors (int64 ``[N]``) for the shared uniform ``u`` in
-    ``[0, 1)`` (a float, or float64 ``[1]`` on the weights' device), drawn by the caller: the
-    tuner's simulations draw it from their own seeded NumPy stream
-    (:func:`smcspec.tuning.predict.predicted_distinct`)."""
+def strata_ancestors(log_weights: torch.Tensor, u: float | torch.Tensor) -> torch.Tensor:
+    """Ancestors (int64 ``[N]``) of log-weights ``[N]`` at the points ``(i + u_i) / N``, one in
+    each stratum ``[i/N, (i+1)/N)``, by the inverse CDF: ``u`` (in ``[0, 1)``) a float or
+    float64 ``[1]`` shared by all strata (:func:`systematic_resample`) or float64 ``[N]``, one
+    a stratum (:func:`stratified_resample`), drawn by the caller: the tuner's simulations draw
+    it from their own seeded NumPy stream (:func:`smcspec.tuning.predict.predicted_distinct`)."""
     w, _ = _weights(log_weights)
     n = w.numel()
     return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)

@@ -73,7 +73,7 @@ from smcspec.decoding.rounds import RoundCosts, Shape
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
 from smcspec.decoding.sd.cost import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.errors import ConfigError
-from smcspec.sampling.resampling import batched_ess, systematic_ancestors
+from smcspec.sampling.resampling import batched_ess, strata_ancestors
 from smcspec.tuning.multi_draft import multi_sd_tokens_per_round
 
 
@@ -449,7 +449,7 @@ def predicted_distinct(
                 if bonus and q is not None:  # resampling, before the bonus is fed
                     lw = torch.from_numpy(logw)
                     if float(batched_ess(lw)) < ess_threshold * n:
-                        hist = hist[systematic_ancestors(lw, rng.random()).numpy()]
+                        hist = hist[strata_ancestors(lw, rng.random()).numpy()]
                         logw[:] = 0.0
                 distinct += len(np.unique(hist))
                 fed += n
