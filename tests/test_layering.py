@@ -399,3 +399,37 @@ def test_the_wall_check_finds_a_crossing():
         "smcspec.decoding.sd.multi_sd (decoding/sd/) imports smcspec.decoding.smc.cost"
         " (decoding/smc/)",
     ]
+
+
+def _tying_tests(text: str) -> list[tuple[str, str]]:
+    """The ``(tests/file.py, test_name)`` pairs a docstring names: each ``tests/file.py``
+    followed by a parenthesis of ``test_name`` (an optional ``[id]`` after it)."""
+    pairs = []
+    for m in re.finditer(r"``(tests/\w+\.py)``\s*\(([^)]*)\)", text):
+        pairs += [(m.group(1), t) for t in re.findall(r"``(test_\w+)(?:\[[\w-]+\])?``", m.group(2))]
+    return pairs
+
+
+def test_each_decoder_names_its_step_and_fused_pairs_and_their_tests():
+    """Each decoder folder's ``__init__.py`` names every round function of its ``fused.py``
+    (``*_round``, ``*_block``, ``*_joined``) beside the step round it repeats, and each test
+    that ties a pair draw for draw: every test it names exists in the file it names."""
+    import importlib
+
+    root = Path(smcspec.backends.__file__).parents[1] / "decoding"
+    repo = root.parents[2]
+    for folder in DECODER_FOLDERS:
+        doc = importlib.import_module(f"smcspec.decoding.{folder}").__doc__ or ""
+        fused = ast.parse((root / folder / "fused.py").read_text())
+        rounds = [
+            n.name
+            for n in fused.body
+            if isinstance(n, ast.FunctionDef) and re.search(r"_(round|block|joined)$", n.name)
+        ]
+        assert rounds, folder
+        for name in rounds:
+            assert f":func:`.fused.{name}`" in doc, f"decoding/{folder}/__init__.py: {name}"
+        tied = _tying_tests(doc)
+        assert len(tied) >= len(rounds), (folder, tied)
+        for file, test in tied:
+            assert _defines(repo / file, test), f"decoding/{folder}/__init__.py: {file}::{test}"

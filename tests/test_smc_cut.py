@@ -24,7 +24,7 @@ import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.decoding.smc.cut import cut_position
-from smcspec.decoding.smc.particles import Block, Particles
+from smcspec.decoding.smc.particles import Bank, Block, Particles
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.eval.automaton import NextTokenAutomaton
 
@@ -48,7 +48,7 @@ def _particles(logw: list[float], finished: list[bool] | None = None) -> Particl
         tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.ones(n, dtype=torch.long),
         finished=torch.tensor(finished or [False] * n),
         logw=torch.tensor(logw, dtype=torch.float64), pending_t=one, pending_d=one, phi=z,
-        log_z=torch.zeros(1), log_running=torch.zeros(1),
+        log_z=torch.zeros(1), bank=Bank(torch.zeros(1)),
     )  # fmt: skip
 
 
@@ -209,9 +209,9 @@ def test_an_epsilon_stop_that_ignores_the_mass_is_caught(pair, monkeypatch):
     real = round_end.mass_stop
 
     def eager(job, ps):
-        if ps.banked and job.config.stop_epsilon > 0:
+        if ps.bank.entries and job.config.stop_epsilon > 0:
             ps.finished[:] = True
-            ps.stopped_early = True
+            ps.tally.stopped_early = True
             return True
         return real(job, ps)
 
@@ -233,12 +233,10 @@ def test_the_epsilon_stop_reads_the_mean_of_the_groups_running_masses():
     mean = float(masses.mean())
     for eps, stops in ((mean * (1 + 1e-9), True), (mean * (1 - 1e-9), False), (0.1, False)):
         cfg = GenerationConfig(method="smc", particles=6, groups=3, stop_epsilon=eps)
-        ps = replace(
-            _particles([0.0] * 6), log_z=torch.zeros(3), log_running=masses.log(),
-            banked=[([1, 7], -2.0, g) for g in range(3)],
-        )  # fmt: skip
+        bank = Bank(masses.log(), [([1, 7], -2.0, g) for g in range(3)])
+        ps = replace(_particles([0.0] * 6), log_z=torch.zeros(3), bank=bank)
         assert round_end.mass_stop(_Job(cfg), ps) is stops, f"epsilon {eps:.9f}, mean {mean:.9f}"
-        assert ps.stopped_early is stops and bool(ps.finished.all()) is stops
+        assert ps.tally.stopped_early is stops and bool(ps.finished.all()) is stops
 
 
 def test_bad_settings_are_clear_errors():

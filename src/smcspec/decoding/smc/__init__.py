@@ -22,6 +22,24 @@ of the sampling layer, below this one:
 :mod:`smcspec.sampling.smc_weights` (incremental log-weights, the power target and its bonus
 weight, banking shares) and :mod:`smcspec.sampling.resampling` (ESS, the resamplers, group
 weights).
+
+Step and fused bodies, written apart and tied only by draw-for-draw tests (the fused round
+draws the step round's uniforms in its order); everything after the proposal (weights,
+:mod:`.extend`, :mod:`.round_end`, :mod:`.cut`) is one body for both:
+
+* the proposal step by step, :func:`.block.draft_block` and :func:`.block.score_block`, and
+  as one round, :func:`.fused.smc_block`: ``tests/test_fused_rounds.py``
+  (``test_fused_smc_rounds_draw_what_the_steps_draw``: bank and keep rules, alpha, groups,
+  truncation, stratified resampling) and, for rounds cut where the ESS falls,
+  ``tests/test_smc_cut.py`` (``test_fused_cut_rounds_draw_what_the_steps_draw``);
+* :func:`.fused.smc_joined`, the proposal over a bank of requests:
+  ``tests/test_joined_rounds.py``
+  (``test_concurrent_smc_requests_join_and_draw_what_they_draw_alone``).
+
+The step proposal is not derived from the fused body: under a constraint or a reward it
+masks the draft and consumes the drafted tokens between the draft forwards (host work), and
+it yields forwards for the scheduler to batch and for llama.cpp, where the fused body calls
+the torch backend's static forwards itself.
 """
 
 from smcspec.decoding.smc.program import decode_smc, smc_caches, smc_program

@@ -130,5 +130,5 @@ def advance(job: Job, ps: Particles, b: Block, cut: int | None = None) -> torch.
     if cut is None:
         ps.pending_t = b.bonus[:, None]
         ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
-    ps.rounds += 1
+    ps.tally.rounds += 1
     return ps.finished & ~was_finished

@@ -108,5 +108,5 @@ def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: in
         ps.pending_d = bonus.token[:, None]
     else:  # the draft was never fed d_K: it comes with the bonus
         ps.pending_d = torch.stack((b.drafted[anc, k - 1], bonus.token), 1)
-    ps.cut_rounds += int(cut < k)
+    ps.tally.cut_rounds += int(cut < k)
     return ended
