@@ -1,4 +1,4 @@
-"""Chunked prefill (:mod:`smcspec.decoding.chunked_prefill`): a long prompt runs in chunks,
+"""Chunked prefill (:mod:`smcspec.chunked_prefill`): a long prompt runs in chunks,
 each a scheduler step, so that other requests advance between them and a request whose
 client left is dropped within the server's promised 5 s whatever its prompt's length.
 
@@ -24,7 +24,7 @@ from tiny_models import make_tiny_chat_pair, make_tiny_gguf, make_tiny_gguf_chat
 
 from smcspec import Engine, GenerationConfig
 from smcspec.backends.torch import load_hf_dir
-from smcspec.decoding.chunked_prefill import ChunkedPrefill
+from smcspec.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.program import Prefill, prefill_chunk
 from smcspec.scheduler import BatchScheduler, Request
 from smcspec.server import create_app

@@ -29,9 +29,8 @@ from enumerable import (
     until_decided,
 )
 
-import smcspec.decoding.smc.potential_hooks as hooks_module
 from smcspec.config import GenerationConfig
-from smcspec.decoding import decode_ar, decode_sd, decode_smc
+from smcspec.decoding import decode_ar, decode_sd, decode_smc, potential_hooks
 from smcspec.eval.automaton import NextTokenAutomaton
 from smcspec.eval.exact import (
     conditional_log_probs,
@@ -141,7 +140,7 @@ def test_smc_without_the_mask_correction_fails(setup, monkeypatch):
     def no_renormalisation(lq, mask):  # samples q' but records log q_T(d): wrong weights
         return lq.masked_fill(~mask, -math.inf)
 
-    monkeypatch.setattr(hooks_module, "masked_proposal", no_renormalisation)
+    monkeypatch.setattr(potential_hooks, "masked_proposal", no_renormalisation)
     cfg = _smc(16, constraint=dfa)
 
     def fails(counts, runs: int) -> bool:
@@ -227,7 +226,7 @@ def test_smc_without_the_twist_ratio_fails(setup, monkeypatch):
     reward = letter_count_reward(1, REWARD_BETA, VOCAB, twisted=True)
     want, _ = tilted_log_probs(exact, reward)
     monkeypatch.setattr(
-        hooks_module, "log_twist", lambda reward, tokens, *a, **k: torch.zeros(tokens.shape[0])
+        potential_hooks, "log_twist", lambda reward, tokens, *a, **k: torch.zeros(tokens.shape[0])
     )
     counts = _reward_run(setup, reward, runs=400)
     assert total_variation(want, counts, 400) > _tv(exact, want) - 0.15

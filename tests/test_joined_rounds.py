@@ -81,18 +81,24 @@ def engine(tmp_path_factory):
     return Engine(load_hf_dir(dirs[0]), load_hf_dir(dirs[1]))
 
 
-@pytest.mark.parametrize("greedy", [False, True])
-@pytest.mark.parametrize("method", ["ar", "sd"])
+@pytest.mark.parametrize(
+    ("method", "chains", "greedy"),
+    [("ar", 1, False), ("ar", 1, True), ("sd", 1, False), ("sd", 1, True), ("sd", 3, False)],
+    ids=["ar", "ar-greedy", "sd", "sd-greedy", "multi-draft-sd"],
+)
 def test_concurrent_requests_join_and_draw_what_they_draw_alone(
-    engine, method, greedy, monkeypatch
+    engine, method, chains, greedy, monkeypatch
 ):
-    """Four ``ar`` (``sd``) requests at once: their rounds run as one call while at least
-    two are running, and each draws the tokens it draws alone, and on the step path."""
+    """Four ``ar`` (``sd``, multi-draft ``sd`` of 3 chains) requests at once: their rounds run
+    as one call while at least two are running, and each draws the tokens it draws alone, and
+    on the step path."""
     target, draft = engine.target.model, engine.draft.model
     prompts = ["ab cd", "ef", "ab ab ab cd ef gh", "cd"]
+    chained = {"particles": chains} if chains > 1 else {}
     cfgs = [
         GenerationConfig(
             method=method,
+            **chained,
             draft_tokens=3,
             max_new_tokens=12 + 3 * i,
             seed=i,

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling/", "potentials.py", "aggregate.py", "sandbox.py", "code_extraction.py"),
     ("config.py", "tool_calls/", "rewards/"),
     ("decoding/", "chat.py"),
-    ("engine.py", "scheduler.py", "metrics.py"),
+    ("engine.py", "scheduler.py", "chunked_prefill.py", "metrics.py"),
     ("cli/", "server/", "eval/", "tuning/", "distill/"),
     ("__init__.py", "__main__.py"),
 ]
@@ -334,3 +334,102 @@ def test_the_private_name_check_finds_a_repeat(tmp_path):
     )
     (tmp_path / "c.py").write_text("def _once():\n    pass\n")
     assert private_names(tmp_path) == {"_step": ["a.py", "pkg/b.py"]}
+
+
+DECODER_FOLDERS = ("ar", "sd", "smc")
+"""The decoders' folders of ``decoding/``: each imports no other."""
+
+DECODER_TABLES = {"smcspec.decoding", "smcspec.decoding.registry"}
+"""The modules of ``decoding/`` outside the folders that may import them: the package's public
+names (``decoding/__init__.py``) and the decoder table (``decoding/registry.py``)."""
+
+
+def decoder_folder(module: str) -> str | None:
+    """The decoder folder (``"ar"``, ``"sd"``, ``"smc"``) holding ``module``; ``""`` for the
+    shared floor (a module of ``decoding/`` outside them); None outside ``decoding/``."""
+    parts = module.split(".")
+    if parts[:2] != ["smcspec", "decoding"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in DECODER_FOLDERS else ""
+
+
+def wall_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` through a wall of ``decoding/``, as text: a module of one
+    decoder folder importing a module of another, or a module of the shared floor (but
+    :data:`DECODER_TABLES`) importing a module of any decoder folder."""
+    found = []
+    for m, deps in graph.items():
+        here = decoder_folder(m)
+        if here is None or m in DECODER_TABLES:
+            continue
+        for d in deps:
+            there = decoder_folder(d)
+            if there and there != here:
+                side = f"decoding/{here}/" if here else "the shared floor"
+                found.append(f"{m} ({side}) imports {d} (decoding/{there}/)")
+    return sorted(found)
+
+
+def test_no_decoder_folder_imports_another():
+    """A module of ``decoding/ar/``, ``decoding/sd/`` or ``decoding/smc/`` imports no module of
+    another decoder's folder (what two decoders share lies on the floor, ``decoding/*.py``), and
+    the floor imports no decoder's folder, the table and the package's names aside (imports for
+    type checking and inside functions included). Fails on 487c896 with ``sd/cost.py``
+    importing ``smc/cost.py`` (the multi-draft round priced as SMC-SD's) and ``sd/multi_sd.py``
+    importing ``smc/potential_hooks.py`` (the constraint's masks)."""
+    graph = import_graph(type_checking=True)
+    assert "smcspec.decoding.sd.multi_sd" in graph and "smcspec.decoding.smc.block" in graph
+    assert wall_crossings(graph) == []
+
+
+def test_the_wall_check_finds_a_crossing():
+    """The check above can fail: a decoder folder importing another's module and the floor
+    importing a decoder's are found; a folder importing its own modules or the floor, and the
+    table importing every folder, are not."""
+    graph = {
+        "smcspec.decoding.sd.multi_sd": {"smcspec.decoding.smc.cost", "smcspec.decoding.sd.chain"},
+        "smcspec.decoding.sd.chain": {"smcspec.decoding.fused", "smcspec.sampling.speculative"},
+        "smcspec.decoding.fused": {"smcspec.decoding.ar.fused"},
+        "smcspec.decoding.registry": {"smcspec.decoding.ar.program", "smcspec.decoding.smc.cost"},
+        "smcspec.engine": {"smcspec.decoding.smc.program"},
+    }
+    assert wall_crossings(graph) == [
+        "smcspec.decoding.fused (the shared floor) imports smcspec.decoding.ar.fused"
+        " (decoding/ar/)",
+        "smcspec.decoding.sd.multi_sd (decoding/sd/) imports smcspec.decoding.smc.cost"
+        " (decoding/smc/)",
+    ]
+
+
+def _tying_tests(text: str) -> list[tuple[str, str]]:
+    """The ``(tests/file.py, test_name)`` pairs a docstring names: each ``tests/file.py``
+    followed by a parenthesis of ``test_name`` (an optional ``[id]`` after it)."""
+    pairs = []
+    for m in re.finditer(r"``(tests/\w+\.py)``\s*\(([^)]*)\)", text):
+        pairs += [(m.group(1), t) for t in re.findall(r"``(test_\w+)(?:\[[\w-]+\])?``", m.group(2))]
+    return pairs
+
+
+def test_each_decoder_names_its_step_and_fused_pairs_and_their_tests():
+    """Each decoder folder's ``__init__.py`` names every round function of its ``fused.py``
+    (``*_round``, ``*_block``, ``*_joined``) beside the step round it repeats, and each test
+    that ties a pair draw for draw: every test it names exists in the file it names."""
+    import importlib
+
+    root = Path(smcspec.backends.__file__).parents[1] / "decoding"
+    repo = root.parents[2]
+    for folder in DECODER_FOLDERS:
+        doc = importlib.import_module(f"smcspec.decoding.{folder}").__doc__ or ""
+        fused = ast.parse((root / folder / "fused.py").read_text())
+        rounds = [
+            n.name
+            for n in fused.body
+            if isinstance(n, ast.FunctionDef) and re.search(r"_(round|block|joined)$", n.name)
+        ]
+        assert rounds, folder
+        for name in rounds:
+            assert f":func:`.fused.{name}`" in doc, f"decoding/{folder}/__init__.py: {name}"
+        tied = _tying_tests(doc)
+        assert len(tied) >= len(rounds), (folder, tied)
+        for file, test in tied:
+            assert _defines(repo / file, test), f"decoding/{folder}/__init__.py: {file}::{test}"

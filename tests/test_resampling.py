@@ -14,11 +14,13 @@ import torch
 from smcspec.backends.torch.graphs import HostReadGuard
 from smcspec.sampling.resampling import (
     RESAMPLERS,
+    batched_ess,
     effective_sample_size,
     effective_sample_sizes,
     log_mean_weight,
     normalized_weights,
     residual_resample,
+    strata_ancestors,
     stratified_resample,
     systematic_resample,
 )
@@ -346,6 +348,43 @@ def test_ess_hand_computed():
 def test_ess_degenerate_is_n():
     # all -inf is treated as uniform weights
     assert effective_sample_size(torch.full((6,), -math.inf)) == pytest.approx(6.0)
+
+
+def test_batched_ess_is_each_vectors_ess_along_any_dim():
+    """One ESS for a batch: each slice along ``dim`` gets :func:`effective_sample_size`'s value
+    (float64 rounding only: tolerance 1e-12), a slice of zero weights (all ``-inf``) its
+    length, and NaN counts as zero weight; no host read. Broken variant caught: the ESS taken
+    along the wrong dimension (a ``[G, M, K]`` batch's values would be K's, not M's)."""
+    g = torch.Generator().manual_seed(5)
+    lw = torch.randn(3, 5, 4, generator=g, dtype=torch.float64) * 2
+    lw[1, :, 2] = -math.inf  # group 1 at position 3: every weight zero
+    lw[2, 0, 0] = math.nan  # a NaN weight counts as zero
+    with HostReadGuard():
+        ess = batched_ess(lw, dim=1)
+    assert ess.shape == (3, 4) and ess.dtype == torch.float64
+    for gi in range(3):
+        for j in range(4):
+            want = effective_sample_size(lw[gi, :, j])
+            assert float(ess[gi, j]) == pytest.approx(want, rel=1e-12)
+    assert float(ess[1, 2]) == pytest.approx(5.0)
+    nan_free = lw[2, :, 0].clone()
+    nan_free[0] = -math.inf
+    assert float(ess[2, 0]) == pytest.approx(effective_sample_size(nan_free), rel=1e-12)
+    assert torch.equal(batched_ess(lw.transpose(1, 2)), ess)
+
+
+def test_the_resamplers_by_strata_are_strata_ancestors():
+    """Systematic and stratified resampling are :func:`strata_ancestors` at the uniforms they
+    draw (one shared, one a stratum); the tuner calls it with uniforms of its own stream.
+    Hand-computed: weights [0.5, 0.25, 0.25] at u = 0.3 put the points (0.1, 0.43, 0.77) in
+    particles 0, 0, 2."""
+    lw = _log_weights()
+    for resample, size in ((systematic_resample, 1), (stratified_resample, N)):
+        u = torch.rand(size, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        got = resample(lw, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(got, strata_ancestors(lw, u))
+    w = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64).log()
+    assert strata_ancestors(w, 0.3).tolist() == [0, 0, 2]
 
 
 def test_log_mean_weight_hand_computed():

@@ -18,11 +18,12 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc.block as smc_block
+import smcspec.decoding.smc.extend as extend
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.eval.automaton import NextTokenAutomaton
 from smcspec.eval.fidelity import CONSTRAINT_TABLE
+from smcspec.potentials import DeadEndError
 
 PROMPT = [1, 2, 0]
 VOCAB = 4
@@ -47,10 +48,10 @@ def _reference(model, prefix: list[int], alpha: float, mask: torch.Tensor | None
 def _bonus_draws(monkeypatch, model, cfg: GenerationConfig, seeds: range) -> list[tuple]:
     """``(prefix, probs)`` of every bonus draw (each particle row) over the seeded runs."""
     draws: list[tuple] = []
-    real = smc_block.sample_categorical
+    real = extend.sample_categorical
 
     def recording(probs, generator):
-        frame = sys._getframe(1)
+        frame = sys._getframe(2)  # draw_bonus's caller
         if frame.f_code.co_name == "score_block":  # the bonus draw (step 3d)
             ps, b = frame.f_locals["ps"], frame.f_locals["b"]
             for i in range(probs.shape[0]):
@@ -60,7 +61,7 @@ def _bonus_draws(monkeypatch, model, cfg: GenerationConfig, seeds: range) -> lis
                 draws.append((gen, probs[i].double() / probs[i].double().sum()))
         return real(probs, generator)
 
-    monkeypatch.setattr(smc_block, "sample_categorical", recording)
+    monkeypatch.setattr(extend, "sample_categorical", recording)
     for seed in seeds:
         decode_smc(
             model, model, PROMPT, cfg, frozenset(), VOCAB, torch.Generator().manual_seed(seed)
@@ -103,7 +104,7 @@ def test_the_masked_bonus_is_drawn_from_the_masked_power_target(monkeypatch, tar
         state = constraint.start()
         try:
             state.consume(gen)
-        except smc_block.DeadEndError:
+        except DeadEndError:
             continue  # a particle already dead: its row is never kept
         mask = state.allowed()[:VOCAB]
         if not bool(mask.any()):

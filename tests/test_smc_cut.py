@@ -18,18 +18,18 @@ import pytest
 import torch
 from enumerable import tiny_transformer
 
-import smcspec.decoding.smc.cut as smc_cut
-import smcspec.decoding.smc.program as smc_module
+import smcspec.decoding.smc.cut as cut
+import smcspec.decoding.smc.program as program
 import smcspec.decoding.smc.round_end as round_end
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.decoding.smc.cut import cut_position
-from smcspec.decoding.smc.particles import Block, Particles
+from smcspec.decoding.smc.particles import Bank, Block, Particles
 from smcspec.errors import ConfigError, ContextLengthError
 from smcspec.eval.automaton import NextTokenAutomaton
 
 PROMPT = [1, 2, 0]
-REAL_BONUS, REAL_ROUNDS = smc_cut.deferred_bonus, smc_module._smc_rounds
+REAL_BONUS, REAL_ROUNDS = cut.deferred_bonus, program._smc_rounds
 
 
 class _Job:
@@ -48,7 +48,7 @@ def _particles(logw: list[float], finished: list[bool] | None = None) -> Particl
         tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.ones(n, dtype=torch.long),
         finished=torch.tensor(finished or [False] * n),
         logw=torch.tensor(logw, dtype=torch.float64), pending_t=one, pending_d=one, phi=z,
-        log_z=torch.zeros(1), log_running=torch.zeros(1),
+        log_z=torch.zeros(1), bank=Bank(torch.zeros(1)),
     )  # fmt: skip
 
 
@@ -145,8 +145,8 @@ def _cut_checks(pair, monkeypatch, constraint=None, checks=None) -> list[bool]:
     target, draft = pair
     checks = [] if checks is None else checks
 
-    def spy(job, ps, b, anc, cut):
-        ended = REAL_BONUS(job, ps, b, anc, cut)
+    def spy(job, ps, b, anc, at):
+        ended = REAL_BONUS(job, ps, b, anc, at)
         if not bool(ps.finished.any()):
             t_cache, d_cache = spy.caches
             checks.append(_rows_hold(target, t_cache, ps.tokens, PROMPT))
@@ -161,8 +161,8 @@ def _cut_checks(pair, monkeypatch, constraint=None, checks=None) -> list[bool]:
         spy.caches = (tcache, dcache)
         return REAL_ROUNDS(job, tcache, dcache)
 
-    monkeypatch.setattr(smc_cut, "deferred_bonus", spy)
-    monkeypatch.setattr(smc_module, "_smc_rounds", rounds)
+    monkeypatch.setattr(cut, "deferred_bonus", spy)
+    monkeypatch.setattr(program, "_smc_rounds", rounds)
     cfg = replace(ESS, max_new_tokens=16, draft_tokens=4, ess_threshold=1.0, constraint=constraint,
                   return_particles=False)  # fmt: skip
     with torch.inference_mode():
@@ -182,7 +182,7 @@ def test_after_every_cut_round_each_row_and_matcher_holds_its_tokens(pair, monke
 def test_caches_left_uncut_are_caught(pair, monkeypatch):
     """Broken variant: the caches keep the drafted tokens after the cut (the rows then hold
     tokens their particles do not; later the caches also overflow)."""
-    monkeypatch.setattr(smc_cut, "truncate", lambda *args: None)
+    monkeypatch.setattr(cut, "truncate", lambda *args: None)
     checks: list[bool] = []
     with pytest.raises(ContextLengthError):
         _cut_checks(pair, monkeypatch, checks=checks)
@@ -209,9 +209,9 @@ def test_an_epsilon_stop_that_ignores_the_mass_is_caught(pair, monkeypatch):
     real = round_end.mass_stop
 
     def eager(job, ps):
-        if ps.banked and job.config.stop_epsilon > 0:
+        if ps.bank.entries and job.config.stop_epsilon > 0:
             ps.finished[:] = True
-            ps.stopped_early = True
+            ps.tally.stopped_early = True
             return True
         return real(job, ps)
 
@@ -233,12 +233,10 @@ def test_the_epsilon_stop_reads_the_mean_of_the_groups_running_masses():
     mean = float(masses.mean())
     for eps, stops in ((mean * (1 + 1e-9), True), (mean * (1 - 1e-9), False), (0.1, False)):
         cfg = GenerationConfig(method="smc", particles=6, groups=3, stop_epsilon=eps)
-        ps = replace(
-            _particles([0.0] * 6), log_z=torch.zeros(3), log_running=masses.log(),
-            banked=[([1, 7], -2.0, g) for g in range(3)],
-        )  # fmt: skip
+        bank = Bank(masses.log(), [([1, 7], -2.0, g) for g in range(3)])
+        ps = replace(_particles([0.0] * 6), log_z=torch.zeros(3), bank=bank)
         assert round_end.mass_stop(_Job(cfg), ps) is stops, f"epsilon {eps:.9f}, mean {mean:.9f}"
-        assert ps.stopped_early is stops and bool(ps.finished.all()) is stops
+        assert ps.tally.stopped_early is stops and bool(ps.finished.all()) is stops
 
 
 def test_bad_settings_are_clear_errors():

@@ -20,7 +20,7 @@ import torch
 from enumerable import one_particle_log_probs, sequence_log_probs, tiny_transformer, total_variation
 from scipy.stats import binom
 
-import smcspec.decoding.smc.cut as smc_cut
+import smcspec.decoding.smc.cut as cut
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 
@@ -68,10 +68,10 @@ def test_cut_rounds_approach_the_target_as_n_grows(pair):
 def test_a_bonus_from_the_particles_own_row_stays_further(pair, monkeypatch):
     """Broken variant: after resampling each particle draws its next token from its own
     row's target distribution at the cut, not its ancestor's (a prefix it no longer holds)."""
-    real = smc_cut.deferred_bonus
+    real = cut.deferred_bonus
     monkeypatch.setattr(
-        smc_cut, "deferred_bonus",
-        lambda job, ps, b, anc, cut: real(job, ps, b, torch.arange(anc.numel()), cut),
+        cut, "deferred_bonus",
+        lambda job, ps, b, anc, at: real(job, ps, b, torch.arange(anc.numel()), at),
     )  # fmt: skip
     exact = sequence_log_probs(pair[0], PROMPT, LENGTH, 1.0)
     tv = total_variation(exact, _counts(pair, replace(CUT, particles=16)), RUNS)

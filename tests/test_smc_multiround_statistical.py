@@ -148,7 +148,7 @@ def _checked_runs(target, draft, monkeypatch, variant=None) -> list[bool]:
 
     def spy(st, ps, ended, running, tcache, dcache):
         step(st, ps, ended, running, tcache, dcache)
-        if ps.resamples and not bool(ps.finished.any()):
+        if ps.tally.resamples and not bool(ps.finished.any()):
             checks.append(_rows_hold_their_tokens(target, tcache, ps.tokens))
             checks.append(_rows_hold_their_tokens(draft, dcache, ps.tokens))
 
@@ -236,7 +236,7 @@ def _constrained_checks(monkeypatch, skip_state_reorder: bool) -> list[bool]:
 
     def spy(st, ps, ended, running, tcache, dcache):
         real(st, ps, ended, running, tcache, dcache)
-        if ps.resamples and ps.states:
+        if ps.tally.resamples and ps.states:
             checks.append(_states_match_tokens(dfa, ps))
 
     monkeypatch.setattr(round_end, "end_round", spy)

@@ -11,7 +11,7 @@ forwards (`docs/usage/server.md#reproducibility`: the first token never, later o
 float rounding and, on llama.cpp, by where its KV cells fall in the shared cache).
 
 **Prefill in chunks.** A long prompt is prefilled in chunks, over several steps where it
-takes long (:mod:`smcspec.decoding.chunked_prefill`: the prompt cut every ``prefill_chunk``
+takes long (:mod:`smcspec.chunked_prefill`: the prompt cut every ``prefill_chunk``
 tokens, at the same places whatever the timing, so that a prompt's logits do not depend on
 it; a step runs more chunks while its prefill is expected to stay within
 ``prefill_step_s``), so that a step stays about one chunk long at most whatever the
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from smcspec.decoding.chunked_prefill import ChunkedPrefill
+from smcspec.chunked_prefill import ChunkedPrefill
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Prefill, Program, Round, execute_rounds
 from smcspec.engine import Engine, GenerationResult

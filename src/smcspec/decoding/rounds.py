@@ -11,7 +11,9 @@ tokens and seconds.
 
 Costs are given as ``{(rows, tokens): seconds}`` maps of measured decode forwards, one for
 the target and one for the draft (:class:`RoundCosts`); this module holds that shared
-machinery.
+machinery, and the forwards of the round two decoders share: K tokens drafted on each of N
+rows, then the target over all of them (SMC-SD's particles, multi-draft sd's chains;
+:func:`drafted_rows_shapes`, :func:`drafted_rows_seconds`).
 """
 
 from __future__ import annotations
@@ -49,3 +51,31 @@ def seconds_for_rows(costs: Mapping[Shape, float], rows: float) -> float:
     xs = sorted(by_rows)
     ys = [sum(by_rows[x]) / len(by_rows[x]) for x in xs]
     return float(np.interp(rows, xs, ys))
+
+
+def drafted_rows_shapes(n: int, k: int) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
+    """Target and draft forwards of a round that drafts K tokens on each of N rows: K draft
+    forwards of N rows, the first with 2 tokens a row (the token the previous round ended
+    with fed late), then one target forward of N x (K+1) tokens. SMC-SD's round of N
+    particles (Emara et al. 2026, arXiv:2604.15672) and multi-draft sd's of N chains."""
+    return ((n, k + 1),), ((n, 1), (n, 2))
+
+
+def drafted_rows_seconds(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> float:
+    """Seconds of the forwards of :func:`drafted_rows_shapes` when each computes the fraction
+    ``distinct`` of its rows (distinct rows, :mod:`smcspec.backends.shared_rows`), priced by
+    :func:`seconds_for_rows`; at most what every row costs.
+
+    Raises:
+        KeyError: ``c`` lacks a measured shape of :func:`drafted_rows_shapes`.
+    """
+    d, t = c.draft, c.target
+    every = (k - 1) * d[(n, 1)] + d[(n, 2)] + t[(n, k + 1)]
+    if distinct == 1.0:
+        return every
+    seconds = (
+        (k - 1) * seconds_for_rows(d, distinct * n)
+        + seconds_for_rows(d, 2 * distinct * n)
+        + seconds_for_rows(t, distinct * n * (k + 1))
+    )
+    return min(seconds, every)

@@ -29,16 +29,17 @@ def normalized_weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w, bool(degenerate)
 
 
-def _weights(log_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`normalized_weights` with the flag left on the device (a 0-dim bool tensor): no
-    host read, so that the resamplers and the ESS wait for the device once at most."""
+def _weights(log_weights: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalized_weights` along ``dim`` of a batch of log-weight vectors, with the
+    flags (bool, ``dim`` kept as 1) left on the device: no host read, so that the resamplers
+    and the ESS wait for the device once at most."""
     lw = _clean(log_weights)
-    top = lw.max()
+    top = lw.amax(dim, keepdim=True)
     e = torch.exp(lw - top)
     # NaN only where top is infinite: at the +inf particles (inf - inf; the others are 0),
     # which then share all the weight, or everywhere when every weight is zero: uniform
     w = torch.where(torch.isnan(e), 1.0, e)
-    return w / w.sum(), top == -math.inf
+    return w / w.sum(dim, keepdim=True), top == -math.inf
 
 
 def group_normalized_weights(
@@ -83,16 +84,28 @@ def _clean(log_weights: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(log_weights.double(), nan=-inf, posinf=inf, neginf=-inf)
 
 
+def batched_ess(log_weights: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``ESS = 1 / sum_i w_i^2`` of the normalised weights (Kong, Liu & Wong 1994) of every
+    log-weight vector along ``dim`` of ``log_weights`` (any float dtype; NaN counts as zero
+    weight, a vector of zero weights as uniform, ESS = its length, as
+    :func:`normalized_weights`), without a host read. Returns float64, ``log_weights``'s
+    shape without ``dim``; each value in ``[1, size of dim]``. The one ESS of the package:
+    the decoders' (:func:`effective_sample_sizes`; a cut round's running ESS,
+    :func:`smcspec.decoding.smc.cut.cut_position`) and the tuner's simulations
+    (:mod:`smcspec.tuning.predict`)."""
+    w, _ = _weights(log_weights, dim)
+    return 1.0 / (w * w).sum(dim)
+
+
 def effective_sample_size(log_weights: torch.Tensor) -> float:
-    """``ESS = 1 / sum_i w_i^2`` of the normalised weights (Kong, Liu & Wong 1994); in [1, N]."""
+    """:func:`batched_ess` of one log-weight vector ``[N]``; in [1, N]."""
     return effective_sample_sizes([log_weights])[0]
 
 
 def effective_sample_sizes(log_weights: Sequence[torch.Tensor]) -> list[float]:
-    """:func:`effective_sample_size` of each log-weight vector (e.g. each group's), read from
-    the device at once."""
-    inv = [1.0 / (w * w).sum() for w, _ in map(_weights, log_weights)]
-    return torch.stack(inv).tolist()
+    """:func:`batched_ess` of each log-weight vector (e.g. each group's), read from the device
+    at once."""
+    return torch.stack([batched_ess(lw) for lw in log_weights]).tolist()
 
 
 def log_mean_weight(log_weights: torch.Tensor) -> float:
@@ -120,17 +133,25 @@ def multinomial_resample(log_weights: torch.Tensor, generator=None) -> torch.Ten
 
 def stratified_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform in each stratum ``[i/N, (i+1)/N)``."""
-    w, _ = _weights(log_weights)
-    n = w.numel()
-    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
-    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+    n = log_weights.numel()
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=log_weights.device)
+    return strata_ancestors(log_weights, u)
 
 
 def systematic_resample(log_weights: torch.Tensor, generator=None) -> torch.Tensor:
     """One uniform shared by all strata: ``u_i = (i + U) / N`` (the reference engine's scheme)."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=log_weights.device)
+    return strata_ancestors(log_weights, u)
+
+
+def strata_ancestors(log_weights: torch.Tensor, u: float | torch.Tensor) -> torch.Tensor:
+    """Ancestors (int64 ``[N]``) of log-weights ``[N]`` at the points ``(i + u_i) / N``, one in
+    each stratum ``[i/N, (i+1)/N)``, by the inverse CDF: ``u`` (in ``[0, 1)``) a float or
+    float64 ``[1]`` shared by all strata (:func:`systematic_resample`) or float64 ``[N]``, one
+    a stratum (:func:`stratified_resample`), drawn by the caller: the tuner's simulations draw
+    it from their own seeded NumPy stream (:func:`smcspec.tuning.predict.predicted_distinct`)."""
     w, _ = _weights(log_weights)
     n = w.numel()
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=w.device)
     return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
 
 

@@ -65,6 +65,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from smcspec.config import MODEL_DRAFT, NGRAM_DRAFT_P_MIN, ROUND_ENDS, GenerationConfig
 from smcspec.decoding.labels import setting_label
@@ -80,6 +81,7 @@ from smcspec.decoding.rounds import RoundCosts, Shape
 from smcspec.decoding.rounds import seconds_for_rows as seconds_for_rows  # re-exported
 from smcspec.decoding.sd.cost import sd_tokens_per_round as sd_tokens_per_round  # re-exported
 from smcspec.errors import ConfigError
+from smcspec.sampling.resampling import batched_ess, strata_ancestors
 from smcspec.tuning.multi_draft import multi_sd_tokens_per_round
 
 
@@ -337,10 +339,7 @@ def predicted_ess(
     q = np.asarray(quantiles, dtype=np.float64)
     u = np.random.default_rng(seed).random((rounds, particles, draft_tokens))
     draws = np.interp(u * (len(q) - 1), np.arange(len(q)), q)
-    logw = draws.sum(-1)
-    w = np.exp(logw - logw.max(-1, keepdims=True))
-    ess = w.sum(-1) ** 2 / (w**2).sum(-1)
-    return float(ess.mean())
+    return float(batched_ess(torch.from_numpy(draws.sum(-1))).mean())
 
 
 def predicted_cut_round(
@@ -372,8 +371,7 @@ def predicted_cut_round(
     q = np.asarray(quantiles, dtype=np.float64)
     u = np.random.default_rng(seed).random((rounds, particles, draft_tokens))
     logw = np.interp(u * (len(q) - 1), np.arange(len(q)), q).cumsum(-1)  # [R, N, j]
-    w = np.exp(logw - logw.max(1, keepdims=True))
-    ess = w.sum(1) ** 2 / (w**2).sum(1)  # [R, K]: after j = 1..K drafted tokens
+    ess = batched_ess(torch.from_numpy(logw), dim=1).numpy()  # [R, K]: after j = 1..K drafted
     below = ess < ess_threshold * particles
     cut = np.where(below.any(-1), below.argmax(-1), draft_tokens - 1)  # 0-based j* - 1
     at_cut = ess[np.arange(rounds), cut]
@@ -456,9 +454,9 @@ def predicted_distinct(
                 hist, label, inc = _draw_histories(rng, hist, label, profiles[bonus], q, bonus)
                 logw += inc
                 if bonus and q is not None:  # resampling, before the bonus is fed
-                    w = np.exp(logw - logw.max())
-                    if w.sum() ** 2 / (w**2).sum() < ess_threshold * n:
-                        hist = hist[_systematic(rng, w / w.sum())]
+                    lw = torch.from_numpy(logw)
+                    if float(batched_ess(lw)) < ess_threshold * n:
+                        hist = hist[strata_ancestors(lw, rng.random()).numpy()]
                         logw[:] = 0.0
                 distinct += len(np.unique(hist))
                 fed += n
@@ -495,13 +493,6 @@ def _draw_histories(rng, hist, label, cum, q, bonus):
                     inc[g] = np.interp(rng.random() * (len(q) - 1), np.arange(len(q)), q)
                 label += 1
     return new, label, inc
-
-
-def _systematic(rng, w: np.ndarray) -> np.ndarray:
-    """Systematic resampling ancestors of normalised weights ``w``."""
-    n = len(w)
-    u = (rng.random() + np.arange(n)) / n
-    return np.minimum(np.searchsorted(np.cumsum(w), u), n - 1)
 
 
 def predict(

@@ -9,15 +9,14 @@
 * n-gram drafts (K; no draft model): priced *at its gate's threshold*: one drafted token
   accepted with probability ``p_min``, ``1 + p_min`` tokens for a 2-token target forward
   (:mod:`smcspec.tuning.predict`'s notes say why).
-* N >= 2 chains (multi-draft): SMC-SD's forwards (:mod:`smcspec.decoding.smc.cost`); its
-  tokens a round (the accepted depth plus one) are measured, not modelled
-  (:func:`multi_sd_cost`).
+* N >= 2 chains (multi-draft): K tokens drafted on each of N rows, as SMC-SD drafts on its
+  particles (:func:`smcspec.decoding.rounds.drafted_rows_shapes`); its tokens a round (the
+  accepted depth plus one) are measured, not modelled (:func:`multi_sd_cost`).
 """
 
 from __future__ import annotations
 
-from smcspec.decoding.rounds import RoundCosts, Shape
-from smcspec.decoding.smc.cost import smc_cost, smc_shapes
+from smcspec.decoding.rounds import RoundCosts, Shape, drafted_rows_seconds, drafted_rows_shapes
 from smcspec.errors import ConfigError
 
 
@@ -62,18 +61,18 @@ def ngram_cost(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> tuple[fl
 
 
 def multi_sd_shapes(n: int, k: int) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
-    """Target and draft forwards of a multi-draft sd round of N chains and K drafts: SMC-SD's
-    (:func:`~smcspec.decoding.smc.cost.smc_shapes`)."""
-    return smc_shapes(n, k)
+    """Target and draft forwards of a multi-draft sd round of N chains and K drafts
+    (:func:`~smcspec.decoding.rounds.drafted_rows_shapes`)."""
+    return drafted_rows_shapes(n, k)
 
 
 def multi_sd_cost(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> tuple[float, float]:
     """Tokens and seconds of a multi-draft sd round of N chains and K drafts: its forwards
-    are SMC-SD's (:func:`~smcspec.decoding.smc.cost.smc_cost`: the tree's distinct rows at
-    the fraction ``distinct``); its tokens a round, accepted depth plus one, are the measured
-    ``c.multi_tokens[(n, k)]`` (recursive rejection's acceptance depends on how the draft's
-    and the target's distributions overlap at every node, which the chain ``alpha`` does not
-    give).
+    priced by :func:`~smcspec.decoding.rounds.drafted_rows_seconds` (the tree's distinct
+    rows at the fraction ``distinct``); its tokens a round, accepted depth plus one, are the
+    measured ``c.multi_tokens[(n, k)]`` (recursive rejection's acceptance depends on how the
+    draft's and the target's distributions overlap at every node, which the chain ``alpha``
+    does not give).
 
     Raises:
         ConfigError: that setting's tokens a round were not measured.
@@ -82,4 +81,4 @@ def multi_sd_cost(n: int, k: int, c: RoundCosts, distinct: float = 1.0) -> tuple
         raise ConfigError(
             f"a multi-draft sd prediction (N={n} K={k}) needs its measured tokens a round"
         )
-    return c.multi_tokens[(n, k)], smc_cost(n, k, c, distinct)[1]
+    return c.multi_tokens[(n, k)], drafted_rows_seconds(n, k, c, distinct)

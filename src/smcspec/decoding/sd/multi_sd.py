@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
 from smcspec.config import GenerationConfig
@@ -273,7 +273,7 @@ class _Drafts:
         self.open = self.open & ~stop
         for i in self.open.nonzero()[:, 0].tolist():
             self.states[i].consume([int(d[i])])  # a refusal raises, as in chain sd
-        mask = smc_potentials.masks(job.constraint, self.states, self.open, job.vocab, d.device)
+        mask = potential_hooks.masks(job.constraint, self.states, self.open, job.vocab, d.device)
         ended = self.open & ~mask.any(-1)  # a dead end after d_{j+1}
         self.lengths = torch.where(ended, j + 1, self.lengths)
         self.open = self.open & ~ended

@@ -49,7 +49,7 @@ def emit(
     if final is None:
         upto, row = _common_prefix(ps.tokens, ps.lengths)
         held = row[:upto]
-        for seq, _, _ in ps.banked:
+        for seq, _, _ in ps.bank.entries:
             upto = min(upto, _shared_len(seq, held))
         seq = row[:upto]
     else:
@@ -89,10 +89,11 @@ def final_output(
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
         final = cfg.reward.log_potential(seqs, prefix=False).to(job.device)
         ps.logw = torch.where(alive, ps.logw + final, ps.logw)
-    if ps.banked:  # every particle was banked when it ended: the candidates are those
-        seqs = [seq for seq, _, _ in ps.banked]
-        masses = torch.tensor([m for _, m, _ in ps.banked], dtype=torch.float64)
-        group_ids = torch.tensor([g for _, _, g in ps.banked], dtype=torch.long)
+    banked = ps.bank.entries
+    if banked:  # every particle was banked when it ended: the candidates are those
+        seqs = [seq for seq, _, _ in banked]
+        masses = torch.tensor([m for _, m, _ in banked], dtype=torch.float64)
+        group_ids = torch.tensor([g for _, _, g in banked], dtype=torch.long)
         ps.log_z.zero_()  # alpha = 1 without potentials: the target is normalised (Z = 1)
     else:
         seqs = [ps.tokens[i, : int(ps.lengths[i])].tolist() for i in range(n)]
@@ -107,13 +108,13 @@ def final_output(
     choice = int(sample_categorical(w.to(job.device), job.generator)) if len(seqs) > 1 else 0
     lps = None
     if ps.logprobs is not None:  # the drawn particle's
-        lps = ps.logprobs.banked[choice] if ps.banked else ps.logprobs.row(choice, seqs[choice])
+        lps = ps.logprobs.banked[choice] if banked else ps.logprobs.row(choice, seqs[choice])
     emit(ps, emitted, job, seqs[choice], lps)
     stats = _request_stats(cfg, ps, all_inf, tcache, dcache)
-    if ps.banked:  # the banked particles' total probability mass (per group): 1 once all ended
+    if banked:  # the banked particles' total probability mass (per group): 1 once all ended
         stats.banked_mass = float(torch.logsumexp(masses, 0).exp()) / cfg.groups
     if cfg.has_potential:
-        stats.log_normalizer, stats.dead_particles = log_z, ps.dead
+        stats.log_normalizer, stats.dead_particles = log_z, ps.tally.dead
     if clock is not None:
         stats.constraint_seconds = clock.seconds
     particles = None
@@ -133,7 +134,7 @@ def _request_stats(
 ) -> SmcStats:
     """The request's :class:`SmcStats` from its rounds' ESS trace and the caches' counts of
     rows computed over rows fed (1.0 for a cache never fed)."""
-    n, trace, fresh = cfg.particles, ps.ess_trace, ps.fresh_ess
+    n, trace, fresh = cfg.particles, ps.tally.ess_trace, ps.tally.fresh_ess
 
     def distinct(cache: KVCache) -> float:
         h = cache.histories
@@ -142,8 +143,8 @@ def _request_stats(
     return SmcStats(
         particles=n,
         draft_tokens=cfg.draft_tokens,
-        rounds=ps.rounds,
-        resamples=ps.resamples,
+        rounds=ps.tally.rounds,
+        resamples=ps.tally.resamples,
         mean_ess=sum(trace) / len(trace) if trace else float(n),
         min_ess=min(trace) if trace else float(n),
         degenerate_weights=int(all_inf),
@@ -151,10 +152,10 @@ def _request_stats(
         degenerate_rounds=sum(e < DEGENERATE_ESS for e in trace) if n > 1 else 0,
         # the ESS of rounds that began with equal weights (what the tuner predicts)
         mean_round_ess=sum(fresh) / len(fresh) if fresh else float(n),
-        banked=len(ps.banked),
+        banked=len(ps.bank.entries),
         distinct_rows_target=distinct(tcache),
         distinct_rows_draft=distinct(dcache),
-        mean_round_tokens=(ps.width - 1) / ps.rounds if ps.rounds else 0.0,
-        cut_rounds=ps.cut_rounds if cfg.round_end == "ess" else None,
-        stopped_early=True if ps.stopped_early else None,
+        mean_round_tokens=(ps.width - 1) / ps.tally.rounds if ps.tally.rounds else 0.0,
+        cut_rounds=ps.tally.cut_rounds if cfg.round_end == "ess" else None,
+        stopped_early=True if ps.tally.stopped_early else None,
     )

@@ -6,20 +6,18 @@ bonus token, :func:`score_block`), or the three as one fused round (:func:`fused
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
 from smcspec.decoding.program import Forward, Program
+from smcspec.decoding.smc.extend import draw_bonus, extend, settle
 from smcspec.decoding.smc.fused import smc_block
 from smcspec.decoding.smc.particle_logprobs import position_values
 from smcspec.decoding.smc.particles import Block, Particles
-from smcspec.potentials import DeadEndError
 from smcspec.sampling.distributions import sample_categorical, tempered_log_probs
-from smcspec.sampling.smc_weights import incremental_log_weights, power_target_probs
+from smcspec.sampling.smc_weights import incremental_log_weights
 from smcspec.sampling.truncation import truncate_log_probs
 
 
@@ -42,11 +40,11 @@ def draft_block(job: Job, ps: Particles, dcache: KVCache) -> Program:
         lq = tempered_log_probs(d_logits[:, -1, : job.vocab], cfg.draft_temperature)
         lq = truncate_log_probs(lq, *job.draft_truncation)
         if job.constraint is not None:
-            m = smc_potentials.masks(job.constraint, ps.states, open_, job.vocab, dev)
+            m = potential_hooks.masks(job.constraint, ps.states, open_, job.vocab, dev)
             empty = ~m.any(-1)  # a dead end at block position j+1
             dead_pos = torch.where(empty & open_, j + 1, dead_pos)
             open_ = open_ & ~empty
-            lq = smc_potentials.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
+            lq = potential_hooks.masked_proposal(lq, m | empty[:, None])  # q' (junk rows: dead)
             if job.wants_logprobs:
                 masks.append(m)
         d = sample_categorical(lq.exp(), job.generator)
@@ -56,7 +54,7 @@ def draft_block(job: Job, ps: Particles, dcache: KVCache) -> Program:
         draft_lp[:, j] = lq.gather(-1, d[:, None])[:, 0]
         if job.constraint is not None:
             open_ = open_ & ~torch.isin(d, job.stop_tensor)
-            bad = smc_potentials.consume(ps.states, open_, d)
+            bad = potential_hooks.consume(ps.states, open_, d)
             if bad:  # d_{j+1} itself was refused: dead at block position j+1
                 dead_pos[bad] = torch.clamp(dead_pos[bad], max=j + 1)
                 open_[bad] = False
@@ -81,7 +79,9 @@ def score_block(job: Job, ps: Particles, b: Block, tcache: KVCache) -> Program:
     """Steps 3b and 3d: one target forward over ``[v, d_1..d_K]`` for every particle; fills
     ``b.target_lp`` and the bonus token at position K+1 from ``∝ p~^alpha`` (``∝ p~^alpha m``
     with a potential, whose bonus weight is ``log sum_v p~(v)^alpha m(v)``). With round_end
-    "ess" the bonus waits for the cut: ``b.logits`` keeps the target's logits instead."""
+    "ess" the bonus waits for the cut: ``b.logits`` keeps the target's logits instead. The
+    bonus is :func:`~smcspec.decoding.smc.extend.draw_bonus`'s, a dead end at it recorded at
+    block position K+1."""
     cfg = job.config
     k = cfg.draft_tokens
     t_block = torch.cat((ps.pending_t, b.drafted), 1)
@@ -94,36 +94,20 @@ def score_block(job: Job, ps: Particles, b: Block, tcache: KVCache) -> Program:
     if cfg.round_end == "ess":  # the backend's buffer: kept until the cut's bonus is drawn
         b.logits = t_logits.clone()
         return
-    m = None
-    if cfg.has_potential:  # after all K drafted tokens
-        m = smc_potentials.masks(job.constraint, ps.states, b.open_, job.vocab, job.device)
-        probs, norm = smc_potentials.masked_power_target(
-            t_logits[:, k], cfg.temperature, cfg.alpha, cfg.truncation, m
-        )
-        empty = ~m.any(-1) | ~torch.isfinite(norm)
-        b.dead_pos = torch.where(empty & b.open_, k + 1, b.dead_pos)
-        b.bonus_norm = torch.where(empty, torch.zeros_like(norm), norm)
-    else:
-        probs, b.bonus_norm = power_target_probs(
-            t_logits[:, k], cfg.temperature, cfg.alpha, cfg.truncation
-        )
-    b.bonus = sample_categorical(probs, job.generator)
-    if ps.host is not None:
-        b.bonus = b.bonus[ps.host]
+    bonus = draw_bonus(job, ps, t_logits[:, k], b.open_, cfg.has_potential, ps.host)
+    b.bonus, b.bonus_norm = bonus.token, bonus.norm
+    if bonus.dead is not None:  # dead at the bonus: no allowed token, or the matcher refused
+        b.dead_pos = torch.where(bonus.dead, k + 1, b.dead_pos)
+        b.dead_pos[bonus.refused] = k + 1
     if b.values is not None:  # the bonus's values, beside the drafted tokens'
-        mask = m[:, None] if m is not None and job.constraint is not None else None
-        bonus = position_values(cfg, t_logits[:, k : k + 1], b.bonus[:, None], mask)
-        b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus, strict=True))
-    if job.constraint is not None:
-        alive = b.open_ & (b.dead_pos > k + 1) & ~torch.isin(b.bonus, job.stop_tensor)
-        bad = smc_potentials.consume(ps.states, alive, b.bonus)
-        b.dead_pos[bad] = k + 1
+        b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus.values, strict=True))
 
 
 def advance(job: Job, ps: Particles, b: Block, cut: int | None = None) -> torch.Tensor:
     """Steps 3c, 3e and 4: how much of the block each particle keeps (EOS and
-    ``max_new_tokens`` cut it), the incremental log-weights, dead ends (weight zero), the
-    twist ``phi(new) / phi(old)``, and the new tokens. ``cut`` (round_end "ess"): the block is
+    ``max_new_tokens`` cut it) and the new tokens (:func:`~smcspec.decoding.smc.extend.extend`),
+    the incremental log-weights, dead ends (weight zero) and the twist ``phi(new) / phi(old)``
+    (:func:`~smcspec.decoding.smc.extend.settle`). ``cut`` (round_end "ess"): the block is
     the first ``cut`` drafted tokens only, the bonus comes later
     (:func:`smcspec.decoding.smc.cut.deferred_bonus`). Returns bool ``[N]``: the particles
     that ended in this round. Raises :class:`DeadEndError` when every particle is dead."""
@@ -134,43 +118,17 @@ def advance(job: Job, ps: Particles, b: Block, cut: int | None = None) -> torch.
     else:
         block, norm = b.drafted[:, :cut], None
     m = block.shape[1]
-    block_pos = torch.arange(1, m + 1, device=job.device)
-    first_stop = torch.where(torch.isin(block, job.stop_tensor), block_pos, m + 1).min(1).values
-    kept = torch.minimum(first_stop.clamp(max=m), cfg.max_new_tokens - ps.lengths)
-    kept = torch.where(ps.finished, torch.zeros_like(kept), kept)
+    was_finished = ps.finished
+    values = None if b.values is None else tuple(v[:, :m] for v in b.values)
+    kept = extend(job, ps, block, values)
     ps.logw = ps.logw + incremental_log_weights(
         b.target_lp[:, : min(m, k)], b.draft_lp[:, : min(m, k)], cfg.alpha, norm, kept
     )
-    killed = None
     if cfg.has_potential:  # a particle that reached a dead end inside what it keeps dies
-        killed = ~ps.finished & (b.dead_pos <= kept)
-        ps.logw = torch.where(killed, torch.full_like(ps.logw, -math.inf), ps.logw)
-        ps.dead += int(killed.sum())
-    start = ps.width  # every unfinished particle has this length
-    window = ps.tokens[:, start : start + m]
-    ps.tokens[:, start : start + m] = torch.where(ps.finished[:, None], window, block)
-    if ps.logprobs is not None:
-        ps.logprobs.write(start, ps.finished, tuple(v[:, :m] for v in b.values))
-    ps.width += m
-    ps.lengths = ps.lengths + kept
-    was_finished = ps.finished
-    ps.finished = ps.finished | (first_stop <= kept) | (ps.lengths >= cfg.max_new_tokens)
-    if killed is not None:
-        ps.finished = ps.finished | killed
-        if cfg.twisted:  # 3e'. twist: times phi(new prefix) / phi(old prefix)
-            grew = ~was_finished & ~killed
-            new_phi = smc_potentials.log_twist(
-                cfg.reward, ps.tokens, ps.lengths, ps.finished, job.device, grew
-            )
-            ps.logw = torch.where(grew, ps.logw + new_phi - ps.phi, ps.logw)
-            ps.phi = torch.where(grew, new_phi, ps.phi)
-        if not bool(torch.isfinite(ps.logw).any()):
-            raise DeadEndError(
-                "every particle reached a dead end of the constraint (no allowed "
-                "continuation has target probability)"
-            )
+        killed = ~was_finished & (b.dead_pos <= kept)
+        settle(job, ps, killed, grew=~was_finished & ~killed)
     if cut is None:
         ps.pending_t = b.bonus[:, None]
         ps.pending_d = torch.stack((b.drafted[:, -1], b.bonus), 1)
-    ps.rounds += 1
+    ps.tally.rounds += 1
     return ps.finished & ~was_finished

@@ -31,14 +31,11 @@ import math
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
 from smcspec.backends.base import KVCache
 from smcspec.decoding.job import Job
-from smcspec.decoding.smc.particle_logprobs import position_values
+from smcspec.decoding.smc.extend import draw_bonus, extend, settle
 from smcspec.decoding.smc.particles import Block, Particles
-from smcspec.potentials import DeadEndError
-from smcspec.sampling.distributions import sample_categorical
-from smcspec.sampling.smc_weights import power_target_probs
+from smcspec.sampling.resampling import batched_ess
 
 
 def cut_position(job: Job, ps: Particles, b: Block) -> int:
@@ -61,22 +58,11 @@ def cut_position(job: Job, ps: Particles, b: Block) -> int:
     w = ps.logw[:, None] + inc  # [N, K]: w(j)
     if b.dead_pos is not None:
         w = torch.where(pos[None, :] >= b.dead_pos[:, None], -math.inf, w)
-    ess = _ess(w.view(g, m, k))  # [G, K]
+    ess = batched_ess(w.view(g, m, k), dim=1)  # [G, K]
     ran = (~ps.finished).view(g, m).any(1)
     below = (ess < cfg.ess_threshold * m) & ran[:, None]
     first = torch.where(below.any(0), pos, k + 1).min()
     return min(int(first), k)
-
-
-def _ess(log_w: torch.Tensor) -> torch.Tensor:
-    """``1 / sum_i w_i^2`` over dim 1 of normalised ``exp(log_w)`` (``[G, M, K]`` ->
-    ``[G, K]``); a group whose weights are all zero counts as uniform (ESS = M), as
-    :func:`~smcspec.sampling.resampling.effective_sample_sizes` does."""
-    top = log_w.amax(1, keepdim=True)
-    dead = ~torch.isfinite(top)
-    w = torch.where(dead, torch.zeros_like(log_w), (log_w - top).nan_to_num(nan=-math.inf)).exp()
-    w = w / w.sum(1, keepdim=True)
-    return 1.0 / (w * w).sum(1)
 
 
 def truncate(
@@ -95,61 +81,32 @@ def truncate(
 def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: int) -> torch.Tensor:
     """Token ``cut+1`` of every running particle, drawn after the round's resampling from the
     target's row at position ``cut`` of its ancestor (``anc`` int64 ``[N]``) (module
-    docstring); its log-weight, the twist of the grown prefix, and the pending tokens of the
-    next round. Returns bool ``[N]``: the particles the bonus ended (a stop token, the
-    budget), for banking. Raises :class:`DeadEndError` when every particle is dead."""
+    docstring; :func:`~smcspec.decoding.smc.extend.draw_bonus`); its log-weight, the tokens
+    kept (:func:`~smcspec.decoding.smc.extend.extend`), dead ends and the twist of the grown
+    prefix (:func:`~smcspec.decoding.smc.extend.settle`), and the pending tokens of the next
+    round. Returns bool ``[N]``: the particles the bonus ended (a stop token, the budget, a
+    dead end), for banking. Raises :class:`DeadEndError` when every particle is dead."""
     cfg = job.config
     running = ~ps.finished
     rows = b.logits[anc, cut]  # [N, V]
-    dead = torch.zeros_like(running)
     if job.constraint is not None:
         extra = (b.consumed[anc] - cut).clamp(min=0).tolist()
         for i in running.nonzero()[:, 0].tolist():  # matchers back to the cut
             ps.states[i].rollback(extra[i])
-        mask = smc_potentials.masks(job.constraint, ps.states, running, job.vocab, job.device)
-        probs, norm = smc_potentials.masked_power_target(
-            rows, cfg.temperature, cfg.alpha, cfg.truncation, mask
-        )
-        dead = running & (~mask.any(-1) | ~torch.isfinite(norm))
-        norm = torch.where(dead, torch.zeros_like(norm), norm)
-    else:
-        probs, norm = power_target_probs(rows, cfg.temperature, cfg.alpha, cfg.truncation)
-    bonus = sample_categorical(probs, job.generator)
-    if norm is not None:
-        ps.logw = torch.where(running, ps.logw + norm.to(ps.logw), ps.logw)
-    if ps.logprobs is not None:  # the bonus's values, at its ancestor's row
-        masks = mask[:, None] if job.constraint is not None else None
-        values = position_values(cfg, rows[:, None], bonus[:, None], masks)
-        ps.logprobs.write(ps.width, ~running, values)
-    ps.tokens[:, ps.width] = torch.where(running, bonus, ps.tokens[:, ps.width])
-    ps.width += 1
-    ps.lengths = ps.lengths + running.long()
-    stop = torch.isin(bonus, job.stop_tensor)
-    ended = running & (stop | (ps.lengths >= cfg.max_new_tokens) | dead)
-    if bool(dead.any()):
-        ps.logw = torch.where(dead, torch.full_like(ps.logw, -math.inf), ps.logw)
-        ps.dead += int(dead.sum())
-    if job.constraint is not None:
-        bad = smc_potentials.consume(ps.states, running & ~dead & ~stop, bonus)
-        if bad:
-            ps.logw[bad] = -math.inf
-            ended[bad] = True
-            ps.dead += len(bad)
-    ps.finished = ps.finished | ended
-    if cfg.twisted:  # times phi(new prefix) / phi(old prefix)
-        grew = running & torch.isfinite(ps.logw)
-        phi = smc_potentials.log_twist(
-            cfg.reward, ps.tokens, ps.lengths, ps.finished, job.device, grew
-        )
-        ps.logw = torch.where(grew, ps.logw + phi - ps.phi, ps.logw)
-        ps.phi = torch.where(grew, phi, ps.phi)
-    if cfg.has_potential and not bool(torch.isfinite(ps.logw).any()):
-        raise DeadEndError(
-            "every particle reached a dead end of the constraint (no allowed continuation "
-            "has target probability)"
-        )
-    ps.pending_t = bonus[:, None]
+    bonus = draw_bonus(job, ps, rows, running, job.constraint is not None)
+    if bonus.norm is not None:
+        ps.logw = torch.where(running, ps.logw + bonus.norm.to(ps.logw), ps.logw)
+    extend(job, ps, bonus.token[:, None], bonus.values)
+    killed = torch.zeros_like(running) if bonus.dead is None else bonus.dead.clone()
+    killed[bonus.refused] = True
+    ended = running & (ps.finished | killed)
+    if cfg.has_potential:  # unlike a block round's, a particle of weight zero is not twisted
+        settle(job, ps, killed, grew=running & ~killed & torch.isfinite(ps.logw))
+    ps.pending_t = bonus.token[:, None]
     k = cfg.draft_tokens
-    ps.pending_d = bonus[:, None] if cut < k else torch.stack((b.drafted[anc, k - 1], bonus), 1)
-    ps.cut_rounds += int(cut < k)
+    if cut < k:
+        ps.pending_d = bonus.token[:, None]
+    else:  # the draft was never fed d_K: it comes with the bonus
+        ps.pending_d = torch.stack((b.drafted[anc, k - 1], bonus.token), 1)
+    ps.tally.cut_rounds += int(cut < k)
     return ended

@@ -53,7 +53,7 @@ def position_values(
 class ParticleLogprobs:
     """The log-probabilities of every particle's tokens (device tensors, column ``j`` for
     token ``j`` as in ``Particles.tokens``), and those of the particles banked so far (host
-    values, in the order of ``Particles.banked``)."""
+    values, in the order of ``Bank.entries``)."""
 
     lp: torch.Tensor  # float32 [N, cap]
     top_ids: torch.Tensor  # int64 [N, cap, k]

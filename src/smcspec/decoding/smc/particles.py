@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import smcspec.decoding.smc.potential_hooks as smc_potentials
+import smcspec.decoding.potential_hooks as potential_hooks
 from smcspec.decoding.job import Job
 from smcspec.decoding.smc.particle_logprobs import ParticleLogprobs, Values, position_values
 from smcspec.potentials import ConstraintClock, ConstraintState, DeadEndError, timed_start
@@ -17,8 +17,35 @@ from smcspec.sampling.smc_weights import power_target_probs
 
 
 @dataclass
+class Bank:
+    """The bank rule's ledger (:func:`smcspec.decoding.smc.round_end.end_round`): the particles
+    set aside as they ended, and each group's probability mass still running."""
+
+    log_running: torch.Tensor  # float64 [G]: each group's running mass (log)
+    entries: list[tuple[list[int], float, int]] = field(default_factory=list)
+    """One per banked particle: its tokens, its log probability mass, its group."""
+
+
+@dataclass
+class Tally:
+    """What a request's stats count over its rounds
+    (:func:`smcspec.decoding.smc.answer.final_output`)."""
+
+    rounds: int = 0
+    cut_rounds: int = 0  # round_end "ess": rounds cut before their K-th drafted token
+    resamples: int = 0
+    dead: int = 0  # particles killed by dead ends
+    stopped_early: bool = False  # stop_epsilon ended the request before every particle
+    ess_trace: list[float] = field(default_factory=list)  # each round's ESS, summed over groups
+    equal_start: bool = True  # the round being run began with equal weights
+    fresh_ess: list[float] = field(default_factory=list)  # ESS of such rounds
+
+
+@dataclass
 class Particles:
-    """The N particles of one request between rounds (tensors on the models' device)."""
+    """The N particles of one request between rounds (tensors on the models' device): their
+    tokens, weights and what each model has not been fed yet; the bank and the tally beside
+    them."""
 
     tokens: torch.Tensor  # int64 [N, cap]: generated tokens, x0 in column 0
     lengths: torch.Tensor  # int64 [N]
@@ -28,19 +55,10 @@ class Particles:
     pending_d: torch.Tensor  # int64 [N, 1 or 2]: not yet fed to the draft
     phi: torch.Tensor  # float64 [N]: log twist of each prefix (0 without prefix_fn)
     log_z: torch.Tensor  # float64 [G]: each group's log-normaliser estimate so far
-    log_running: torch.Tensor  # float64 [G]: banking: each group's running mass (log)
+    bank: Bank  # banking: the ended particles set aside, each group's running mass
+    tally: Tally = field(default_factory=Tally)
     states: list[ConstraintState] = field(default_factory=list)  # matchers (constraint)
-    dead: int = 0  # particles killed by dead ends
     width: int = 1  # the common length of the running particles (tokens written)
-    rounds: int = 0
-    cut_rounds: int = 0  # round_end "ess": rounds cut before their K-th drafted token
-    stopped_early: bool = False  # stop_epsilon ended the request before every particle
-    resamples: int = 0
-    ess_trace: list[float] = field(default_factory=list)
-    equal_start: bool = True  # the round being run began with equal weights
-    fresh_ess: list[float] = field(default_factory=list)  # ESS of such rounds
-    # banking: ended particles (tokens, log probability mass, group)
-    banked: list[tuple[list[int], float, int]] = field(default_factory=list)
     # keep rule: int64 [N], the running particle whose KV rows and tokens each row follows
     # (itself while running; see round_end.host_ended), or None before any particle ended
     host: torch.Tensor | None = None
@@ -69,6 +87,13 @@ class Block:
     values: Values | None = None
 
 
+def kill(ps: Particles, rows: torch.Tensor) -> None:
+    """Particles ``rows`` (bool ``[N]``) reached a dead end: weight zero, ended, counted."""
+    ps.logw = torch.where(rows, torch.full_like(ps.logw, -math.inf), ps.logw)
+    ps.finished = ps.finished | rows
+    ps.tally.dead += int(rows.sum())
+
+
 def initial_particles(
     job: Job, first: torch.Tensor, cap: int
 ) -> tuple[Particles, ConstraintClock | None]:
@@ -88,7 +113,7 @@ def initial_particles(
         pending_d=tokens[:, :1],
         phi=torch.zeros(n, dtype=torch.float64, device=dev),
         log_z=torch.zeros(cfg.groups, dtype=torch.float64),
-        log_running=torch.zeros(cfg.groups, dtype=torch.float64),
+        bank=Bank(log_running=torch.zeros(cfg.groups, dtype=torch.float64)),
     )
     clock = None
     if not cfg.has_potential:
@@ -100,10 +125,10 @@ def initial_particles(
         m0 = None
     else:
         root, clock = timed_start(job.constraint) if job.constraint is not None else (None, None)
-        m0 = smc_potentials.masks(
+        m0 = potential_hooks.masks(
             job.constraint, [root], torch.ones(1, dtype=torch.bool), job.vocab, dev
         )
-        probs0, lz0 = smc_potentials.masked_power_target(
+        probs0, lz0 = potential_hooks.masked_power_target(
             first[None], cfg.temperature, cfg.alpha, cfg.truncation, m0
         )
         if not math.isfinite(float(lz0[0])):
@@ -114,13 +139,13 @@ def initial_particles(
         ps.finished = torch.isin(x0s, job.stop_tensor) | (cfg.max_new_tokens == 1)
         if root is not None:
             ps.states = [root.copy() for _ in range(n)]
-            bad = smc_potentials.consume(ps.states, ~ps.finished, x0s)
+            bad = potential_hooks.consume(ps.states, ~ps.finished, x0s)
             if bad:  # the matcher refused a token its own mask allowed: a dead end
-                ps.logw[bad] = -math.inf
-                ps.finished[bad] = True
-                ps.dead += len(bad)
+                refused = torch.zeros_like(ps.finished)
+                refused[bad] = True
+                kill(ps, refused)
         if cfg.twisted:
-            ps.phi = smc_potentials.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
+            ps.phi = potential_hooks.log_twist(cfg.reward, tokens, ps.lengths, ps.finished, dev)
             ps.logw = ps.phi.clone()
     ps.pending_t = tokens[:, :1].clone()
     ps.pending_d = tokens[:, :1].clone()

@@ -47,9 +47,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import smcspec.decoding.smc.answer as smc_answer
-import smcspec.decoding.smc.block as blocks
-import smcspec.decoding.smc.cut as smc_cut
+import smcspec.decoding.smc.answer as answer
+import smcspec.decoding.smc.block as block
+import smcspec.decoding.smc.cut as cut
 import smcspec.decoding.smc.round_end as round_end
 from smcspec.backends.base import KVCache
 from smcspec.backends.pool import CacheNeed
@@ -140,31 +140,31 @@ def _smc_rounds(job: Job, tcache: KVCache, dcache: KVCache) -> Program:
     first = first[: job.vocab]
     yield Prefill(job.draft, as_prompt_tensor(job.ids, job.device), dcache)
     ps, clock = initial_particles(job, first, cap)
-    emitted = smc_answer.emit(ps, 0, job)
+    emitted = answer.emit(ps, 0, job)
     fused = not cfg.has_potential and is_static(tcache, dcache)
     while not bool(ps.finished.all()) and not round_end.mass_stop(job, ps):
         lengths0 = (tcache.length, dcache.length, ps.pending_d.shape[1])
         if fused:  # 3a, 3b, 3d as one round on the device
-            block = yield from blocks.fused_block(job, ps, tcache, dcache)
+            b = yield from block.fused_block(job, ps, tcache, dcache)
         else:
-            block = yield from blocks.draft_block(job, ps, dcache)  # 3a
-            yield from blocks.score_block(job, ps, block, tcache)  # 3b, 3d
+            b = yield from block.draft_block(job, ps, dcache)  # 3a
+            yield from block.score_block(job, ps, b, tcache)  # 3b, 3d
         was_running = ~ps.finished
-        if block.logits is None:  # round_end "block": the whole block and its bonus
-            newly_finished = blocks.advance(job, ps, block)  # 3c, 3e, 4
+        if b.logits is None:  # round_end "block": the whole block and its bonus
+            newly_finished = block.advance(job, ps, b)  # 3c, 3e, 4
             round_end.end_round(job, ps, newly_finished, was_running, tcache, dcache)  # 3f, banking
         else:  # round_end "ess": resample where the ESS falls, the bonus after it
-            cut = smc_cut.cut_position(job, ps, block)
-            newly_finished = blocks.advance(job, ps, block, cut)
+            at = cut.cut_position(job, ps, b)
+            newly_finished = block.advance(job, ps, b, at)
             anc = round_end.end_round(job, ps, newly_finished, was_running, tcache, dcache)
-            smc_cut.truncate(tcache, dcache, lengths0, cut, job.config.draft_tokens)
-            ended = smc_cut.deferred_bonus(job, ps, block, anc, cut)
+            cut.truncate(tcache, dcache, lengths0, at, job.config.draft_tokens)
+            ended = cut.deferred_bonus(job, ps, b, anc, at)
             if bool(ended.any()):  # particles the bonus ended: banked now
                 round_end.end_round(job, ps, ended, ended, tcache, dcache, bank_only=True)
         round_end.host_ended(ps, tcache, dcache)
-        emitted = smc_answer.emit(ps, emitted, job)
+        emitted = answer.emit(ps, emitted, job)
     keep = cfg.return_particles or cfg.vote is not None  # the vote reads every particle
-    out = smc_answer.final_output(job, ps, keep, emitted, clock, tcache, dcache)
+    out = answer.final_output(job, ps, keep, emitted, clock, tcache, dcache)
     out.prompt_logprobs = prompt_lps
     return out
 

@@ -39,10 +39,10 @@ def end_round(
     reset = torch.zeros(cfg.particles, dtype=torch.bool, device=ps.logw.device)
     ess = effective_sample_sizes([ps.logw[cfg.group(g)] for g in range(cfg.groups)])
     if not bank_only:
-        ps.ess_trace.append(sum(ess))
-        if ps.equal_start:
-            ps.fresh_ess.append(ps.ess_trace[-1])
-        ps.equal_start = False
+        ps.tally.ess_trace.append(sum(ess))
+        if ps.tally.equal_start:
+            ps.tally.fresh_ess.append(ps.tally.ess_trace[-1])
+        ps.tally.equal_start = False
     # which groups ran this round and which had particles end in it: one host read
     ran, ends = torch.stack((was_running, ended)).view(2, cfg.groups, -1).any(2).tolist()
     reset_groups = [False] * cfg.groups
@@ -73,14 +73,14 @@ def mass_stop(job: Job, ps: Particles) -> bool:
     variation (``docs/smc-sd.md``, "Stopping when the running mass is small"). The running
     particles are then marked ended and left out of the output."""
     cfg = job.config
-    if cfg.stop_epsilon <= 0 or not cfg.banks_finished or not ps.banked:
+    if cfg.stop_epsilon <= 0 or not cfg.banks_finished or not ps.bank.entries:
         return False
-    if len({g for _, m, g in ps.banked if m > -math.inf}) < cfg.groups:
+    if len({g for _, m, g in ps.bank.entries if m > -math.inf}) < cfg.groups:
         return False
-    if float(ps.log_running.exp().mean()) >= cfg.stop_epsilon:
+    if float(ps.bank.log_running.exp().mean()) >= cfg.stop_epsilon:
         return False
     ps.finished[:] = True
-    ps.stopped_early = True
+    ps.tally.stopped_early = True
     return True
 
 
@@ -101,10 +101,10 @@ def _bank_group(job: Job, ps: Particles, g: int, ended: torch.Tensor) -> torch.T
     for i in ended[sl].nonzero()[:, 0].tolist():  # zero-weight ones too (mass -inf): listed
         j = sl.start + i
         seq = ps.tokens[j, : int(ps.lengths[j])].tolist()
-        ps.banked.append((seq, float(ps.log_running[g]) + float(log_shares[i]), g))
+        ps.bank.entries.append((seq, float(ps.bank.log_running[g]) + float(log_shares[i]), g))
         if ps.logprobs is not None:
             ps.logprobs.bank(j, seq)
-    ps.log_running[g] += log_run
+    ps.bank.log_running[g] += log_run
     running = ~ps.finished[sl]
     if not math.isfinite(log_run) or not bool(running.any()):
         ps.finished[sl] = True  # nothing left to run in this group
@@ -189,5 +189,5 @@ def _take_ancestors(
     if ps.states:
         ps.states = reorder(ps.states, anc)
     ps.logw = torch.where(reset, torch.zeros_like(ps.logw), ps.logw)
-    ps.equal_start = all_reset
-    ps.resamples += 1
+    ps.tally.equal_start = all_reset
+    ps.tally.resamples += 1

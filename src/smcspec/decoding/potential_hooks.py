@@ -1,9 +1,11 @@
-"""SMC-SD's hooks for potentials: hard constraints (token masks), rewards and twists.
+"""The particle decoders' hooks for potentials: hard constraints (token masks), rewards and
+twists, over rows of particles or drafted chains.
 
-The plain SMC-SD round (:mod:`smcspec.decoding.smc.program`) calls these only where a request has a
-constraint or a reward; each is a step of ``docs/constraints.md`` ("Hard constraints",
-"Rewards and twists"): the masked draft ``q'``, the masked power target and its bonus
-weight, the matchers advanced by the sampled tokens (a refusal is a dead end), and the
+SMC-SD's rounds (:mod:`smcspec.decoding.smc.block`, :mod:`smcspec.decoding.smc.cut`) and
+multi-draft sd's (:mod:`smcspec.decoding.sd.multi_sd`, the masks only) call these only where a
+request has a constraint or a reward; each is a step of ``docs/constraints.md`` ("Hard
+constraints", "Rewards and twists"): the masked draft ``q'``, the masked power target and its
+bonus weight, the matchers advanced by the sampled tokens (a refusal is a dead end), and the
 twist ``log phi`` of each particle's prefix.
 """
 
