@@ -74,7 +74,7 @@ def test_a_pair_stats_file_replaces_measuring_and_is_never_cached(
     tuned = tune(engine, pair_stats=stats)
     assert tuned.acceptance == first.acceptance and str(path) in tuned.acceptance_source
     assert [p.ess for p in tuned.predictions] == [p.ess for p in first.predictions]
-    assert tuned.auto == tune(engine, pair_stats=stats).auto
+    assert tuned.pick("auto") == tune(engine, pair_stats=stats).pick("auto")
     assert read_costs(tuned.cache_path, tuned.key).acceptance == {}  # only costs cached here
     with pytest.raises(ConfigError, match=r"no acceptance statistics at T=1.0.*holds: T=0.7"):
         from smcspec import GenerationConfig
