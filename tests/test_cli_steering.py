@@ -53,7 +53,7 @@ def test_vote_over_a_regex(pair, capsys) -> None:
         (["--reward", "examples"], "no examples in the prompt"),
         (["--answer-regex", "x"], "--answer-regex needs --aggregate vote"),
         (["--aggregate", "vote", "--answer-regex", "("], "invalid answer_regex"),
-        (["--tests", "/nonexistent/tests.py"], "the tests file /nonexistent/tests.py: no such file"),
+        (["--tests", "/nonexistent/tests.py"], "tests file /nonexistent/tests.py: no such file"),
     ],
 )
 def test_steering_errors_are_one_line(pair, capsys, extra, message) -> None:
