@@ -312,3 +312,24 @@ def test_the_default_pair_stops_only_at_its_special_end_tokens(real_engine):
     assert real_engine.stop_ids == {151643, 151645}
     assert tok.convert_ids_to_tokens(128247) == "</s>" and 128247 not in real_engine.stop_ids
     assert all(tok.added_tokens_decoder[i].special for i in real_engine.stop_ids)
+
+
+def test_choice_i_of_n_is_a_lone_request_with_seed_plus_i(real_server):
+    """Issue 87's case on the real pair: ``n: 4``, seed 4242, temperature 2, one token, ar.
+    Each choice i draws what a lone request with seed 4242 + i draws (choices 2 and 3 drew
+    'Cha' and '_gem' where lone requests drew 'Thunder' and ' discredit' when chunked
+    prefill cut prompts where the measured speed said)."""
+    client = real_server.client(timeout=600)
+    ask = dict(
+        model=real_server.model,
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=1,
+        temperature=2,
+        logprobs=True,
+        extra_body={"smc": {"method": "ar"}},
+    )
+    together = client.chat.completions.create(n=4, seed=4242, **ask)
+    for choice in together.choices:
+        alone = client.chat.completions.create(seed=4242 + choice.index, **ask).choices[0]
+        assert choice.message.content == alone.message.content, choice.index
+        assert choice.logprobs.content[0].logprob == alone.logprobs.content[0].logprob
