@@ -394,3 +394,13 @@ def test_a_long_prompt_whose_client_left_lets_go_of_the_server(server_engine, mo
     finally:
         monkeypatch.undo()
         server.stop()
+
+
+def test_the_server_chunks_128_tokens_on_a_cpu_unless_told(engine):
+    """The default chunk follows the target's device (128 tokens on a CPU, where the default
+    pair prefills fastest in chunks of 64-128, 512 elsewhere); a given one is kept."""
+    from smcspec.chunked_prefill import default_chunk
+
+    assert default_chunk("cpu") == 128 and default_chunk("cuda:0") == 512
+    assert create_app(engine).state.scheduler.prefill.max_tokens == 128
+    assert create_app(engine, prefill_chunk=48).state.scheduler.prefill.max_tokens == 48

@@ -141,10 +141,10 @@ def _serve(sub, common: list[argparse.ArgumentParser]) -> None:
     s.add_argument(
         "--prefill-chunk",
         type=int,
-        default=512,
+        default=None,
         help="prompts are prefilled in chunks of this many tokens, cut at the same places "
         "whatever the timing, one or more a scheduler step between other requests' forwards "
-        "(default 512; lower it for shorter steps on a slow model)",
+        "(default: 128 with the target on a CPU, 512 on a GPU)",
     )
     s.add_argument(
         "--prefill-step-seconds",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from smcspec.chunked_prefill import default_chunk
 from smcspec.config import GenerationConfig
 from smcspec.engine import Engine
 from smcspec.errors import ConfigError
@@ -43,7 +44,8 @@ class ServerSettings:
             503 and :func:`serve` exits with 1 for a supervisor to restart it.
         prefill_chunk: prompts are cut every ``prefill_chunk`` tokens (always at the same
             places: a prompt's logits do not depend on timing), each chunk prefilled in a
-            scheduler step between the other requests' forwards.
+            scheduler step between the other requests' forwards; None: 128 with the target
+            on a CPU, 512 on a GPU (:func:`smcspec.chunked_prefill.default_chunk`).
         prefill_step_s: seconds of prefill a scheduler step aims at: a step starts another
             chunk while its prefill is expected to stay within it (the first chunk always
             runs); with the 0.1 s disconnect poll, one chunk's time bounds how soon a
@@ -64,7 +66,7 @@ class ServerSettings:
     public_metrics: bool = False
     shutdown_timeout_s: float = 5.0
     leak_grace_s: float = 10.0
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     prefill_step_s: float = 1.0
     grammar_compile_s: float = COMPILE_BUDGET_S
     grammar_mask_s: float = MASK_BUDGET_S
@@ -81,7 +83,8 @@ class ServerSettings:
             raise ConfigError("shutdown_timeout_s must be >= 0")
         if not self.leak_grace_s > 0:
             raise ConfigError("leak_grace_s must be > 0")
-        if self.prefill_chunk < 1 or not 0 < self.prefill_step_s <= 60:
+        chunk = 1 if self.prefill_chunk is None else self.prefill_chunk
+        if chunk < 1 or not 0 < self.prefill_step_s <= 60:
             raise ConfigError(
                 "prefill_chunk must be >= 1 and prefill_step_s in (0, 60], got "
                 f"{self.prefill_chunk} and {self.prefill_step_s}"
@@ -118,7 +121,7 @@ def create_app(
         settings.max_waiting,
         on_step=metrics.observe_step,
         leak_grace_s=settings.leak_grace_s,
-        prefill_chunk=settings.prefill_chunk,
+        prefill_chunk=settings.prefill_chunk or default_chunk(engine.target.model.device),
         prefill_step_s=settings.prefill_step_s,
     )
     metrics.bind_scheduler(scheduler)
