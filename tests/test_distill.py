@@ -71,7 +71,7 @@ def pair(tmp_path_factory):
 def _cfg(out, target, draft, prompts, **kw) -> DistillConfig:
     settings = dict(out=out, target=str(target), draft=str(draft), data=str(prompts),
                     tokens=900, max_new_tokens=30, step_tokens=64, lr=3e-3, threads=1,
-                    validations=2, checkpoint_every=2)  # fmt: skip
+                    validations=2, checkpoint_every=2, concurrency=2)  # fmt: skip
     return DistillConfig(**{**settings, **kw})
 
 
@@ -125,8 +125,9 @@ def test_teacher_answers_are_balanced_and_aligned_with_the_target(pair):
     train_recs = [r for r in records if r.split == "train"]
     assert {r.domain for r in records if r.split == "val"} == set(DOMAINS)
     tokens = {d: sum(len(r.ids) for r in train_recs if r.domain == d) for d in DOMAINS}
-    # every domain reaches its share (300 tokens) and stops within one 30-token answer of it
-    assert all(300 <= n < 330 for n in tokens.values()), tokens
+    # every domain reaches its share (300 tokens) and stops within two 30-token answers of it
+    # (two answers decoded together)
+    assert all(300 <= n < 360 for n in tokens.values()), tokens
     for r in records:
         assert len(r.top_ids) == len(r.ids) == len(r.top_logprobs) and len(r.top_ids[0]) == 20
     # the target as its own student: every divergence is zero only if position j of the

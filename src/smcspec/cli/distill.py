@@ -45,6 +45,12 @@ def add_parser(sub) -> None:
         help=f"deployment temperature of the answers and the fit (default {d.temperature})",
     )
     p.add_argument("--max-answer-tokens", type=int, default=d.max_new_tokens, dest="max_answer")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=d.concurrency,
+        help=f"answers the target decodes together (default {d.concurrency})",
+    )
     p.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument("--step-tokens", type=int, default=d.step_tokens,
@@ -72,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         stage=args.stage,
         temperature=args.temperature,
         max_new_tokens=args.max_answer,
+        concurrency=args.concurrency,
         rank=args.rank,
         lr=args.lr,
         step_tokens=args.step_tokens,

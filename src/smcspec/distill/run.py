@@ -43,6 +43,7 @@ class DistillConfig:
         stage: ``data``, ``train``, ``export`` or ``all``.
         temperature: the deployment temperature of the teacher's answers and of the fit.
         top_k: the target's tokens kept per position. max_new_tokens: one answer's cap.
+        concurrency: the target's answers decoded together (batched forwards).
         rank, lora_alpha: the LoRA adapters' rank and scale numerator (scale alpha / rank).
         lr: AdamW's peak learning rate (linear warm-up over the first 5% of steps, then
             cosine decay to 10%). step_tokens: answer tokens per optimizer step.
@@ -65,6 +66,7 @@ class DistillConfig:
     temperature: float = 0.7
     top_k: int = 20
     max_new_tokens: int = 512
+    concurrency: int = 4
     rank: int = 8
     lora_alpha: float = 16.0
     lr: float = 2e-4
@@ -98,6 +100,7 @@ class DistillConfig:
             ("checkpoint_every", self.checkpoint_every, 1, 100_000),
             ("max_new_tokens", self.max_new_tokens, 16, 4096),
             ("top_k", self.top_k, 1, 20),
+            ("concurrency", self.concurrency, 1, 64),
         )
         for name, value, lo, hi in checks:
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -169,7 +172,9 @@ def run_data_stage(cfg: DistillConfig, log: Callable[[str], None] = _log) -> Non
         bar.set_postfix_str(" ".join(f"{d} {tokens.get(d, 0)}" for d in domains))
         bar.refresh()
 
-    generate_teacher(engine, items, cfg.out, settings, data.digest(items), progress)
+    generate_teacher(
+        engine, items, cfg.out, settings, data.digest(items), progress, cfg.concurrency
+    )
     bar.close()
 
 

@@ -9,12 +9,12 @@ distribution the token was drawn from: the target after temperature,
 (``1 - sum``). Training reads these records and never runs the target.
 
 Records are appended to ``teacher.jsonl`` one finished answer at a time
-(:class:`~smcspec.eval.results.ResultFile`: a kill loses at most the answer in progress, and a
-rerun resumes). Which prompt comes next balances the domains: the domain with the fewest
-training answer tokens so far goes next, until every domain holds its share of the budget, so
-that each domain's share of the completion tokens is equal to within one answer (the SMC-SD
-authors' lesson: a math-heavy mix lost code). The validation prompts of every domain are
-answered first.
+(:class:`~smcspec.eval.results.ResultFile`: a kill loses at most the answers in progress, and
+a rerun resumes). A few answers are decoded together, their forwards batched. Which prompt
+comes next balances the domains: the domain with the fewest training answer tokens so far
+goes next, until every domain holds its share of the budget, so that each domain's share of
+the completion tokens is equal to within a few answers (the SMC-SD authors' lesson: a
+math-heavy mix lost code). The validation prompts of every domain are answered first.
 """
 
 from __future__ import annotations
@@ -190,50 +190,89 @@ def generate_teacher(
     settings: TeacherSettings,
     prompts_digest: str,
     progress: Callable[[TeacherRecord, dict[str, int]], None] | None = None,
+    concurrency: int = 4,
 ) -> list[TeacherRecord]:
     """Answer the prompts still to answer with the target (see the module notes) and return
     every record of ``out``.
 
+    ``concurrency`` answers are decoded together (one :class:`~smcspec.scheduler.BatchScheduler`,
+    their forwards batched: on a CPU a forward over a few rows costs little more than over
+    one); each is still its own seeded ``ar`` draw. A domain may then overshoot its share by
+    up to ``concurrency`` answers (the balance counts finished answers).
+
     Args:
         engine: an :class:`~smcspec.engine.Engine` holding the target (no draft needed).
-        items: the prompt mix (:func:`smcspec.distill.data.prompt_mix`).
+        items: the prompt mix (:func:`smcspec.distill.data.builtin_mix` or a user's file).
         out: the run's folder (``teacher.jsonl``, ``teacher.json``).
         settings: :class:`TeacherSettings`.
         prompts_digest: the mix's SHA-256 (:func:`smcspec.distill.data.digest`).
         progress: called after each answer with it and the training tokens per domain.
+        concurrency: answers decoded at once (>= 1).
     Raises:
-        ConfigError: settings that differ from a run already in ``out``.
+        ConfigError: settings that differ from a run already in ``out``; an answer's own
+            error (a prompt too long for the context).
     """
+    import queue
+
+    from smcspec.scheduler import BatchScheduler, Request
+
     settings.validate()
     check_meta(out, settings, prompts_digest)
     file = ResultFile(out / TEACHER_FILE)
     records = read_records(out)
     check_records(engine, items, records, out)
     index = {it.id: i for i, it in enumerate(items)}
-    for item in next_prompts(items, records, settings):
-        cfg = GenerationConfig(
-            method="ar",
-            temperature=settings.temperature,
-            max_new_tokens=settings.max_new_tokens,
-            seed=settings.seed + index[item.id],
-            logprobs=settings.top_k,
-        )
-        prompt_ids = engine.encode(item.prompt)
-        result = engine.generate(prompt_ids, cfg, fit_context=True)
-        lp = result.logprobs
-        record = TeacherRecord(
-            id=item.id,
-            domain=item.domain,
-            split=item.split,
-            source=item.source,
-            prompt_ids=prompt_ids,
-            ids=list(result.token_ids),
-            top_ids=lp.top_ids,
-            top_logprobs=[[round(v, 6) for v in row] for row in lp.top_logprobs],
-            finish_reason=result.finish_reason,
-        )
-        file.append(asdict(record))
-        records.append(record)
-        if progress is not None:
-            progress(record, domain_tokens(records))
-    return records
+    todo = next_prompts(items, records, settings)
+    finished: queue.Queue = queue.Queue()
+    sched = BatchScheduler(engine, max_running=concurrency, max_waiting=concurrency)
+    sched.start()
+    in_flight = 0
+    try:
+        while True:
+            while in_flight < concurrency and (item := next(todo, None)) is not None:
+                cfg = GenerationConfig(
+                    method="ar",
+                    temperature=settings.temperature,
+                    max_new_tokens=settings.max_new_tokens,
+                    seed=settings.seed + index[item.id],
+                    logprobs=settings.top_k,
+                )
+                prompt_ids = engine.encode(item.prompt)
+                job = engine.prepare(prompt_ids, cfg, fit_context=True)
+                sched.submit(Request(job=job, on_done=_put(finished, item, prompt_ids)))
+                in_flight += 1
+            if in_flight == 0:
+                return records
+            item, prompt_ids, result = finished.get()
+            in_flight -= 1
+            if isinstance(result, BaseException):
+                raise result
+            record = _record(item, prompt_ids, result)
+            file.append(asdict(record))
+            records.append(record)
+            if progress is not None:
+                progress(record, domain_tokens(records))
+    finally:
+        sched.stop()
+
+
+def _put(finished, item: PromptItem, prompt_ids: list[int]):
+    def on_done(outcome) -> None:  # on the scheduler's thread
+        finished.put((item, prompt_ids, outcome))
+
+    return on_done
+
+
+def _record(item: PromptItem, prompt_ids: list[int], result) -> TeacherRecord:
+    lp = result.logprobs
+    return TeacherRecord(
+        id=item.id,
+        domain=item.domain,
+        split=item.split,
+        source=item.source,
+        prompt_ids=prompt_ids,
+        ids=list(result.token_ids),
+        top_ids=lp.top_ids,
+        top_logprobs=[[round(v, 6) for v in row] for row in lp.top_logprobs],
+        finish_reason=result.finish_reason,
+    )
