@@ -78,7 +78,7 @@ def check_rehearsal(out: Path) -> None:
     runs = [r for r in rows if r["kind"] == "run"]
     torch_runs = [r for r in runs if r["backend"] == "torch"]
     # torch: llama (ar and smc-n8-k8 as steps and graphs, and with the written and
-    # whole-layer kernel sets, --tiny's; ar + 2 smc + 2 sd; the frontier group; ar and smc
+    # flex kernel sets, --tiny's; ar + 2 smc + 2 sd; the frontier group; ar and smc
     # at batch 4; ar and smc-n8-k8 with FP8 projections), then qwen32 and llama70 with FP8
     # projections (ar + 1 smc + 2 sd; batch 4)
     assert len(torch_runs) == 4 + 4 + 5 + 4 + 2 + 2 + 2 * 6
@@ -88,15 +88,15 @@ def check_rehearsal(out: Path) -> None:
     fp8_pairs = {"llama-fp8": 2, "qwen32-fp8": 6, "llama70-fp8": 6}
     assert {p: sum(r["pair"] == p for r in torch_runs) for p in fp8_pairs} == fp8_pairs
     assert {r["rounds"] for r in torch_runs} == {"steps", "auto"}
-    sets = ["eager", "layer"]  # --tiny's (the compiled and flex sets: test_layer_kernels.py)
+    sets = ["eager", "flex"]  # --tiny's (the compiled and layer sets: test_layer_kernels.py)
     chosen = [(r["system"], r["kernels"]) for r in torch_runs if r["kernel_mode"] != "auto"]
     assert chosen == [(f"{m} [{s}]", s) for m in ("ar", "smc-n8-k8") for s in sets]
     assert {r["kernels"] for r in torch_runs if r["kernel_mode"] == "auto"} == {"eager"}  # CPU
-    # the request profiled on the written and the whole-layer kernels (the rehearsal's two):
-    # kernels a round, the whole-layer set's fewer
+    # the request profiled on the written and the flex kernels (the rehearsal's two):
+    # kernels a round, the flex set's fewer
     profiles = {r["kernels_run"]: r["kernels_per_round"] for r in rows
                 if r["kind"] == "device-profile"}  # fmt: skip
-    assert set(profiles) == {"eager", "layer"} and profiles["layer"] < profiles["eager"]
+    assert set(profiles) == {"eager", "flex"} and profiles["flex"] < profiles["eager"]
     # llamacpp: 2 pairs x (ar + 2 smc + 2 sd upper bounds + ar and smc at batch 4)
     assert len(runs) - len(torch_runs) == (2 * 7 if "llamacpp" in backends else 0)
     assert all(r["tokens_per_s"] > 0 and r["tokens"] >= 16 for r in runs)
@@ -126,7 +126,7 @@ def check_rehearsal(out: Path) -> None:
     assert loads == {"llama": "native", "qwen32-fp8": "fp8", "llama70-fp8": "fp8"}
     assert "## The tuner on this device: torch, tiny-llama-target" in report
     assert "## Kernel sets: item 1's prediction beside the measurement" in report
-    assert "| smc-n8-k8 [layer] (llama) | layer |" in report
+    assert "| smc-n8-k8 [flex] (llama) | flex |" in report
     assert (out / "tokens_per_s.png").stat().st_size > 1000
     # what a lent machine can bring back: at most 8 files, none in a subfolder
     assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())

@@ -176,7 +176,21 @@ def test_cli_generates_readable_text_on_the_real_pair(
     is converted for it (75 s of the suite's 112 s for this case): the conversion runs the
     same code on every tensor type (the ``gguf`` library dequantizes), the draft's
     conversion is the one checked against ``transformers`` above and is made once for both
-    tests."""
+    tests.
+
+    ``smc`` on ``auto`` is the session's first tuner run on the real pair (unless the user's
+    cache holds its costs): it measures every forward shape of the default grid timed once
+    (``reps`` 1; 3 by default) and the acceptance on the built-in prompts over 64 new tokens
+    (256 by default; the pair-profile pass over the 151,936-token vocabulary was most of the
+    case's 142 s), into ``$SMCSPEC_CACHE/costs``, where the later CLI tests read them. Fails
+    with the fidelity floor left out of the choice (``min_particles`` not given to
+    ``choose``: N=1 chosen)."""
+    if (method, backend) == ("smc", "auto"):
+        import smcspec.tuning.tuner as tuner
+
+        full = tuner.default_grid
+        quick = lambda device: replace(full(device), reps=1, acceptance_tokens=64)  # noqa: E731
+        monkeypatch.setattr(tuner, "default_grid", quick)
     # torch: N and K given, so the tuner does not measure the slower torch forwards here
     draft = str(gguf_paths[DEFAULT_DRAFT.name])
     extra = ["--target", draft, "--draft", draft, "--dtype", "bfloat16", "-N", "4", "-K", "4"]
