@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from live_server import Server, chat_tool_calls
+from live_server import Server, chat_tool_calls, chat_turn
 from tiny_models import make_tiny_chat_pair, make_tiny_tool_chat_pair
 
 from smcspec import Engine, GenerationConfig
@@ -257,6 +257,31 @@ def test_a_stop_string_every_call_holds_does_not_cut_it(tool_server, stop, strea
     for name, arguments in calls:
         assert name == "get_weather" and stop[0] in arguments  # the stop string is in it
         jsonschema_rs.validate(CITY, json.loads(arguments))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_two_turn_tool_loop(tool_server, stream):
+    """Turn 1 a required call; the client sends the call back with its id and the tool's
+    result; turn 2 (``auto``, 8 tokens) is answered, streamed or not (the real pair's
+    template streamed: tests/test_server_tools.py). Fails with the request body forgetting
+    the calls' ids (the second turn a 400; tried)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    client = tool_server.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    messages = [{"role": "user", "content": "ab"}]
+    turn = {"model": MODEL, "messages": messages, "tools": tools, "seed": 0}
+    first = chat_turn(client, stream, tool_choice="required", max_tokens=160, **turn)
+    assert first.finish_reason == "tool_calls" and first.content is None and first.calls
+    calls = [{"id": c["id"], "type": "function",
+              "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in first.calls]  # fmt: skip
+    messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+    for c in first.calls:
+        jsonschema_rs.validate(CITY, json.loads(c["arguments"]))
+        messages.append({"role": "tool", "tool_call_id": c["id"], "content": "sunny"})
+    second = chat_turn(client, stream, max_tokens=8, **turn)
+    assert second.finish_reason in ("stop", "length", "tool_calls")
+    assert second.content or second.calls
 
 
 def _nested_items(depth: int) -> str:

@@ -142,12 +142,13 @@ def test_auto_answers_in_text_when_no_tool_is_needed(server):
     assert choice.message.content and "<tool_call>" not in choice.message.content
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_two_turn_agent_loop(server, stream):
+def test_a_two_turn_agent_loop(server):
     """Turn 1: a call (``required``: the 1.5B target rarely starts a call by itself); the
     client runs it and sends the result back; turn 2 (``auto``) answers in text (its first
-    16 tokens: the loop's second request is what is checked, not the answer's length)."""
-    client = server.client()
+    16 tokens: the loop's second request is what is checked, not the answer's length).
+    Streamed: the loop not streamed, and streamed again, on the tiny tool pair
+    (tests/test_server_constraints.py), the real template's calls not streamed above."""
+    client, stream = server.client(), True
     messages = [{"role": "user", "content": "What is 17 times 23? Use the calculator."}]
     turn = {"messages": messages, "tools": TOOLS, "seed": 3}
     first = chat_turn(client, stream, model=server.model, tool_choice="required", **turn)
