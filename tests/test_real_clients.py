@@ -92,7 +92,7 @@ def test_lm_eval_both_model_types_on_the_default_pair(real, tmp_path):
 def test_aiperf_on_the_default_pair(real, tmp_path):
     """aiperf at concurrency 4, 4 requests of 32 tokens in fixed-length mode, on the server's
     default method (SMC-SD, N 4, K 4): no errors, every answer 32 tokens (the real
-    tokenizer and template; concurrency 1 against 4 is the tiny pair's test). Fails with
+    tokenizer and template; 8 requests at concurrency 4: the tiny pair's test). Fails with
     ``ignore_eos`` and ``min_tokens`` dropped from the request (tried: answers end at EOS)."""
     srv, tok_dir, _ = real
     out = tmp_path / "c4"
