@@ -183,8 +183,8 @@ def test_cli_generates_readable_text_on_the_real_pair(
     (``reps`` 1; 3 by default) and the acceptance on the built-in prompts over 64 new tokens
     (256 by default; the pair-profile pass over the 151,936-token vocabulary was most of the
     case's 142 s), into ``$SMCSPEC_CACHE/costs``, where the later CLI tests read them. Fails
-    with the fidelity floor left out of the choice (``min_particles`` not given to
-    ``choose``: N=1 chosen)."""
+    with the fidelity floors left out of the choice (``min_particles`` 1 and ``min_ess`` 0
+    given to ``choose`` in ``tune``: a mean ESS of 1.0; tried)."""
     if (method, backend) == ("smc", "auto"):
         import smcspec.tuning.tuner as tuner
 
