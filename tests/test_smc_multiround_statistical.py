@@ -189,9 +189,11 @@ def test_a_cache_left_unordered_after_resampling_is_caught(pair, monkeypatch, va
 
 
 def test_different_draft_and_target_temperatures(pair):
-    """T_t = 0.5 with a hotter draft, T_d = 1.0: measured TV 0.021 at N=16."""
+    """T_t = 0.5 with a hotter draft, T_d = 1.0: measured TV 0.020 at N=16 over 1,000 runs
+    (0.021 at 2,000), against a bound of 0.1: the cold target puts its mass on few sequences,
+    so the TV's noise is small (the swapped variant below: 0.342 at the same seeds)."""
     target, draft = pair
-    tv, _ = _tv(target, draft, _cfg(16, t_t=0.5, t_d=1.0), seed0=50_000)
+    tv, _ = _tv(target, draft, _cfg(16, t_t=0.5, t_d=1.0), runs=CAUGHT_RUNS, seed0=50_000)
     assert tv < 0.1
 
 
