@@ -29,7 +29,8 @@ from smcspec.eval.automaton import NextTokenAutomaton
 from smcspec.eval.exact import locally_masked_log_probs
 from smcspec.eval.fidelity import sample_outputs
 
-pytestmark = pytest.mark.slow
+# the slow tier; torch.inference_mode (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("inference_mode")]
 
 PROMPT = [1, 2, 0]
 LENGTH = 5

@@ -32,8 +32,8 @@ from smcspec.decoding.registry import decoder_for
 from smcspec.decoding.sd.ngram import NgramGate, NgramIndex, next_draft_length
 from smcspec.errors import ConfigError
 
-# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards), inference mode
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "inference_mode")]
 
 PROMPT = [1, 2, 0, 3, 1, 2, 0, 3, 1, 2]
 V, LENGTH, RUNS = 4, 4, 3000

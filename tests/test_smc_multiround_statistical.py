@@ -25,8 +25,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.potentials import DeadEndError
 
-# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards), inference mode
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "inference_mode")]
 
 PROMPT = [1, 2, 0]
 LENGTH = 5
