@@ -44,6 +44,7 @@ def test_best_of_n_closed_form_sums_to_one_and_reduces_to_p() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("inference_mode")  # conftest: the same draws, less CPU
 def test_best_of_n_samples_its_closed_form() -> None:
     """Best-of-3 of real ``ar`` samples (the AR decoder on a tiny model, seeded), reranked by
     R = number of token 1: its answers follow the closed form (chi-square p > 1e-3 over 64

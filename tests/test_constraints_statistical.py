@@ -42,7 +42,8 @@ from smcspec.eval.fidelity import CONSTRAINT_TABLE, letter_count_reward, letters
 from smcspec.eval.stats import total_variation as tv_exact
 from smcspec.potentials import DeadEndError, Reward
 
-pytestmark = pytest.mark.slow  # the slow tier (pyproject.toml); CI runs it
+# the slow tier (pyproject.toml); CI runs it; torch.inference_mode (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("inference_mode")]
 
 PROMPT = [1, 2, 0]
 T = 1.0

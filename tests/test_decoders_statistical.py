@@ -27,8 +27,8 @@ import smcspec.decoding.sd.chain as sd_module
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_sd, decode_smc
 
-# the slow tier (pyproject.toml); CI runs it
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# the slow tier (pyproject.toml); CI runs it; one torch thread, inference mode (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "inference_mode")]
 
 PROMPT = [1, 2, 0]
 T = 1.0

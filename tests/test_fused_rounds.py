@@ -11,12 +11,19 @@ fused path against the exact target.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
-from enumerable import chisquare_p, sequence_log_probs, tiny_transformer, total_variation
+from enumerable import (
+    chisquare_p,
+    one_particle_log_probs,
+    sequence_log_probs,
+    tiny_transformer,
+    total_variation,
+)
 from tiny_models import make_tiny_hf_model
 
 from smcspec import Engine, GenerationConfig
@@ -402,27 +409,31 @@ def test_fused_sd_matches_the_target():
 
 @pytest.mark.slow
 def test_fused_smc_error_falls_with_particles():
-    """tests/test_smc_multiround_statistical.py's pair and bounds, on the fused path."""
+    """tests/test_smc_multiround_statistical.py's pair and bounds, on the fused path. N=1 is
+    plain drafting, its distribution enumerated as there (exact TV 0.538; 1,500 sampled runs
+    of the fused path measured 0.552, their pooled chi-square against the enumeration p
+    0.043), so only N=16 is sampled."""
     target = tiny_transformer(seed=1, vocab=3, scale=0.6)
     draft = tiny_transformer(seed=2, vocab=3, scale=0.6)
     length, runs = 5, 1500
     exact = sequence_log_probs(target, PROMPT, length, 1.0)
+    one = one_particle_log_probs(target, draft, PROMPT, length, draft_tokens=1)
+    tv = {1: 0.5 * sum(abs(math.exp(one[k]) - math.exp(exact[k])) for k in exact)}
     target.rounds = draft.rounds = "eager"
-    tv = {}
     try:
-        for n in (1, 16):
-            cfg = GenerationConfig(
-                method="smc", max_new_tokens=length, particles=n, draft_tokens=1,
-                temperature=1.0, draft_temperature=1.0, ess_threshold=1.0,
-            )  # fmt: skip
-            counts: Counter = Counter()
-            for i in range(runs):
-                g = torch.Generator().manual_seed(i)
-                counts[tuple(decode_smc(target, draft, PROMPT, cfg, frozenset(), 3, g).tokens)] += 1
-            tv[n] = total_variation(exact, counts, runs)
+        cfg = GenerationConfig(
+            method="smc", max_new_tokens=length, particles=16, draft_tokens=1,
+            temperature=1.0, draft_temperature=1.0, ess_threshold=1.0,
+        )  # fmt: skip
+        counts: Counter = Counter()
+        for i in range(runs):
+            g = torch.Generator().manual_seed(i)
+            counts[tuple(decode_smc(target, draft, PROMPT, cfg, frozenset(), 3, g).tokens)] += 1
+        tv[16] = total_variation(exact, counts, runs)
+        assert sum(c.rounds_run for c in target.static_slots.slots) > 0  # rounds ran fused
     finally:
         target.rounds = draft.rounds = "auto"
-    # the step path measured 0.547 (N=1) and 0.096 (N=16) at 2000 runs
+    # the step path measured 0.547 (N=1, sampled) and 0.096 (N=16) at 2000 runs
     assert tv[1] > 0.4
     assert tv[16] < 0.15
 

@@ -24,7 +24,8 @@ import smcspec.decoding.smc.cut as cut
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 
-pytestmark = pytest.mark.slow
+# the slow tier; torch.inference_mode (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("inference_mode")]
 
 PROMPT = [1, 2, 0]
 LENGTH = 5

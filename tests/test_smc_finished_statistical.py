@@ -27,8 +27,8 @@ from enumerable import chisquare_p, stopped_sequence_log_probs, tiny_transformer
 from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 
-# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards), inference mode
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "inference_mode")]
 
 PROMPT = [1, 2, 0]
 V, LENGTH, STOP = 3, 9, 0

@@ -25,8 +25,8 @@ from smcspec.config import GenerationConfig
 from smcspec.decoding import decode_smc
 from smcspec.potentials import DeadEndError
 
-# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+# the slow tier (pyproject.toml); CI runs it; one torch thread (tiny forwards), inference mode
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "inference_mode")]
 
 PROMPT = [1, 2, 0]
 LENGTH = 5
@@ -189,9 +189,11 @@ def test_a_cache_left_unordered_after_resampling_is_caught(pair, monkeypatch, va
 
 
 def test_different_draft_and_target_temperatures(pair):
-    """T_t = 0.5 with a hotter draft, T_d = 1.0: measured TV 0.021 at N=16."""
+    """T_t = 0.5 with a hotter draft, T_d = 1.0: measured TV 0.020 at N=16 over 1,000 runs
+    (0.021 at 2,000), against a bound of 0.1: the cold target puts its mass on few sequences,
+    so the TV's noise is small (the swapped variant below: 0.342 at the same seeds)."""
     target, draft = pair
-    tv, _ = _tv(target, draft, _cfg(16, t_t=0.5, t_d=1.0), seed0=50_000)
+    tv, _ = _tv(target, draft, _cfg(16, t_t=0.5, t_d=1.0), runs=CAUGHT_RUNS, seed0=50_000)
     assert tv < 0.1
 
 

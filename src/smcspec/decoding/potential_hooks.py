@@ -86,9 +86,10 @@ def log_twist(
     n = tokens.shape[0]
     out = torch.zeros(n, dtype=torch.float64)
     sel = range(n) if rows is None else rows.nonzero()[:, 0].tolist()
+    ended, ends, rows_ = finished.tolist(), lengths.tolist(), tokens.tolist()  # one read each
     for done in (True, False):
-        idx = [i for i in sel if bool(finished[i]) == done]
+        idx = [i for i in sel if ended[i] == done]
         if idx:
-            seqs = [tokens[i, : int(lengths[i])].tolist() for i in idx]
+            seqs = [rows_[i][: ends[i]] for i in idx]
             out[idx] = reward.log_potential(seqs, prefix=not done)
     return out.to(dev)
