@@ -105,6 +105,16 @@ def pair(shapes: str) -> tuple[Transformer, Transformer]:
     return target, draft
 
 
+def requests(n: int, k: int, prompt: int) -> tuple[list[int], GenerationConfig, GenerationConfig]:
+    """The prompt (``prompt`` token ids) and the two requests :func:`count_set` profiles:
+    SMC-SD with ``n`` particles and ``k`` drafts, two rounds, and ``ar``, four tokens."""
+    ids = [(1000 + 31 * j) % 511 for j in range(prompt)]
+    smc = GenerationConfig(method="smc", particles=n, draft_tokens=k, temperature=0.7,
+                           max_new_tokens=1 + 2 * (k + 1), ignore_eos=True)  # fmt: skip
+    ar = GenerationConfig(method="ar", temperature=0.7, max_new_tokens=4, ignore_eos=True)
+    return ids, smc, ar
+
+
 def count_set(target, draft, name: str, n: int, k: int, prompt: int) -> dict:
     """One kernel set's counts: an SMC-SD request of two rounds and an ``ar`` request of
     three tokens, warmed up (compiled) first where the set compiles, then profiled; the
@@ -115,10 +125,7 @@ def count_set(target, draft, name: str, n: int, k: int, prompt: int) -> dict:
     for m in (target, draft):
         m.use_kernels(name)
         m.rounds = "eager"
-    ids = [(1000 + 31 * j) % 511 for j in range(prompt)]
-    smc = GenerationConfig(method="smc", particles=n, draft_tokens=k, temperature=0.7,
-                           max_new_tokens=1 + 2 * (k + 1), ignore_eos=True)  # fmt: skip
-    ar = GenerationConfig(method="ar", temperature=0.7, max_new_tokens=4, ignore_eos=True)
+    ids, smc, ar = requests(n, k, prompt)
 
     def run() -> None:
         g = torch.Generator().manual_seed(1)

@@ -498,9 +498,12 @@ def test_smc_calls_approach_the_conditional(engine, tok):
     bias = 0.5 * sum(abs(cond[k] - local[k]) for k in cond)
     assert bias > 0.45  # exact: 0.518 (conditional ~1 on f(x); local 0.48 f(x), 0.52 f(y))
     runs, tv = 150, {}
-    for name, method, n in (("ar", "ar", 1), ("smc1", "smc", 1), ("smc16", "smc", 16)):
+    # SMC-SD with one particle runs 75: it drew masked AR's calls run for run here (TV 0.427
+    # at 75 runs, 0.433 at 150), against a bound of 0.3
+    for name, method, n, most in (("ar", "ar", 1, runs), ("smc1", "smc", 1, 75),
+                                  ("smc16", "smc", 16, runs)):  # fmt: skip
         counts: Counter = Counter()
-        for i in range(runs):
+        for i in range(most):
             cfg = GenerationConfig(
                 method=method, particles=n, draft_tokens=2, temperature=1.0,
                 draft_temperature=1.0, max_new_tokens=60, seed=i, constraint=constraint,
@@ -515,7 +518,8 @@ def test_smc_calls_approach_the_conditional(engine, tok):
         tv[name] = _tv(cond, counts, i + 1)
         if method == "ar":  # masked AR samples the local distribution (noise ~0.04 here)
             assert _tv(local, counts, runs) < 0.1
-    # measured (seeds 0-149): ar 0.43, smc N=1 0.43, N=16 0.00003; binomial noise at 150
-    # runs is about 0.04, so the locally-masked methods sit at the bias and N=16 at zero
+    # measured (seeds 0-149): ar 0.43 (0.085 from the local distribution), smc N=1 0.43
+    # (seeds 0-74), N=16 0.00003 (seeds 0-74); binomial noise at 150 runs is about 0.04, so
+    # the locally-masked methods sit at the bias and N=16 at zero
     assert tv["ar"] > 0.3 and tv["smc1"] > 0.3
     assert tv["smc16"] < 0.1
