@@ -98,7 +98,6 @@ def score_block(job: Job, ps: Particles, b: Block, tcache: KVCache) -> Program:
     b.bonus, b.bonus_norm = bonus.token, bonus.norm
     if bonus.dead is not None:  # dead at the bonus: no allowed token, or the matcher refused
         b.dead_pos = torch.where(bonus.dead, k + 1, b.dead_pos)
-        b.dead_pos[bonus.refused] = k + 1
     if b.values is not None:  # the bonus's values, beside the drafted tokens'
         b.values = tuple(torch.cat((a, c), 1) for a, c in zip(b.values, bonus.values, strict=True))
 

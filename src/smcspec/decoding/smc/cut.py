@@ -97,8 +97,7 @@ def deferred_bonus(job: Job, ps: Particles, b: Block, anc: torch.Tensor, cut: in
     if bonus.norm is not None:
         ps.logw = torch.where(running, ps.logw + bonus.norm.to(ps.logw), ps.logw)
     extend(job, ps, bonus.token[:, None], bonus.values)
-    killed = torch.zeros_like(running) if bonus.dead is None else bonus.dead.clone()
-    killed[bonus.refused] = True
+    killed = torch.zeros_like(running) if bonus.dead is None else bonus.dead
     ended = running & (ps.finished | killed)
     if cfg.has_potential:  # unlike a block round's, a particle of weight zero is not twisted
         settle(job, ps, killed, grew=running & ~killed & torch.isfinite(ps.logw))

@@ -34,8 +34,9 @@ class Bonus:
     token: torch.Tensor  # int64 [N]
     # float64 [N]: its log-weight, 0 at a dead end; None: 0 everywhere (alpha 1, no mask)
     norm: torch.Tensor | None
-    dead: torch.Tensor | None  # bool [N]: rows at a dead end (None: drawn without a mask)
-    refused: list[int]  # rows whose matcher refused the token (a dead end too)
+    # bool [N]: rows at a dead end, no allowed token of target mass or the token refused by
+    # the row's matcher (None: drawn without a mask)
+    dead: torch.Tensor | None
     values: Values | None  # its log-probability values ([N, 1] positions; cfg.logprobs)
 
 
@@ -57,7 +58,7 @@ def draw_bonus(
     the particle weight zero if it keeps the token) and its draw is uniform junk. ``host``
     (int64 ``[N]``, the keep rule's hosts): each row takes its host's token, after the draw.
     Under a constraint the matchers of ``rows`` not at a dead end consume the token unless it
-    is a stop token; the rows they refuse are listed (``Bonus.refused``). Source:
+    is a stop token; the rows they refuse are at a dead end too (``Bonus.dead``). Source:
     ``docs/constraints.md``, "Hard constraints"; ``docs/smc-sd.md``, step 3d."""
     cfg = job.config
     dead = mask = None
@@ -78,11 +79,13 @@ def draw_bonus(
     if job.wants_logprobs:
         masks = mask[:, None] if mask is not None and job.constraint is not None else None
         values = position_values(cfg, logits[:, None], token[:, None], masks)
-    refused: list[int] = []
     if job.constraint is not None:
         consuming = rows & ~dead & ~torch.isin(token, job.stop_tensor)
         refused = potential_hooks.consume(ps.states, consuming, token)
-    return Bonus(token, norm, dead, refused, values)
+        if refused:
+            dead = dead.clone()
+            dead[refused] = True
+    return Bonus(token, norm, dead, values)
 
 
 def extend(job: Job, ps: Particles, tokens: torch.Tensor, values: Values | None) -> torch.Tensor:
