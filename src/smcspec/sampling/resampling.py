@@ -97,11 +97,6 @@ def batched_ess(log_weights: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return 1.0 / (w * w).sum(dim)
 
 
-def effective_sample_size(log_weights: torch.Tensor) -> float:
-    """:func:`batched_ess` of one log-weight vector ``[N]``; in [1, N]."""
-    return effective_sample_sizes([log_weights])[0]
-
-
 def effective_sample_sizes(log_weights: Sequence[torch.Tensor]) -> list[float]:
     """:func:`batched_ess` of each log-weight vector (e.g. each group's), read from the device
     at once."""
