@@ -17,7 +17,9 @@ fixtures already did (tiny models' forwards are too small to share between threa
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -109,14 +111,18 @@ def pytest_xdist_make_scheduler(config, log):
     worker (its module fixtures, tiny models and servers made once), and every file that
     marks tests ``real_pair`` runs in the same one, so the real pair is loaded and served
     once and two copies of it (about 5 GB each) never compete for the cores. Files go out
-    most tests first (xdist's ``loadscope`` order). pytest-xdist's own ``xdist_group``
-    marks did not group here (pytest 9.2, pytest-xdist 3.8: one group's tests went to both
-    workers of ``-n 2 --dist loadgroup``), hence this scheduler."""
+    longest first by the seconds ``tests/file_durations.json`` gives them
+    (``scripts/file_durations.py``; a file it does not list counts a second a test):
+    in xdist's own order, most tests first, the kernel files' few long tests went out last
+    and one worker ran 94 s after the other finished (2026-12-07). pytest-xdist's own
+    ``xdist_group`` marks did not group here (pytest 9.2, pytest-xdist 3.8: one group's
+    tests went to both workers of ``-n 2 --dist loadgroup``), hence this scheduler."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     real_files: dict[str, bool] = {}
+    seconds = json.loads((Path(__file__).parent / "file_durations.json").read_text())
 
     def is_real(path: str) -> bool:
         if path not in real_files:
@@ -127,10 +133,20 @@ def pytest_xdist_make_scheduler(config, log):
             real_files[path] = "mark.real_pair" in text
         return real_files[path]
 
+    def cost(scope: str, nodeids: dict) -> float:
+        files = {n.split("::", 1)[0] for n in nodeids}
+        unknown = sum(n.split("::", 1)[0] not in seconds for n in nodeids)
+        return sum(seconds.get(f, 0.0) for f in files) + unknown
+
     class FilesAndTheRealPair(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "real_pair" if is_real(path) else path
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda s: cost(s, self.workqueue[s]))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return FilesAndTheRealPair(config, log)
 
