@@ -175,8 +175,8 @@ def _load_fitted(
 def _load_llamacpp(path: Path, sha256: str | None, settings, with_tokenizer: bool) -> LoadedModel:
     from smcspec.backends.llamacpp import LlamaCppModel
 
-    model = LlamaCppModel(path, settings)  # first: a truncated file fails here, in a second
     tok = gguf_tokenizer(path, sha256) if with_tokenizer else None
+    model = LlamaCppModel(path, settings)
     return LoadedModel(
         model=model,
         tokenizer=tok,
