@@ -133,7 +133,7 @@ def pytest_xdist_make_scheduler(config, log):
             real_files[path] = "mark.real_pair" in text
         return real_files[path]
 
-    def cost(scope: str, nodeids: dict) -> float:
+    def cost(nodeids: dict) -> float:
         files = {n.split("::", 1)[0] for n in nodeids}
         unknown = sum(n.split("::", 1)[0] not in seconds for n in nodeids)
         return sum(seconds.get(f, 0.0) for f in files) + unknown
@@ -144,7 +144,7 @@ def pytest_xdist_make_scheduler(config, log):
             return "real_pair" if is_real(path) else path
 
         def _assign_work_unit(self, node) -> None:
-            longest = max(self.workqueue, key=lambda s: cost(s, self.workqueue[s]))
+            longest = max(self.workqueue, key=lambda s: cost(self.workqueue[s]))
             self.workqueue.move_to_end(longest, last=False)
             super()._assign_work_unit(node)
 
