@@ -131,6 +131,9 @@ def categorical_from_uniforms(
     flat = probs.reshape(-1, v)
     r = flat.shape[0]
     nb = v // _BLOCK
+    if nb == 0:  # one block: the same draws as below, with half the kernels (tiny models)
+        idx, valid = _one_block(flat, u.reshape(r, 1))
+        return idx.view(probs.shape[:-1]), valid.view(probs.shape[:-1])
     block_mass = flat[:, : nb * _BLOCK].reshape(r, nb, _BLOCK).sum(-1, dtype=torch.float64)
     if nb * _BLOCK < v:
         tail = flat[:, nb * _BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)
@@ -150,3 +153,18 @@ def categorical_from_uniforms(
     j = torch.searchsorted(inner, rest, right=True)  # first token with cumulative mass > rest
     out = (blk * _BLOCK + j).clamp(max=v - 1)
     return out.view(probs.shape[:-1]), valid.view(probs.shape[:-1])
+
+
+def _one_block(flat: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`categorical_from_uniforms` of ``flat`` ``[R, V]`` with ``V`` below one block
+    (``u`` float64 ``[R, 1]``): the inner search alone, on the same float64 sums, so each
+    row draws the token the two-level search draws."""
+    v = flat.shape[-1]
+    total = flat.sum(-1, keepdim=True, dtype=torch.float64)
+    valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0) & ~(flat < 0).any(-1)
+    zero = torch.zeros_like(total)
+    u = torch.minimum(u * total, torch.nextafter(total, zero))  # u < total
+    cdf = flat.double().cumsum(-1)
+    rest = torch.minimum(u.clamp(min=0.0), torch.nextafter(cdf[:, -1:], zero))
+    j = torch.searchsorted(cdf, rest, right=True)  # first token with cumulative mass > rest
+    return j.clamp(max=v - 1), valid
