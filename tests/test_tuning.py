@@ -407,6 +407,28 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
     assert other_floor.pick("smc").setting.particles >= 8
 
 
+def test_a_row_count_warms_up_once_then_times_each_shape(monkeypatch):
+    """On a CPU the first forward after a row count's prefill is the one untimed warm-up:
+    a later token count's first forward is timed (it takes what the timed ones take,
+    docs/benchmarks/tuner-warm-up.md); ``reps`` timed forwards a shape, each rolled back."""
+    from enumerable import tiny_transformer
+
+    from smcspec.tuning.measure import forward_timings_by_tokens
+
+    model = tiny_transformer(seed=1)
+    shapes = []
+    real = type(model).decode
+
+    def counted(self, tokens, cache, last_only=False):
+        shapes.append(tuple(tokens.shape))
+        return real(self, tokens, cache, last_only)
+
+    monkeypatch.setattr(type(model), "decode", counted)
+    timed = forward_timings_by_tokens(model, 2, [1, 3, 5], reps=2, context=4)
+    assert {t: len(v) for t, v in timed.items()} == {1: 2, 3: 2, 5: 2}
+    assert shapes == [(2, 1)] * 3 + [(2, 3)] * 2 + [(2, 5)] * 2
+
+
 def test_remeasure_replaces_the_cached_costs(engine, own_cache):
     first = tune(engine)
     notes: list[str] = []

@@ -40,7 +40,8 @@ class TuningGrid:
         max_forward_tokens: smc settings whose target forward has more than this many
             tokens (N x (K+1)) are not measured, except at the smallest allowed N.
         context: prompt tokens before the timed forwards (attention length).
-        reps: timed forwards per shape (the median is kept; one untimed warm-up first).
+        reps: timed forwards per shape (the median is kept; one untimed warm-up forward
+            after each row count's prefill: :mod:`smcspec.tuning.measure`).
         acceptance_tokens: new tokens of the sd runs that measure alpha, in all (split
             between :data:`~smcspec.tuning.measure.ACCEPTANCE_PROMPTS`).
         acceptance_draft_tokens: K of that run.

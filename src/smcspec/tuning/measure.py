@@ -2,8 +2,9 @@
 per-token log-weights (SMC-SD's degeneracy).
 
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
-(:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up, then
-``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it too). alpha comes
+(:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up forward
+after it, then ``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it
+too). alpha comes
 from short real sd runs on fixed, varied prompts and a fixed seed, pooled
 (:func:`smcspec.tuning.predict.alpha_from_counts`).
 """
@@ -166,10 +167,13 @@ def forward_timings_by_tokens(
     model: DecoderModel, rows: int, tokens: Sequence[int], reps: int = 5, context: int = 100
 ) -> dict[int, list[float]]:
     """Wall seconds of ``reps`` timed forwards of ``rows x t`` for every ``t`` in
-    ``tokens``, after one ``context``-token prefill shared by all of them (each ``t``: one
-    untimed warm-up forward, then the timed ones, each rolled back before the next). A model
-    whose rounds run fused (a torch model on CUDA: CUDA graphs) is timed as its rounds run
-    its forwards (:func:`static_timings`)."""
+    ``tokens``, after one ``context``-token prefill shared by all of them and one untimed
+    warm-up forward (on CUDA one for every ``t``), each forward rolled back before the next.
+    On a CPU the first forward of a later ``t`` takes what the timed ones take, on both
+    backends (within their spread: docs/benchmarks/tuner-warm-up.md), so it is timed; on
+    CUDA a shape's first forward can set up its kernels. A model whose rounds run fused (a
+    torch model on CUDA: CUDA graphs) is timed as its rounds run its forwards
+    (:func:`static_timings`)."""
     if getattr(model, "round_mode", "steps") != "steps":
         return static_timings(model, rows, tokens, reps, context)
     # every row computed: the forward of the full shape is what is timed (the rows here
@@ -185,10 +189,11 @@ def _timed_forwards(model, cache, rows, tokens, reps, context) -> dict[int, list
     vocab = model.vocab_size
     model.prefill((torch.arange(context, device=model.device) + 1000) % vocab, cache)
     out = {}
-    for t in tokens:
+    for i, t in enumerate(tokens):
         x = torch.full((rows, t), 500 % vocab, device=model.device)
-        model.decode(x, cache, last_only=t <= 2)
-        cache.truncate(0)
+        if i == 0 or model.device.type == "cuda":  # the untimed warm-up
+            model.decode(x, cache, last_only=t <= 2)
+            cache.truncate(0)
         times = []
         for _ in range(reps):
             if model.device.type == "cuda":
