@@ -87,3 +87,26 @@ def test_infinite_logits_without_nan_do_not_raise():
     logits[2, 7] = torch.inf
     out = tempered_log_probs(logits, 0.7)
     assert torch.isfinite(out[0, :5]).all() and out[0, 5] == -torch.inf
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8, 37, 200])
+def test_a_vocabulary_under_one_block_draws_what_the_two_level_search_draws(vocab, monkeypatch):
+    """Below one block (256 tokens) only the inner search runs; with blocks of 2 tokens the
+    two-level search runs on the same rows and uniforms and must draw the same tokens (masses
+    are multiples of 2^-20, so every float64 sum is exact on any CPU). Zero-mass tokens,
+    invalid rows (all zero, infinite, negative) and uniforms at 0 and just below 1 included."""
+    import smcspec.sampling.distributions as dist
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.randint(0, 1 << 20, (400, vocab), generator=g).float() / (1 << 20)
+    probs[torch.rand(400, vocab, generator=g) < 0.4] = 0.0
+    probs[0], probs[1, 0], probs[2, -1] = 0.0, float("inf"), -0.25
+    u = torch.rand(400, 1, generator=g, dtype=torch.float64)
+    u[3], u[4] = 0.0, 1 - 2**-53
+    one, one_valid = dist.categorical_from_uniforms(probs, u)
+    monkeypatch.setattr(dist, "_BLOCK", 2)
+    two, two_valid = dist.categorical_from_uniforms(probs, u)
+    assert torch.equal(one_valid, two_valid) and not one_valid[:3].any()
+    assert torch.equal(one_valid[3:], probs[3:].sum(-1) > 0)
+    assert torch.equal(one[one_valid], two[two_valid])
+    assert (probs[one_valid].gather(-1, one[one_valid][:, None]) > 0).all()
