@@ -4,8 +4,7 @@ per-token log-weights (SMC-SD's degeneracy).
 Forward costs are median wall seconds of decode forwards of the shapes the decoders issue
 (:func:`forward_seconds_by_tokens`: one prefill per row count, an untimed warm-up forward
 after it, then ``reps`` timed forwards per token count; ``smcspec.eval.roofline`` uses it
-too). alpha comes
-from short real sd runs on fixed, varied prompts and a fixed seed, pooled
+too). alpha comes from short real sd runs on fixed, varied prompts and a fixed seed, pooled
 (:func:`smcspec.tuning.predict.alpha_from_counts`).
 """
 
@@ -170,7 +169,7 @@ def forward_timings_by_tokens(
     ``tokens``, after one ``context``-token prefill shared by all of them and one untimed
     warm-up forward (on CUDA one for every ``t``), each forward rolled back before the next.
     On a CPU the first forward of a later ``t`` takes what the timed ones take, on both
-    backends (within their spread: docs/benchmarks/tuner-warm-up.md), so it is timed; on
+    backends (within their spread: docs/benchmarks/tuner-warm-up/), so it is timed; on
     CUDA a shape's first forward can set up its kernels. A model whose rounds run fused (a
     torch model on CUDA: CUDA graphs) is timed as its rounds run its forwards
     (:func:`static_timings`)."""
