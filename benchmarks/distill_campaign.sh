@@ -6,7 +6,11 @@
 #   committed ar records, 4. HumanEval first 50 at smc-n8-k8, base and fitted, paired with
 #   the committed ar records, 5. tokens a round of chain sd K=4 and multi-draft sd N=8 K=4
 #   with the fitted draft on the 40 prompts of docs/benchmarks/multi-draft-cpu,
-#   6. the kl fit (its validation curve beside chi2's).
+#   6. the kl fit (its validation curve beside chi2's; run right after step 2, while the
+#      teacher's answers are on this machine).
+# The fitted draft (its manifest and LoRA GGUF, a few MB) is copied into the repository once
+# made, so that a lost machine costs only the step in progress: with that copy present,
+# steps 1 and 2 are skipped.
 # Usage: RUNS=runs/distill nohup nice -n 10 bash benchmarks/distill_campaign.sh >> distill.log 2>&1 &
 # Optional: WAIT_PID=<pid of a running step 1> (the script waits for it first).
 set -euo pipefail
@@ -21,15 +25,30 @@ if [ -n "${WAIT_PID:-}" ]; then
     step "waiting for process $WAIT_PID"
     while kill -0 "$WAIT_PID" 2>/dev/null; do sleep 30; done
 fi
-step "1. teacher answers"
-$SMC distill --stage data --out "$RUNS/teacher" --tokens 100000
-step "2. chi2 fit and export"
-$SMC distill --teacher "$RUNS/teacher" --out "$RUNS/chi2" --objective chi2 --dtype bfloat16 --tokens 100000
-mkdir -p docs/benchmarks/distill
-cp "$RUNS/chi2/validation.jsonl" docs/benchmarks/distill/validation-chi2.jsonl
-cp "$RUNS/chi2/draft/manifest.json" docs/benchmarks/distill/manifest-chi2.json
+kl_fit() {
+    step "6. kl fit (validation curve)"
+    $SMC distill --stage data --out "$RUNS/teacher" --tokens 100000  # made again if lost
+    $SMC distill --teacher "$RUNS/teacher" --out "$RUNS/kl" --objective kl --dtype bfloat16 \
+        --tokens 100000 --stage train
+    cp "$RUNS/kl/validation.jsonl" docs/benchmarks/distill/validation-kl.jsonl
+}
+FIT=docs/benchmarks/distill/draft-chi2  # the fitted draft as committed
+if [ -f "$FIT/manifest.json" ]; then
+    step "1-2. the fitted draft is in $FIT: the teacher and the fit are skipped"
+else
+    step "1. teacher answers"
+    $SMC distill --stage data --out "$RUNS/teacher" --tokens 100000
+    step "2. chi2 fit and export"
+    $SMC distill --teacher "$RUNS/teacher" --out "$RUNS/chi2" --objective chi2 --dtype bfloat16 \
+        --tokens 100000
+    mkdir -p "$FIT"
+    cp "$RUNS/chi2/validation.jsonl" docs/benchmarks/distill/validation-chi2.jsonl
+    cp "$RUNS/chi2/draft/manifest.json" docs/benchmarks/distill/manifest-chi2.json
+    cp "$RUNS/chi2/draft/draft-lora.gguf" "$RUNS/chi2/draft/manifest.json" "$FIT/"
+    kl_fit  # while the teacher's answers are here
+fi
 step "2b. the fitted draft runs (a smoke test before the long runs)"
-$SMC generate "Say hi." --method sd -K 4 -m 8 --draft "$RUNS/chi2/draft" --backend llamacpp
+$SMC generate "Say hi." --method sd -K 4 -m 8 --draft "$FIT" --backend llamacpp
 
 # copies of committed records: the same questions, seeds and settings, paired by item
 seed_records() {  # seed_records SRC DEST METHOD FIRST
@@ -52,7 +71,7 @@ G=docs/benchmarks/distill-gsm8k
 mkdir -p "$G"
 seed_records docs/benchmarks/gsm8k-gpu-settings/results.jsonl "$G/results.jsonl" ar 100
 step "3. GSM8K first 100 with the fitted draft"
-$SMC eval gsm8k --first 100 --methods smc-n4-k12,smc-n8-k8 --draft "$RUNS/chi2/draft" --nll \
+$SMC eval gsm8k --first 100 --methods smc-n4-k12,smc-n8-k8 --draft "$FIT" --nll \
     "${EVAL_ARGS[@]}" --out "$G"
 
 H=docs/benchmarks/distill-humaneval
@@ -61,16 +80,13 @@ for d in base chi2; do
     seed_records docs/benchmarks/humaneval-reward/results.jsonl "$H/$d/results.jsonl" ar 50
 done
 step "4. HumanEval first 50, smc-n8-k8, fitted then base"
-$SMC eval humaneval --first 50 --methods smc-n8-k8 --draft "$RUNS/chi2/draft" --seed 0 \
+$SMC eval humaneval --first 50 --methods smc-n8-k8 --draft "$FIT" --seed 0 \
     "${EVAL_ARGS[@]}" --out "$H/chi2"
 $SMC eval humaneval --first 50 --methods smc-n8-k8 --seed 0 "${EVAL_ARGS[@]}" --out "$H/base"
 
 step "5. tokens a round, chain sd K=4 and multi-draft sd N=8 K=4, fitted draft"
 .venv/bin/python benchmarks/multi_draft_acceptance.py --prompts 20 --particles 1,8 \
-    --draft-tokens 4 --threads 2 --draft "$RUNS/chi2/draft" --out docs/benchmarks/distill/acceptance-chi2
+    --draft-tokens 4 --threads 2 --draft "$FIT" --out docs/benchmarks/distill/acceptance-chi2
 
-step "6. kl fit (validation curve)"
-$SMC distill --teacher "$RUNS/teacher" --out "$RUNS/kl" --objective kl --dtype bfloat16 \
-    --tokens 100000 --stage train
-cp "$RUNS/kl/validation.jsonl" docs/benchmarks/distill/validation-kl.jsonl
+[ -f docs/benchmarks/distill/validation-kl.jsonl ] || kl_fit
 step "done"
