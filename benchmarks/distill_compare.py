@@ -36,15 +36,15 @@ def right(r: dict) -> bool:
     return bool(r["correct"] if "correct" in r else r["passed"])
 
 
-def smc_stats(records: list[dict]) -> str:
+def smc_stats(records: list[dict]) -> tuple[str, str, str]:
     """Mean ESS, resampling rate and tokens a round over ``records`` (``-`` without them)."""
     stats = [r.get("stats") or {} for r in records]
     if not all("mean_ess" in s for s in stats):
-        return "- | - | -"
+        return "-", "-", "-"
     ess = statistics.mean(s["mean_ess"] for s in stats)
     rate = statistics.mean(s["resamples"] / max(s["rounds"], 1) for s in stats)
     tokens = statistics.mean(r["new_tokens"] / max(r["stats"]["rounds"], 1) for r in records)
-    return f"{ess:.2f} | {rate:.2f} | {tokens:.2f}"
+    return f"{ess:.2f}", f"{rate:.2f}", f"{tokens:.2f}"
 
 
 def compare(fitted: Path, base: Path, methods: list[str], baseline: str) -> str:
@@ -65,11 +65,10 @@ def compare(fitted: Path, base: Path, methods: list[str], baseline: str) -> str:
         br = [b[(m, i)] for i in items]
         ar = [(f | b)[(baseline, i)] for i in items]
         a, c, z = [right(r) for r in fr], [right(r) for r in br], [right(r) for r in ar]
-        sf, sb = smc_stats(fr).split(" | "), smc_stats(br).split(" | ")
         rows.append(
             f"| {m} | {len(items)} | {sum(a)} | {sum(c)} | {sum(z)} | "
             f"{mcnemar_pvalue(a, c):.3f} | {mcnemar_pvalue(a, z):.3f} | "
-            + " | ".join(f"{x} / {y}" for x, y in zip(sf, sb, strict=True))
+            + " | ".join(f"{x} / {y}" for x, y in zip(smc_stats(fr), smc_stats(br), strict=True))
             + " |"
         )
     return "\n".join(rows)

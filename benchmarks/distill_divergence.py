@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from smcspec import Engine
+from smcspec.distill import objectives
 from smcspec.eval import gsm8k
 from smcspec.models import load_model
 
@@ -38,11 +39,10 @@ def log_probs(model, ids: list[int], p: int, temperature: float):
 
 
 def divergences(lp: torch.Tensor, lq: torch.Tensor) -> tuple[float, float, float]:
-    """Mean per-token (D2, KL, TV) of target ``lp`` against draft ``lq`` (``[L, V]``)."""
-    d2 = torch.logsumexp(2 * lp - lq, -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    tv = 0.5 * (lp.exp() - lq.exp()).abs().sum(-1)
-    return d2.mean().item(), kl.mean().item(), tv.mean().item()
+    """Mean per-token (D2, KL, TV) of target ``lp`` against draft ``lq`` (``[L, V]``), by
+    :func:`smcspec.distill.objectives.divergences` (the fit's validation figures)."""
+    figs = objectives.divergences(lp, lq)
+    return tuple(figs[k].mean().item() for k in ("d2", "kl", "tv"))
 
 
 def main() -> None:

@@ -410,7 +410,7 @@ def test_costs_are_measured_once_and_cached(engine, own_cache, monkeypatch):
 def test_a_row_count_warms_up_once_then_times_each_shape(monkeypatch):
     """On a CPU the first forward after a row count's prefill is the one untimed warm-up:
     a later token count's first forward is timed (it takes what the timed ones take,
-    docs/benchmarks/tuner-warm-up.md); ``reps`` timed forwards a shape, each rolled back."""
+    docs/benchmarks/tuner-warm-up/); ``reps`` timed forwards a shape, each rolled back."""
     from enumerable import tiny_transformer
 
     from smcspec.tuning.measure import forward_timings_by_tokens
