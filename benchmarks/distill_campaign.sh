@@ -7,7 +7,8 @@
 #   the committed ar records, 5. tokens a round of chain sd K=4 and multi-draft sd N=8 K=4
 #   with the fitted draft on the 40 prompts of docs/benchmarks/multi-draft-cpu,
 #   6. the kl fit (its validation curve beside chi2's; run right after step 2, while the
-#      teacher's answers are on this machine).
+#      teacher's answers are on this machine), 7. GSM8K first 100 with the kl draft at draft
+#      temperature 0.6 (the best answer NLL of docs/benchmarks/distill/simulated-rounds.txt).
 # The fitted draft (its manifest and LoRA GGUF, a few MB) is copied into the repository once
 # made, so that a lost machine costs only the step in progress: with that copy present,
 # steps 1 and 2 are skipped.
@@ -89,4 +90,12 @@ step "5. tokens a round, chain sd K=4 and multi-draft sd N=8 K=4, fitted draft"
     --draft-tokens 4 --threads 2 --draft "$FIT" --out docs/benchmarks/distill/acceptance-chi2
 
 [ -f docs/benchmarks/distill/validation-kl.jsonl ] || kl_fit
+
+GK=$G/kl-draft-t0.6
+mkdir -p "$GK"
+seed_records docs/benchmarks/gsm8k-gpu-settings/results.jsonl "$GK/results.jsonl" ar 100
+step "7. GSM8K first 100 with the kl draft at draft temperature 0.6"
+$SMC eval gsm8k --first 100 --methods smc-n4-k12,smc-n8-k8 --draft docs/benchmarks/distill/draft-kl \
+    --nll --max-new-tokens 512 --temperature 0.7 --draft-temperature 0.6 --backend llamacpp \
+    --threads 2 --out "$GK"
 step "done"

@@ -7,10 +7,27 @@ the temperature (``log_softmax(logits / T)``), then the divergences of
 :mod:`smcspec.distill.objectives` on the full vocabulary (no top-k bucketing): D2(p||q) =
 log sum p^2 / q, KL(p||q), TV. The fitted draft runs on llama.cpp (its LoRA GGUF), and with
 ``--torch`` also on torch (its merged folder), with the largest logit difference between
-the two: the export's check on the real pair.
+the two: the export's check on the real pair. ``--fitted`` takes several drafts
+(``NAME=FOLDER``), each run on llama.cpp.
+
+With ``--blocks N,K`` (repeatable), what those per-token distributions mean for SMC-SD's
+rounds, by simulation (:func:`simulate_blocks`): the answer cut into blocks of K positions,
+N particles each drawing every position's token from the draft, their block log-weights
+``sum log p/q`` and the ESS of those weights (the records' ``mean_round_ess`` is the same
+quantity measured in the engine), the chosen particle's tokens' ``-log p`` (how far what
+SMC-SD keeps is from the target's own tokens, whose mean is the target's entropy), and
+``exp(-sum D2)``, the large-N ESS fraction of a block. Every position keeps the answer's
+own prefix: within a block the particles' real prefixes differ, so this is the
+independent-positions model of a round, not a run of the decoder. ``--draft-temperatures``
+adds each draft at other temperatures against the target at ``--temperature`` (SMC-SD's
+``--draft-temperature``: the weights stay exact, the proposal sharpens or spreads).
 
   python benchmarks/distill_divergence.py --fitted runs/distill/chi2/draft \\
       --records docs/benchmarks/gsm8k-gpu-settings/results.jsonl --method ar --torch
+  python benchmarks/distill_divergence.py --fitted chi2=docs/benchmarks/distill/draft-chi2 \\
+      kl=docs/benchmarks/distill/draft-kl \\
+      --records docs/benchmarks/gsm8k-gpu-settings/results.jsonl --answers 8 \\
+      --blocks 4,12 --blocks 8,8
 """
 
 from __future__ import annotations
@@ -45,47 +62,137 @@ def divergences(lp: torch.Tensor, lq: torch.Tensor) -> tuple[float, float, float
     return tuple(figs[k].mean().item() for k in ("d2", "kl", "tv"))
 
 
+def simulate_blocks(
+    lp: torch.Tensor, lq: torch.Tensor, n: int, k: int, reps: int, gen: torch.Generator
+) -> dict[str, float]:
+    """SMC-SD rounds of N particles and K drafted tokens, simulated on one answer's
+    per-position distributions (the independent-positions model of the module docstring).
+
+    Args:
+        lp, lq: float32 ``[L, V]``: the target's and the draft's tempered log-probabilities
+            at the answer's L positions; positions past the last whole block are dropped.
+        n, k: particles and drafted tokens a round.
+        reps: simulated rounds per block.
+        gen: the generator of the draws.
+    Returns:
+        Means over blocks and repetitions: ``ess`` (``(sum w)^2 / sum w^2`` of the block
+        weights ``w = prod p/q``; N when the draft is the target), ``ess_large_n`` (N times
+        ``exp(-sum D2)`` of the block's positions, the ESS as N grows), ``kept_nll`` (nats a
+        token of ``-log p`` of the particle drawn by weight, as SMC-SD's resampling keeps it)
+        and ``draft_nll`` (the same over every particle, before weighting). Empty when L < K.
+    """
+    blocks = lp.shape[0] // k
+    if blocks == 0:
+        return {}
+    lp, lq = lp[: blocks * k], lq[: blocks * k]
+    x = torch.multinomial(lq.exp(), reps * n, replacement=True, generator=gen)  # [L, R*N]
+    step = (lp.gather(1, x) - lq.gather(1, x)).view(blocks, k, reps, n)
+    nll = (-lp.gather(1, x)).view(blocks, k, reps, n).mean(1)  # [B, R, N]
+    logw = step.sum(1)  # [B, R, N]
+    ess = (2 * logw.logsumexp(-1) - (2 * logw).logsumexp(-1)).exp()
+    kept = torch.multinomial(logw.softmax(-1).view(-1, n), 1, generator=gen).view(blocks, reps)
+    d2 = objectives.d2(lp, lq).view(blocks, k).sum(1)
+    return {
+        "ess": ess.mean().item(),
+        "ess_large_n": n * (-d2).exp().mean().item(),
+        "kept_nll": nll.gather(-1, kept[..., None]).mean().item(),
+        "draft_nll": nll.mean().item(),
+    }
+
+
+def parse_drafts(specs: list[str]) -> dict[str, Path]:
+    """``NAME=FOLDER`` (or a bare FOLDER, named ``fitted``) to ``{name: folder}``."""
+    out = {}
+    for spec in specs:
+        name, _, folder = spec.rpartition("=")
+        out[name or "fitted"] = Path(folder)
+    return out
+
+
+Sims = dict[tuple[str, int, int], list[tuple[int, dict[str, float]]]]
+
+
+def load_drafts(engine: Engine, fitted: dict[str, Path], on_torch: bool) -> dict:
+    """The base draft, each fitted one on llama.cpp, and the first on torch too."""
+    drafts = {"base": engine.draft.model}
+    for name, folder in fitted.items():
+        drafts[f"{name}-llamacpp"] = load_model(folder, backend="llamacpp", tokenizer=False).model
+    if on_torch:
+        name, folder = next(iter(fitted.items()))
+        drafts[f"{name}-torch"] = load_model(folder, backend="torch", tokenizer=False).model
+    return drafts
+
+
+def report(totals: dict, sims: Sims, reps: int) -> None:
+    """Token-weighted means of the divergences (and of the target's entropy, row
+    ``target``), block-weighted means of the simulations."""
+    for name, rows in totals.items():
+        n = sum(t for t, _ in rows)
+        mean = tuple(sum(t * f[i] for t, f in rows) / n for i in range(len(rows[0][1])))
+        if name == "target":
+            print(f"the target's entropy over {n} tokens: {mean[0]:.3f} nats a token")
+        else:
+            print(f"{name}, over {n} tokens: D2 %.3f KL %.3f TV %.3f" % mean)
+    for (name, n, k), rows in sims.items():
+        b = sum(c for c, _ in rows)
+        mean = {key: sum(c * s[key] for c, s in rows) / b for key in rows[0][1]}
+        print(f"{name} N={n} K={k}, {b} blocks x {reps}: simulated round ESS "
+              f"{mean['ess']:.2f}, large-N {mean['ess_large_n']:.2f}; -log p a token: kept "
+              f"{mean['kept_nll']:.3f}, drafted {mean['draft_nll']:.3f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fitted", type=Path, required=True, help="the fitted draft's folder")
+    ap.add_argument("--fitted", nargs="+", required=True, help="fitted drafts: [NAME=]FOLDER")
     ap.add_argument("--records", type=Path, required=True, help="a GSM8K results.jsonl")
     ap.add_argument("--method", default="ar", help="whose answers (a method of the records)")
     ap.add_argument("--answers", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--torch", action="store_true", help="also the merged folder on torch")
+    ap.add_argument("--torch", action="store_true", help="also the first fitted on torch")
+    ap.add_argument("--blocks", action="append", default=[], help="N,K: simulate SMC-SD rounds")
+    ap.add_argument("--reps", type=int, default=64, help="simulated rounds a block")
+    ap.add_argument("--draft-temperatures", default="", help="e.g. 0.5,0.6: drafts also at these")
     args = ap.parse_args()
     engine = Engine.load()
-    drafts = {
-        "base": engine.draft.model,
-        "fitted-llamacpp": load_model(args.fitted, backend="llamacpp", tokenizer=False).model,
-    }
-    if args.torch:
-        drafts["fitted-torch"] = load_model(args.fitted, backend="torch", tokenizer=False).model
+    drafts = load_drafts(engine, parse_drafts(args.fitted), args.torch)
+    on_torch = [name for name in drafts if name.endswith("-torch")]
+    settings = [tuple(int(v) for v in b.split(",")) for b in args.blocks]
+    temps = [args.temperature] + [float(t) for t in args.draft_temperatures.split(",") if t]
+    gen = torch.Generator().manual_seed(0)
     items = {it.id: it for it in gsm8k.load_gsm8k()}
     records = [json.loads(line) for line in args.records.read_text().splitlines() if line]
     records = [r for r in records if r["method"] == args.method][: args.answers]
     print(f"answers: {args.method} of {args.records}, T = {args.temperature}")
-    totals: dict[str, list[tuple[int, tuple[float, float, float]]]] = {}
+    totals: dict[str, list[tuple[int, tuple[float, ...]]]] = {}
+    sims: Sims = {}
     for r in records:
         prompt = engine.encode(gsm8k.build_messages(items[r["item"]].question))
         answer = engine.target.tokenizer.encode(r["output"], add_special_tokens=False)
         ids, p = prompt + answer, len(prompt)
         lp, _ = log_probs(engine.target.model, ids, p, args.temperature)
+        entropy = -(lp.exp() * lp).sum(-1).mean().item()
+        print(f"{r['item']}: {len(answer)} tokens, the target's entropy {entropy:.3f} nats a token")
+        totals.setdefault("target", []).append((len(answer), (entropy,)))
         logits = {}
-        for name, model in drafts.items():
-            lq, logits[name] = log_probs(model, ids, p, args.temperature)
-            figs = divergences(lp, lq)
-            totals.setdefault(name, []).append((len(answer), figs))
-            print(f"{r['item']} {name}: {len(answer)} tokens, D2 %.3f KL %.3f TV %.3f" % figs)
-        if args.torch:
-            diff = (logits["fitted-llamacpp"] - logits["fitted-torch"]).abs().max().item()
-            apart = (logits["base"] - logits["fitted-torch"]).abs().max().item()
+        for model_name, model in drafts.items():
+            _, logits[model_name] = log_probs(model, ids, p, args.temperature)
+            for t in temps if not model_name.endswith("-torch") else temps[:1]:
+                name = model_name if t == args.temperature else f"{model_name} at T {t}"
+                lq = torch.log_softmax(logits[model_name] / t, -1)
+                figs = divergences(lp, lq)
+                totals.setdefault(name, []).append((len(answer), figs))
+                print(f"{r['item']} {name}: {len(answer)} tokens, D2 %.3f KL %.3f TV %.3f" % figs)
+                for n, k in settings:
+                    if sim := simulate_blocks(lp, lq, n, k, args.reps, gen):
+                        sims.setdefault((name, n, k), []).append((len(answer) // k, sim))
+        if on_torch:
+            torch_name = on_torch[0]
+            cpp = logits[torch_name.replace("-torch", "-llamacpp")]
+            diff = (cpp - logits[torch_name]).abs().max().item()
+            apart = (logits["base"] - logits[torch_name]).abs().max().item()
             print(f"  largest logit difference, fitted llama.cpp vs torch {diff:.3f} "
                   f"(base vs fitted {apart:.3f})")  # fmt: skip
-    for name, rows in totals.items():
-        n = sum(t for t, _ in rows)
-        mean = [sum(t * f[i] for t, f in rows) / n for i in range(3)]
-        print(f"{name}, over {n} tokens: D2 %.3f KL %.3f TV %.3f" % tuple(mean))
+    report(totals, sims, args.reps)
 
 
 if __name__ == "__main__":
