@@ -5,7 +5,7 @@
 #   3. GSM8K first 100 with the fitted draft (smc-n4-k12, smc-n8-k8), paired with the
 #   committed ar records, 4. HumanEval first 50 at smc-n8-k8, base and fitted, paired with
 #   the committed ar records, 5. tokens a round of chain sd K=4 and multi-draft sd N=8 K=4
-#   with the fitted draft on the 40 prompts of docs/benchmarks/multi-draft-cpu,
+#   with the fitted draft (5b: the kl draft) on the 40 prompts of docs/benchmarks/multi-draft-cpu,
 #   6. the kl fit (its validation curve beside chi2's; run right after step 2, while the
 #      teacher's answers are on this machine), 7. GSM8K first 100 with the kl draft at draft
 #      temperature 0.6 (the best answer NLL of docs/benchmarks/distill/simulated-rounds.txt).
@@ -88,6 +88,10 @@ $SMC eval humaneval --first 50 --methods smc-n8-k8 --seed 0 "${EVAL_ARGS[@]}" --
 step "5. tokens a round, chain sd K=4 and multi-draft sd N=8 K=4, fitted draft"
 .venv/bin/python benchmarks/multi_draft_acceptance.py --prompts 20 --particles 1,8 \
     --draft-tokens 4 --threads 2 --draft "$FIT" --out docs/benchmarks/distill/acceptance-chi2
+step "5b. the same with the kl draft"
+.venv/bin/python benchmarks/multi_draft_acceptance.py --prompts 20 --particles 1,8 \
+    --draft-tokens 4 --threads 2 --draft docs/benchmarks/distill/draft-kl \
+    --out docs/benchmarks/distill/acceptance-kl
 
 [ -f docs/benchmarks/distill/validation-kl.jsonl ] || kl_fit
 
