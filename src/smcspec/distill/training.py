@@ -287,6 +287,50 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def validation_milestones(total: int, validations: int) -> list[int]:
+    """The training tokens after which the fit validates: 0, then ``validations`` evenly
+    spaced up to ``total`` (none when ``validations`` is 0)."""
+    if not validations:
+        return []
+    return [0, *(round(total * j / validations) for j in range(1, validations + 1))]
+
+
+def _validate_if_due(model, val_recs, cfg, state: dict, milestones: list[int], log) -> None:
+    """Validate (and append the figures per domain to ``cfg.out``'s validation file) when
+    ``state["tokens"]`` has passed a milestone not yet validated; ``state["validated"]``
+    records the last one done, so a resumed run does not repeat it."""
+    due = [i for i, m in enumerate(milestones) if state["tokens"] >= m]
+    if not due or due[-1] <= state["validated"]:
+        return
+    model.eval()
+    figures = validate(model, val_recs, cfg.temperature, cfg.device, cfg.dtype)
+    model.train()
+    with open(cfg.out / VALIDATION, "a") as fh:
+        for domain, f in sorted(figures.items()):
+            fh.write(json.dumps({"tokens": state["tokens"], "step": state["step"],
+                                 "domain": domain, **f}) + "\n")  # fmt: skip
+    state["validated"] = due[-1]
+    a = figures.get("all", {})
+    log(f"validation at {state['tokens']:,} tokens: D2 {a.get('d2', 0):.4f} "
+        f"KL {a.get('kl', 0):.4f} TV {a.get('tv', 0):.4f}")  # fmt: skip
+
+
+def _fit_step(model, group: list[TeacherRecord], cfg, progress: float, params, opt) -> float:
+    """One optimiser step on ``group``'s answers: the objective summed over their positions
+    over the group's token count, gradients clipped at norm 1; returns the step's loss."""
+    n = sum(len(r.ids) for r in group)
+    loss_sum = 0.0
+    for r in group:
+        lp, lq = record_terms(model, r, cfg.temperature, cfg.device, cfg.dtype)
+        loss = objective(cfg.objective, lp, lq, progress).sum() / n
+        loss.backward()
+        loss_sum += loss.item()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum
+
+
 def train(cfg, log: Callable[[str], None], max_steps: int | None = None) -> dict:
     """Fit the adapters (see the module notes); return the final state (steps, tokens,
     seconds, peak RSS). ``max_steps`` stops early after that many steps in this call (a
@@ -325,26 +369,9 @@ def train(cfg, log: Callable[[str], None], max_steps: int | None = None) -> dict
         _load_checkpoint(state, model, opt, sched)
         log(f"resuming {cfg.out} at step {state['step']} of {len(groups)} "
             f"({state['tokens']:,} tokens)")  # fmt: skip
-    milestones = [round(total * j / cfg.validations) for j in range(1, cfg.validations + 1)]
-    milestones = [0, *milestones] if cfg.validations else []
-
-    def maybe_validate() -> None:
-        due = [i for i, m in enumerate(milestones) if state["tokens"] >= m]
-        if due and due[-1] > state["validated"]:
-            model.eval()
-            figures = validate(model, val_recs, cfg.temperature, cfg.device, cfg.dtype)
-            model.train()
-            with open(cfg.out / VALIDATION, "a") as fh:
-                for domain, f in sorted(figures.items()):
-                    fh.write(json.dumps({"tokens": state["tokens"], "step": state["step"],
-                                         "domain": domain, **f}) + "\n")  # fmt: skip
-            state["validated"] = due[-1]
-            a = figures.get("all", {})
-            log(f"validation at {state['tokens']:,} tokens: D2 {a.get('d2', 0):.4f} "
-                f"KL {a.get('kl', 0):.4f} TV {a.get('tv', 0):.4f}")  # fmt: skip
-
+    milestones = validation_milestones(total, cfg.validations)
     model.train()
-    maybe_validate()
+    _validate_if_due(model, val_recs, cfg, state, milestones, log)
     bar = tqdm(total=total, initial=state["tokens"], unit="tok", desc=f"fit ({cfg.objective})",
                file=sys.stderr)  # fmt: skip
     steps_here = 0
@@ -352,17 +379,8 @@ def train(cfg, log: Callable[[str], None], max_steps: int | None = None) -> dict
         t0 = time.perf_counter()
         group = [train_recs[i] for i in groups[state["step"]]]
         n = sum(len(r.ids) for r in group)
-        loss_sum = 0.0
-        progress = state["tokens"] / max(total, 1)
-        for r in group:
-            lp, lq = record_terms(model, r, cfg.temperature, cfg.device, cfg.dtype)
-            loss = objective(cfg.objective, lp, lq, progress).sum() / n
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss_sum = _fit_step(model, group, cfg, state["tokens"] / max(total, 1), params, opt)
         sched.step()
-        opt.zero_grad(set_to_none=True)
         state["step"] += 1
         state["tokens"] += n
         state["seconds"] += time.perf_counter() - t0
@@ -370,7 +388,7 @@ def train(cfg, log: Callable[[str], None], max_steps: int | None = None) -> dict
         steps_here += 1
         bar.update(n)
         bar.set_postfix_str(f"loss {loss_sum:.4f} lr {sched.get_last_lr()[0]:.2e}")
-        maybe_validate()
+        _validate_if_due(model, val_recs, cfg, state, milestones, log)
         last = state["step"] == len(groups)
         state["done"] = last
         stop = max_steps is not None and steps_here >= max_steps
