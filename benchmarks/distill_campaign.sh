@@ -7,7 +7,8 @@
 #   the committed ar records, 5. tokens a round of chain sd K=4 and multi-draft sd N=8 K=4
 #   with the fitted draft (5b: the kl draft) on the 40 prompts of docs/benchmarks/multi-draft-cpu,
 #   6. the kl fit (its validation curve beside chi2's; run right after step 2, while the
-#      teacher's answers are on this machine), 7. GSM8K first 100 with the kl draft at draft
+#      teacher's answers are on this machine), 6b. the anneal and reverse-kl fits and
+#      SMC-SD's rounds simulated on all four drafts, 7. GSM8K first 100 with the kl draft at draft
 #      temperature 0.6 (the best answer NLL of docs/benchmarks/distill/simulated-rounds.txt).
 # The fitted draft (its manifest and LoRA GGUF, a few MB) is copied into the repository once
 # made, so that a lost machine costs only the step in progress: with that copy present,
@@ -94,6 +95,21 @@ step "5b. the same with the kl draft"
     --out docs/benchmarks/distill/acceptance-kl
 
 [ -f docs/benchmarks/distill/validation-kl.jsonl ] || kl_fit
+
+step "6b. the anneal and reverse-kl fits (curves), then SMC-SD's rounds simulated on every draft"
+for obj in anneal reverse-kl; do
+    [ -f "$RUNS/$obj/draft/manifest.json" ] && continue
+    $SMC distill --stage data --out "$RUNS/teacher" --tokens 100000  # made again if lost
+    $SMC distill --teacher "$RUNS/teacher" --out "$RUNS/$obj" --objective "$obj" \
+        --dtype bfloat16 --tokens 100000
+    cp "$RUNS/$obj/validation.jsonl" "docs/benchmarks/distill/validation-$obj.jsonl"
+    cp "$RUNS/$obj/draft/manifest.json" "docs/benchmarks/distill/manifest-$obj.json"
+done
+SIM=docs/benchmarks/distill/simulated-rounds-4-objectives.txt
+[ -s "$SIM" ] || .venv/bin/python benchmarks/distill_divergence.py \
+    --fitted chi2=$FIT kl=docs/benchmarks/distill/draft-kl anneal="$RUNS/anneal/draft" \
+    reverse-kl="$RUNS/reverse-kl/draft" --records docs/benchmarks/gsm8k-gpu-settings/results.jsonl \
+    --answers 8 --blocks 4,12 --blocks 8,8 --draft-temperatures 0.6 > "$SIM.tmp" && mv "$SIM.tmp" "$SIM"
 
 GK=$G/kl-draft-t0.6
 mkdir -p "$GK"
