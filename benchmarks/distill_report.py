@@ -1,12 +1,14 @@
 """Tables of issue 84's measurements, from the committed records (no model runs).
 
-* the validation curves (``docs/benchmarks/distill/validation-<objective>.jsonl``): per-token
+* the validation curves (``docs/benchmarks/distill/validation-<objective>.jsonl``, every
+  objective that has one): per-token
   D2, KL, TV and chain sd's acceptance ``1 - TV`` per domain at each measured token count;
 * GSM8K first 100 (``docs/benchmarks/distill-gsm8k/results.jsonl``: the fitted draft's
   SMC-SD settings and copies of ``ar``'s records) against ``ar`` and against the base draft's
   committed records (``docs/benchmarks/gsm8k-gpu-settings/results.jsonl``), paired by
-  question: right answers, the exact McNemar p-value, mean round ESS, resampling rate and
-  tokens a round;
+  question: right answers, the exact McNemar p-value, mean round ESS, resampling rate,
+  tokens a round and the H200 tokens/s they predict (:func:`predicted_h200`); the same for the
+  kl draft's run (``distill-gsm8k/kl-draft-t0.6/``) once it has records;
 * HumanEval first 50 (``docs/benchmarks/distill-humaneval/{base,chi2}/results.jsonl``);
 * tokens a round of chain and multi-draft sd (``docs/benchmarks/distill/acceptance-*/`` against
   ``docs/benchmarks/multi-draft-cpu/records.jsonl``, the same prompts and seeds), with the
@@ -69,6 +71,22 @@ def _smc_stats(recs: list[dict]) -> tuple[float, float, float]:
     )
 
 
+def predicted_h200(n: int, k: int, tokens_a_round: float, h200: dict) -> float:
+    """A **prediction**: tokens a round over the H200's seconds a round at N particles and K
+    drafts (:func:`multi_draft_acceptance.h200_round_seconds`, Llama-3.1-8B / 3.2-1B shapes),
+    linear in K between the two measured K around it at the same N where K itself was not
+    measured; NaN outside the measured K."""
+    if (n, k) in h200:
+        return tokens_a_round / h200[(n, k)]
+    ks = sorted(kk for nn, kk in h200 if nn == n)
+    lo = max((kk for kk in ks if kk < k), default=None)
+    hi = min((kk for kk in ks if kk > k), default=None)
+    if lo is None or hi is None:
+        return float("nan")
+    t = (k - lo) / (hi - lo)
+    return tokens_a_round / ((1 - t) * h200[(n, lo)] + t * h200[(n, hi)])
+
+
 def _paired(a: dict[str, bool], b: dict[str, bool]) -> tuple[int, int, int, float]:
     items = sorted(set(a) & set(b))
     x, y = [a[i] for i in items], [b[i] for i in items]
@@ -82,9 +100,11 @@ def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[s
     ar = by(fitted, "ar")
     lines = [
         f"| {task} setting | draft | answered | right | `ar` right (same items) | p vs `ar` "
-        "| base right (same items) | p vs base | mean ESS | resamples a round | tokens a round |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| base right (same items) | p vs base | mean ESS | resamples a round | tokens a round "
+        "| predicted H200 tokens/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    h200 = h200_round_seconds()
     for s in settings:
         for label, recs in (("fitted", fitted), ("base", base)):
             mine = by(recs, s)
@@ -101,7 +121,9 @@ def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[s
             else:
                 cells += ["-", "-"]
             ess, rate, tpr = _smc_stats([r for r in recs if r["method"] == s])
-            cells += [f"{ess:.2f}", f"{rate:.2f}", f"{tpr:.2f}"]
+            n_k = [int(v[1:]) for v in s.split("-")[1:]]  # smc-n8-k8 -> [8, 8]
+            pred = predicted_h200(n_k[0], n_k[1], tpr, h200) if len(n_k) == 2 else float("nan")
+            cells += [f"{ess:.2f}", f"{rate:.2f}", f"{tpr:.2f}", f"{pred:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -152,12 +174,16 @@ def acceptance_table() -> list[str]:
 
 def main() -> int:
     out = ["## Validation curves", ""]
-    for objective in ("chi2", "kl"):
-        out += validation_table(objective) + [""]
-    gsm = _jsonl(DOCS / "distill-gsm8k" / "results.jsonl")
+    for objective in ("chi2", "kl", "anneal", "reverse-kl"):
+        if (DOCS / "distill" / f"validation-{objective}.jsonl").is_file():
+            out += validation_table(objective) + [""]
     gsm_base = _jsonl(DOCS / "gsm8k-gpu-settings" / "results.jsonl")
-    out += ["## GSM8K, first 100", ""]
-    out += task_table("GSM8K", gsm, gsm_base, ["smc-n4-k12", "smc-n8-k8"]) + [""]
+    runs = (("the chi2 draft", "."), ("the kl draft at draft T 0.6", "kl-draft-t0.6"))
+    for title, folder in runs:
+        gsm = _jsonl(DOCS / "distill-gsm8k" / folder / "results.jsonl")
+        if any(r["method"] != "ar" for r in gsm):
+            out += [f"## GSM8K, first 100, {title}", ""]
+            out += task_table("GSM8K", gsm, gsm_base, ["smc-n4-k12", "smc-n8-k8"]) + [""]
     he_fit = _jsonl(DOCS / "distill-humaneval" / "chi2" / "results.jsonl")
     he_base = _jsonl(DOCS / "distill-humaneval" / "base" / "results.jsonl")
     out += ["## HumanEval, first 50", ""]
