@@ -11,14 +11,11 @@ the two: the export's check on the real pair. ``--fitted`` takes several drafts
 (``NAME=FOLDER``), each run on llama.cpp.
 
 With ``--blocks N,K`` (repeatable), what those per-token distributions mean for SMC-SD's
-rounds, by simulation (:func:`simulate_blocks`): the answer cut into blocks of K positions,
-N particles each drawing every position's token from the draft, their block log-weights
-``sum log p/q`` and the ESS of those weights (the records' ``mean_round_ess`` is the same
-quantity measured in the engine), the chosen particle's tokens' ``-log p`` (how far what
-SMC-SD keeps is from the target's own tokens, whose mean is the target's entropy), and
-``exp(-sum D2)``, the large-N ESS fraction of a block. Every position keeps the answer's
-own prefix: within a block the particles' real prefixes differ, so this is the
-independent-positions model of a round, not a run of the decoder. ``--draft-temperatures``
+rounds, by :func:`smcspec.distill.rounds.simulate_rounds` (the independent-positions model
+of a round, not a run of the decoder): the round's ESS (the records' ``mean_round_ess``
+measured in the engine), the ESS as N grows (N ``exp(-sum D2)``), and the ``-log p`` of the
+tokens of the particle kept by weight (how far what SMC-SD keeps is from the target's own
+tokens, whose mean is the target's entropy) and of every drafted particle. ``--draft-temperatures``
 adds each draft at other temperatures against the target at ``--temperature`` (SMC-SD's
 ``--draft-temperature``: the weights stay exact, the proposal sharpens or spreads).
 
@@ -34,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from smcspec import Engine
 from smcspec.distill import objectives
+from smcspec.distill.rounds import simulate_rounds
 from smcspec.eval import gsm8k
 from smcspec.models import load_model
 
@@ -60,44 +59,6 @@ def divergences(lp: torch.Tensor, lq: torch.Tensor) -> tuple[float, float, float
     :func:`smcspec.distill.objectives.divergences` (the fit's validation figures)."""
     figs = objectives.divergences(lp, lq)
     return tuple(figs[k].mean().item() for k in ("d2", "kl", "tv"))
-
-
-def simulate_blocks(
-    lp: torch.Tensor, lq: torch.Tensor, n: int, k: int, reps: int, gen: torch.Generator
-) -> dict[str, float]:
-    """SMC-SD rounds of N particles and K drafted tokens, simulated on one answer's
-    per-position distributions (the independent-positions model of the module docstring).
-
-    Args:
-        lp, lq: float32 ``[L, V]``: the target's and the draft's tempered log-probabilities
-            at the answer's L positions; positions past the last whole block are dropped.
-        n, k: particles and drafted tokens a round.
-        reps: simulated rounds per block.
-        gen: the generator of the draws.
-    Returns:
-        Means over blocks and repetitions: ``ess`` (``(sum w)^2 / sum w^2`` of the block
-        weights ``w = prod p/q``; N when the draft is the target), ``ess_large_n`` (N times
-        ``exp(-sum D2)`` of the block's positions, the ESS as N grows), ``kept_nll`` (nats a
-        token of ``-log p`` of the particle drawn by weight, as SMC-SD's resampling keeps it)
-        and ``draft_nll`` (the same over every particle, before weighting). Empty when L < K.
-    """
-    blocks = lp.shape[0] // k
-    if blocks == 0:
-        return {}
-    lp, lq = lp[: blocks * k], lq[: blocks * k]
-    x = torch.multinomial(lq.exp(), reps * n, replacement=True, generator=gen)  # [L, R*N]
-    step = (lp.gather(1, x) - lq.gather(1, x)).view(blocks, k, reps, n)
-    nll = (-lp.gather(1, x)).view(blocks, k, reps, n).mean(1)  # [B, R, N]
-    logw = step.sum(1)  # [B, R, N]
-    ess = (2 * logw.logsumexp(-1) - (2 * logw).logsumexp(-1)).exp()
-    kept = torch.multinomial(logw.softmax(-1).view(-1, n), 1, generator=gen).view(blocks, reps)
-    d2 = objectives.d2(lp, lq).view(blocks, k).sum(1)
-    return {
-        "ess": ess.mean().item(),
-        "ess_large_n": n * (-d2).exp().mean().item(),
-        "kept_nll": nll.gather(-1, kept[..., None]).mean().item(),
-        "draft_nll": nll.mean().item(),
-    }
 
 
 def parse_drafts(specs: list[str]) -> dict[str, Path]:
@@ -135,7 +96,7 @@ def report(totals: dict, sims: Sims, reps: int) -> None:
             print(f"{name}, over {n} tokens: D2 %.3f KL %.3f TV %.3f" % mean)
     for (name, n, k), rows in sims.items():
         b = sum(c for c, _ in rows)
-        mean = {key: sum(c * s[key] for c, s in rows) / b for key in rows[0][1]}
+        mean = {key: sum(c * s[key] for c, s in rows) / b for key in rows[0][1] if key != "blocks"}
         print(f"{name} N={n} K={k}, {b} blocks x {reps}: simulated round ESS "
               f"{mean['ess']:.2f}, large-N {mean['ess_large_n']:.2f}; -log p a token: kept "
               f"{mean['kept_nll']:.3f}, drafted {mean['draft_nll']:.3f}")  # fmt: skip
@@ -183,8 +144,8 @@ def main() -> None:
                 totals.setdefault(name, []).append((len(answer), figs))
                 print(f"{r['item']} {name}: {len(answer)} tokens, D2 %.3f KL %.3f TV %.3f" % figs)
                 for n, k in settings:
-                    if sim := simulate_blocks(lp, lq, n, k, args.reps, gen):
-                        sims.setdefault((name, n, k), []).append((len(answer) // k, sim))
+                    if sim := simulate_rounds(lp, lq, n, k, args.reps, gen):
+                        sims.setdefault((name, n, k), []).append((sim.blocks, asdict(sim)))
         if on_torch:
             torch_name = on_torch[0]
             cpp = logits[torch_name.replace("-torch", "-llamacpp")]
