@@ -15,9 +15,10 @@ rounds, by :func:`smcspec.distill.rounds.simulate_rounds` (the independent-posit
 of a round, not a run of the decoder): the round's ESS (the records' ``mean_round_ess``
 measured in the engine), the ESS as N grows (N ``exp(-sum D2)``), and the ``-log p`` of the
 tokens of the particle kept by weight (how far what SMC-SD keeps is from the target's own
-tokens, whose mean is the target's entropy) and of every drafted particle. ``--draft-temperatures``
-adds each draft at other temperatures against the target at ``--temperature`` (SMC-SD's
-``--draft-temperature``: the weights stay exact, the proposal sharpens or spreads).
+tokens, whose mean is the target's entropy) and of every drafted particle.
+``--draft-temperatures`` adds each draft at other temperatures against the target at
+``--temperature`` (SMC-SD's ``--draft-temperature``: the weights stay exact, the proposal
+sharpens or spreads).
 
   python benchmarks/distill_divergence.py --fitted runs/distill/chi2/draft \\
       --records docs/benchmarks/gsm8k-gpu-settings/results.jsonl --method ar --torch
