@@ -9,7 +9,8 @@
 #   6. the kl fit (its validation curve beside chi2's; run right after step 2, while the
 #      teacher's answers are on this machine), 6b. the anneal and reverse-kl fits and
 #      SMC-SD's rounds simulated on all four drafts, 7. GSM8K first 100 with the kl draft at draft
-#      temperature 0.6 (the best answer NLL of docs/benchmarks/distill/simulated-rounds.txt).
+#      temperature 0.6 (docs/benchmarks/distill/simulated-rounds.txt: kept -log p below the base
+#      draft's at both settings with a large-N ESS not below it).
 # The fitted draft (its manifest and LoRA GGUF, a few MB) is copied into the repository once
 # made, so that a lost machine costs only the step in progress: with that copy present,
 # steps 1 and 2 are skipped.
