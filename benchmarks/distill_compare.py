@@ -4,8 +4,8 @@ Pairs records by item: the fitted draft's run of each method against the base dr
 the same method (same questions, seeds and settings) and against the baseline method (``ar``,
 no draft), on the items every side has; prints a markdown table: right answers, exact McNemar
 p (:func:`smcspec.eval.mcnemar_pvalue`), and the SMC-SD statistics reported beside (mean ESS,
-resampling rate = resamples / rounds, tokens a round = new tokens / rounds), each the mean
-over the paired items.
+resampling rate = all resamples / all rounds, tokens a round = all new tokens / all rounds,
+pooled over the paired items: :func:`distill_report.smc_stats`).
 
   python benchmarks/distill_compare.py docs/benchmarks/distill-gsm8k/results.jsonl \\
       docs/benchmarks/gsm8k-gpu-settings/results.jsonl --methods smc-n4-k12,smc-n8-k8
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
-from smcspec.eval import mcnemar_pvalue
+sys.path.insert(0, str(Path(__file__).parent))
+from distill_report import smc_stats  # noqa: E402
+
+from smcspec.eval import mcnemar_pvalue  # noqa: E402
 
 
 def read(path: Path) -> dict[tuple[str, str], dict]:
@@ -36,15 +39,11 @@ def right(r: dict) -> bool:
     return bool(r["correct"] if "correct" in r else r["passed"])
 
 
-def smc_stats(records: list[dict]) -> tuple[str, str, str]:
-    """Mean ESS, resampling rate and tokens a round over ``records`` (``-`` without them)."""
-    stats = [r.get("stats") or {} for r in records]
-    if not all("mean_ess" in s for s in stats):
+def smc_stats_text(records: list[dict]) -> tuple[str, str, str]:
+    """:func:`distill_report.smc_stats` to two decimals (``-`` where records lack them)."""
+    if not all("mean_ess" in (r.get("stats") or {}) for r in records):
         return "-", "-", "-"
-    ess = statistics.mean(s["mean_ess"] for s in stats)
-    rate = statistics.mean(s["resamples"] / max(s["rounds"], 1) for s in stats)
-    tokens = statistics.mean(r["new_tokens"] / max(r["stats"]["rounds"], 1) for r in records)
-    return f"{ess:.2f}", f"{rate:.2f}", f"{tokens:.2f}"
+    return tuple(f"{x:.2f}" for x in smc_stats(records))
 
 
 def compare(fitted: Path, base: Path, methods: list[str], baseline: str) -> str:
@@ -68,7 +67,9 @@ def compare(fitted: Path, base: Path, methods: list[str], baseline: str) -> str:
         rows.append(
             f"| {m} | {len(items)} | {sum(a)} | {sum(c)} | {sum(z)} | "
             f"{mcnemar_pvalue(a, c):.3f} | {mcnemar_pvalue(a, z):.3f} | "
-            + " | ".join(f"{x} / {y}" for x, y in zip(smc_stats(fr), smc_stats(br), strict=True))
+            + " | ".join(
+                f"{x} / {y}" for x, y in zip(smc_stats_text(fr), smc_stats_text(br), strict=True)
+            )
             + " |"
         )
     return "\n".join(rows)

@@ -57,8 +57,10 @@ def validation_table(objective: str) -> list[str]:
     return lines
 
 
-def _smc_stats(recs: list[dict]) -> tuple[float, float, float]:
-    """Mean round ESS, resamples per round and tokens a round over ``recs``."""
+def smc_stats(recs: list[dict]) -> tuple[float, float, float]:
+    """Mean round ESS (the mean of each record's ``stats.mean_ess``), the resampling rate and
+    tokens a round over ``recs``, both pooled: all resamples (new tokens) over all rounds.
+    NaN where the records carry none."""
     ess = [r["stats"]["mean_ess"] for r in recs if "mean_ess" in r["stats"]]
     rounds = sum(r["stats"].get("rounds", 0) for r in recs)
     resamples = sum(r["stats"].get("resamples", 0) for r in recs)
@@ -120,7 +122,7 @@ def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[s
                 cells += [str(right_b) if other else "-", f"{p_b:.3f}" if other else "-"]
             else:
                 cells += ["-", "-"]
-            ess, rate, tpr = _smc_stats([r for r in recs if r["method"] == s])
+            ess, rate, tpr = smc_stats([r for r in recs if r["method"] == s])
             n_k = [int(v[1:]) for v in s.split("-")[1:]]  # smc-n8-k8 -> [8, 8]
             pred = predicted_h200(n_k[0], n_k[1], tpr, h200) if len(n_k) == 2 else float("nan")
             cells += [f"{ess:.2f}", f"{rate:.2f}", f"{tpr:.2f}", f"{pred:.0f}"]
