@@ -56,7 +56,7 @@ $SMC generate "Say hi." --method sd -K 4 -m 8 --draft "$FIT" --backend llamacpp
 # copies of committed records: the same questions, seeds and settings, paired by item
 seed_records() {  # seed_records SRC DEST METHOD FIRST
     python3 - "$@" <<'EOF'
-import json, sys
+import json, re, sys
 src, dest, method, first = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 have = set()
 try:
@@ -66,7 +66,7 @@ except FileNotFoundError:
 with open(dest, "a") as out:
     for line in open(src):
         r = json.loads(line)
-        if r["method"] == method and int(r["item"].rsplit("-", 1)[1]) < first and r["id"] not in have:
+        if r["method"] == method and int(re.split("[-/]", r["item"])[-1]) < first and r["id"] not in have:
             out.write(json.dumps(r) + "\n")
 EOF
 }
