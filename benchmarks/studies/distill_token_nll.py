@@ -23,7 +23,6 @@ difference fitted minus base per class, on all paired questions and on those bot
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections import defaultdict
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+import distill_compare  # noqa: E402
 from distill_divergence import log_probs  # noqa: E402
 
 from smcspec import Engine  # noqa: E402
@@ -49,13 +49,13 @@ def token_class(piece: str) -> str:
 
 
 def read(path: Path, method: str, first: int) -> dict[str, dict]:
-    """``item -> record`` of ``method`` among GSM8K's first ``first`` questions."""
-    out = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line) if line.strip() else None
-        if r and r["method"] == method and int(r["item"].rsplit("-", 1)[1]) < first:
-            out[r["item"]] = r
-    return out
+    """``item -> record`` of ``method`` among GSM8K's first ``first`` questions, from
+    :func:`distill_compare.read`."""
+    return {
+        item: r
+        for (m, item), r in distill_compare.read(path).items()
+        if m == method and int(item.rsplit("-", 1)[1]) < first
+    }
 
 
 def class_nll(engine: Engine, question: str, output: str) -> dict[str, list[float]]:
