@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
+
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multi_draft_acceptance import h200_round_seconds  # noqa: E402
@@ -130,46 +131,61 @@ def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[s
     return lines
 
 
+def _tokens_a_round(rows: list[dict]) -> float:
+    """Tokens a round of sd records: 1 + accepted / rounds, pooled (nan for no rounds)."""
+    rounds = sum(r["rounds"] for r in rows)
+    return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
+
+
 def acceptance_table() -> list[str]:
+    """Tokens a round of each fitted draft against the base draft's on the prompts both ran.
+
+    Each fitted draft is paired with the base draft on its own common prompts (a draft still
+    running does not shrink another's pairing), and each prompt's tokens a round is compared
+    with the base draft's (Wilcoxon signed-rank test, ties dropped, :func:`scipy.stats.wilcoxon`).
+    The H200 prediction is tokens a round over the committed round cost of that (N, K) (N=1
+    priced as N=2, the smallest measured).
+    """
     base = [r for r in _jsonl(DOCS / "multi-draft-cpu" / "records.jsonl")
             if r["setting"] in ("sd-k4", "sd-n8-k4")]  # fmt: skip
-    runs = {"base": base}
-    for folder in sorted((DOCS / "distill").glob("acceptance-*")):
-        runs[folder.name.removeprefix("acceptance-")] = _jsonl(folder / "records.jsonl")
     h200 = h200_round_seconds()
     lines = [
-        "| draft | setting | prompts | tokens a round | chat | code | x base | predicted H200 "
-        "tokens/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| draft | setting | prompts | tokens a round | base draft (same prompts) | x base "
+        "| prompts lower / higher (Wilcoxon p) | chat: fitted / base | code: fitted / base "
+        "| predicted H200 tokens/s: fitted / base |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---|",
     ]
-    per: dict[tuple[str, str], float] = {}
-    common = None
-    for recs in runs.values():
-        keys = defaultdict(set)
-        for r in recs:
-            keys[r["setting"]].add(r["prompt"])
-        for prompts in keys.values():
-            common = prompts if common is None else common & prompts
-    common = common or set()
-
-    def tpr(rows: list[dict]) -> float:
-        rounds = sum(r["rounds"] for r in rows)
-        return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
-
-    for name, recs in runs.items():
+    for folder in sorted((DOCS / "distill").glob("acceptance-*")):
+        fitted = _jsonl(folder / "records.jsonl")
         for setting in ("sd-k4", "sd-n8-k4"):
-            rows = [r for r in recs if r["setting"] == setting and r["prompt"] in common]
-            if not rows:
+            mine = [r for r in fitted if r["setting"] == setting]
+            theirs = [r for r in base if r["setting"] == setting]
+            common = {r["prompt"] for r in mine} & {r["prompt"] for r in theirs}
+            mine = [r for r in mine if r["prompt"] in common]
+            theirs = [r for r in theirs if r["prompt"] in common]
+            if not mine:
                 continue
-            per[(name, setting)] = t = tpr(rows)
-            n, k = rows[0]["particles"], rows[0]["draft_tokens"]
-            pred = t / h200[(max(n, 2), k)] if (max(n, 2), k) in h200 else float("nan")
-            ratio = t / per[("base", setting)] if ("base", setting) in per else float("nan")
+            t, b = _tokens_a_round(mine), _tokens_a_round(theirs)
+            n, k = mine[0]["particles"], mine[0]["draft_tokens"]
+            cost = h200.get((max(n, 2), k), float("nan"))
+
+            def by(rows: list[dict], workload: str) -> float:
+                return _tokens_a_round([r for r in rows if r["workload"] == workload])
+
+            diff = [
+                _tokens_a_round([r]) - _tokens_a_round([o])
+                for r in mine
+                for o in theirs
+                if o["prompt"] == r["prompt"]
+            ]
+            lower, higher = sum(d < 0 for d in diff), sum(d > 0 for d in diff)
+            p = stats.wilcoxon(diff).pvalue if lower + higher else float("nan")
             lines.append(
-                f"| {name} | `{setting}` | {len({r['prompt'] for r in rows})} | {t:.2f} "
-                f"| {tpr([r for r in rows if r['workload'] == 'chat']):.2f} "
-                f"| {tpr([r for r in rows if r['workload'] == 'code']):.2f} | {ratio:.3f} "
-                f"| {pred:.0f} |"
+                f"| {folder.name.removeprefix('acceptance-')} | `{setting}` | {len(common)} "
+                f"| {t:.2f} | {b:.2f} | {t / b:.3f} | {lower} / {higher} ({p:.3f}) "
+                f"| {by(mine, 'chat'):.2f} / {by(theirs, 'chat'):.2f} "
+                f"| {by(mine, 'code'):.2f} / {by(theirs, 'code'):.2f} "
+                f"| {t / cost:.0f} / {b / cost:.0f} |"
             )
     return lines
 
