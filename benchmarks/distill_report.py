@@ -137,6 +137,27 @@ def _tokens_a_round(rows: list[dict]) -> float:
     return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
 
 
+def _paired_row(name: str, setting: str, mine: list[dict], theirs: list[dict], cost: float) -> str:
+    """One table row: a fitted draft's records against the base draft's on the same prompts."""
+    t, b = _tokens_a_round(mine), _tokens_a_round(theirs)
+    base_of = {o["prompt"]: o for o in theirs}
+    diff = [_tokens_a_round([r]) - _tokens_a_round([base_of[r["prompt"]]]) for r in mine]
+    lower, higher = sum(d < 0 for d in diff), sum(d > 0 for d in diff)
+    p = stats.wilcoxon(diff).pvalue if lower + higher else float("nan")
+
+    def by(workload: str) -> str:
+        def one(rows: list[dict]) -> float:
+            return _tokens_a_round([r for r in rows if r["workload"] == workload])
+
+        return f"{one(mine):.2f} / {one(theirs):.2f}"
+
+    return (
+        f"| {name} | `{setting}` | {len(mine)} | {t:.2f} | {b:.2f} | {t / b:.3f} "
+        f"| {lower} / {higher} ({p:.3f}) | {by('chat')} | {by('code')} "
+        f"| {t / cost:.0f} / {b / cost:.0f} |"
+    )
+
+
 def acceptance_table() -> list[str]:
     """Tokens a round of each fitted draft against the base draft's on the prompts both ran.
 
@@ -158,35 +179,15 @@ def acceptance_table() -> list[str]:
     for folder in sorted((DOCS / "distill").glob("acceptance-*")):
         fitted = _jsonl(folder / "records.jsonl")
         for setting in ("sd-k4", "sd-n8-k4"):
-            mine = [r for r in fitted if r["setting"] == setting]
-            theirs = [r for r in base if r["setting"] == setting]
-            common = {r["prompt"] for r in mine} & {r["prompt"] for r in theirs}
-            mine = [r for r in mine if r["prompt"] in common]
-            theirs = [r for r in theirs if r["prompt"] in common]
+            theirs = {r["prompt"]: r for r in base if r["setting"] == setting}
+            mine = [r for r in fitted if r["setting"] == setting and r["prompt"] in theirs]
             if not mine:
                 continue
-            t, b = _tokens_a_round(mine), _tokens_a_round(theirs)
             n, k = mine[0]["particles"], mine[0]["draft_tokens"]
             cost = h200.get((max(n, 2), k), float("nan"))
-
-            def by(rows: list[dict], workload: str) -> float:
-                return _tokens_a_round([r for r in rows if r["workload"] == workload])
-
-            diff = [
-                _tokens_a_round([r]) - _tokens_a_round([o])
-                for r in mine
-                for o in theirs
-                if o["prompt"] == r["prompt"]
-            ]
-            lower, higher = sum(d < 0 for d in diff), sum(d > 0 for d in diff)
-            p = stats.wilcoxon(diff).pvalue if lower + higher else float("nan")
-            lines.append(
-                f"| {folder.name.removeprefix('acceptance-')} | `{setting}` | {len(common)} "
-                f"| {t:.2f} | {b:.2f} | {t / b:.3f} | {lower} / {higher} ({p:.3f}) "
-                f"| {by(mine, 'chat'):.2f} / {by(theirs, 'chat'):.2f} "
-                f"| {by(mine, 'code'):.2f} / {by(theirs, 'code'):.2f} "
-                f"| {t / cost:.0f} / {b / cost:.0f} |"
-            )
+            name = folder.name.removeprefix("acceptance-")
+            row = _paired_row(name, setting, mine, [theirs[r["prompt"]] for r in mine], cost)
+            lines.append(row)
     return lines
 
 
