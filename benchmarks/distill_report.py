@@ -26,7 +26,7 @@ from pathlib import Path
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multi_draft_acceptance import h200_round_seconds  # noqa: E402
+from multi_draft_acceptance import h200_round_seconds, tokens_a_round  # noqa: E402
 
 from smcspec.eval.stats import mcnemar_pvalue  # noqa: E402
 
@@ -131,23 +131,17 @@ def task_table(task: str, fitted: list[dict], base: list[dict], settings: list[s
     return lines
 
 
-def _tokens_a_round(rows: list[dict]) -> float:
-    """Tokens a round of sd records: 1 + accepted / rounds, pooled (nan for no rounds)."""
-    rounds = sum(r["rounds"] for r in rows)
-    return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
-
-
 def _paired_row(name: str, setting: str, mine: list[dict], theirs: list[dict], cost: float) -> str:
     """One table row: a fitted draft's records against the base draft's on the same prompts."""
-    t, b = _tokens_a_round(mine), _tokens_a_round(theirs)
+    t, b = tokens_a_round(mine), tokens_a_round(theirs)
     base_of = {o["prompt"]: o for o in theirs}
-    diff = [_tokens_a_round([r]) - _tokens_a_round([base_of[r["prompt"]]]) for r in mine]
+    diff = [tokens_a_round([r]) - tokens_a_round([base_of[r["prompt"]]]) for r in mine]
     lower, higher = sum(d < 0 for d in diff), sum(d > 0 for d in diff)
     p = stats.wilcoxon(diff).pvalue if lower + higher else float("nan")
 
     def by(workload: str) -> str:
         def one(rows: list[dict]) -> float:
-            return _tokens_a_round([r for r in rows if r["workload"] == workload])
+            return tokens_a_round([r for r in rows if r["workload"] == workload])
 
         return f"{one(mine):.2f} / {one(theirs):.2f}"
 

@@ -99,7 +99,7 @@ def h200_round_seconds(path: Path = H200_CAMPAIGN) -> dict[tuple[int, int], floa
     return {key: statistics.median(v) for key, v in by.items()}
 
 
-def _per_round(rows: list[dict]) -> float:
+def tokens_a_round(rows: list[dict]) -> float:
     """Tokens a round over ``rows``: one plus the accepted drafts per round."""
     rounds = sum(r["rounds"] for r in rows)
     return 1 + sum(r["accepted"] for r in rows) / rounds if rounds else float("nan")
@@ -126,7 +126,7 @@ def report(args: argparse.Namespace) -> str:
     for name in sorted(by, key=lambda s: (by[s][0]["draft_tokens"], by[s][0]["particles"])):
         rows = [r for r in by[name] if r["prompt"] in prompts]
         n, k = rows[0]["particles"], rows[0]["draft_tokens"]
-        tpr[name] = _per_round(rows)
+        tpr[name] = tokens_a_round(rows)
         chain, chain_pred = tpr.get(_label(1, k)), predicted.get(_label(1, k))
         # chain sd's round priced as the N=2 round: rows are nearly free there (N=2 and N=4
         # rounds cost the same to 2% at K=4), so this is at most what chain sd's round costs
@@ -134,8 +134,8 @@ def report(args: argparse.Namespace) -> str:
             predicted[name] = tpr[name] / h200[(max(n, 2), k)]
         cells = [
             f"{tpr[name]:.2f}",
-            f"{_per_round([r for r in rows if r['workload'] == 'chat']):.2f}",
-            f"{_per_round([r for r in rows if r['workload'] == 'code']):.2f}",
+            f"{tokens_a_round([r for r in rows if r['workload'] == 'chat']):.2f}",
+            f"{tokens_a_round([r for r in rows if r['workload'] == 'code']):.2f}",
             f"{tpr[name] / chain:.2f}" if chain else "-",
             f"{predicted[name]:.0f}" if name in predicted else "-",
             f"{predicted[name] / chain_pred:.2f}" if name in predicted and chain_pred else "-",
